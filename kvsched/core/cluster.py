@@ -1,0 +1,124 @@
+"""The cluster state every policy reads, and the one constructor that builds it.
+
+The simulator and the live Conductor both call `build_cluster`, so they run identical objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from kvsched.core.cost import CostModel
+from kvsched.core.index import PrefixIndex
+from kvsched.core.latency import DEFAULT_LATENCY, load_latency
+from kvsched.core.load import LoadTracker
+from kvsched.core.models import model_config
+from kvsched.core.sessions import SessionTable
+from kvsched.core.topology import Topology, TopologyConfig
+
+
+class Role(Enum):
+    """What an instance serves."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    """Latency objectives a request must meet (seconds)."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Everything needed to build a cluster's state; recorded in every report."""
+
+    n_instances: int
+    latency_profile: str = DEFAULT_LATENCY
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    block_size: int = 16
+    chunk_tokens: int = 8192  # engine token budget per forward pass
+    max_running: int = 256  # engine cap on admitted requests
+    kv_capacity_tokens: int = 0  # 0: the latency profile's measured capacity
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    roles: tuple[Role, ...] = ()  # empty: every instance does both
+    slo: SloConfig = field(default_factory=SloConfig)
+    speculative_ttl_s: float = 5.0
+    hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_instances <= 0:
+            raise ValueError("a cluster needs at least one instance")
+        if self.roles and len(self.roles) != self.n_instances:
+            raise ValueError("roles must name one role per instance")
+        if self.block_size <= 0 or self.chunk_tokens < self.block_size:
+            raise ValueError("block size must be positive and the chunk at least one block")
+
+
+@dataclass
+class ClusterState:
+    """Shared mutable view of the cluster. Policies read it and change it only through the
+    objects' own methods (index, load, sessions)."""
+
+    config: ClusterConfig
+    cost: CostModel
+    roles: tuple[Role, ...]
+    capacity_blocks: int
+    index: PrefixIndex
+    load: LoadTracker
+    sessions: SessionTable
+    alive: np.ndarray  # bool per slot
+    _role_masks: dict[frozenset[Role], np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def n(self) -> int:
+        return self.config.n_instances
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def slots_with(self, *roles: Role) -> np.ndarray:
+        """Boolean mask of live slots whose role is one of `roles` (a fresh array)."""
+        key = frozenset(roles)
+        mask = self._role_masks.get(key)
+        if mask is None:
+            mask = self._role_masks[key] = np.array([r in roles for r in self.roles], dtype=bool)
+        return mask & self.alive
+
+    def remove_instance(self, slot: int) -> None:
+        """An instance died or left: forget its blocks, load and session bindings."""
+        self.alive[slot] = False
+        self.index.clear_instance(slot)
+        self.load.reset(slot, self.capacity_blocks)
+        self.sessions.unbind_host(slot)
+
+    def revive_instance(self, slot: int) -> None:
+        self.alive[slot] = True
+
+
+def build_cluster(config: ClusterConfig) -> ClusterState:
+    """The one constructor of cluster state (simulator and services alike)."""
+    latency = load_latency(config.latency_profile)
+    model = model_config(config.model)
+    topology = Topology.build(config.n_instances, config.topology)
+    cost = CostModel(latency, model, topology, config.block_size, config.chunk_tokens)
+    capacity_tokens = config.kv_capacity_tokens or latency.kv_capacity_tokens
+    capacity_blocks = capacity_tokens // config.block_size
+    roles = config.roles or (Role.BOTH,) * config.n_instances
+    return ClusterState(
+        config=config,
+        cost=cost,
+        roles=roles,
+        capacity_blocks=capacity_blocks,
+        index=PrefixIndex(config.n_instances),
+        load=LoadTracker(config.n_instances, capacity_blocks),
+        sessions=SessionTable(),
+        alive=np.ones(config.n_instances, dtype=bool),
+    )

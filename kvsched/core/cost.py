@@ -1,0 +1,70 @@
+"""The cost model policies share: prefill, decode and transfer times for a cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsched.core.latency import LatencyModel
+from kvsched.core.models import ModelConfig
+from kvsched.core.topology import Topology
+
+FloatVec = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Latency, KV size and network terms of one cluster. Immutable; vectorised where a policy
+    scores all instances at once."""
+
+    latency: LatencyModel
+    model: ModelConfig
+    topology: Topology
+    block_size: int
+    chunk_tokens: int
+    # [src, dst] link setup seconds and seconds per byte (0 on the diagonal).
+    setup_s: FloatVec = field(init=False, repr=False)
+    s_per_byte: FloatVec = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.topology.node_of)
+        setup = np.zeros((n, n))
+        per_byte = np.zeros((n, n))
+        for a in range(n):
+            for b in range(n):
+                if a != b:
+                    link = self.topology.link(a, b)
+                    setup[a, b] = link.setup_s
+                    per_byte[a, b] = 1.0 / link.bandwidth_bytes_per_s
+        object.__setattr__(self, "setup_s", setup)
+        object.__setattr__(self, "s_per_byte", per_byte)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def prefill_s(self, n_new: FloatVec, n_cached: FloatVec) -> FloatVec:
+        """Isolated chunked prefill time per candidate (arrays of equal shape)."""
+        return self.latency.prefill(n_new, n_cached, self.chunk_tokens)
+
+    def prefill_one(self, n_new: int, n_cached: int) -> float:
+        return self.latency.prefill_scalar(n_new, n_cached, self.chunk_tokens)
+
+    def passes(self, n_new: FloatVec) -> FloatVec:
+        """Forward passes a prompt of `n_new` uncached tokens takes under chunking."""
+        return np.maximum(np.ceil(n_new / self.chunk_tokens), 1.0)
+
+    def transfer_s(self, src: int, dst: int, tokens: int) -> float:
+        """Seconds to move `tokens` of KV from `src` to `dst` on idle links."""
+        if src == dst or tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.kv_bytes_per_token
+        return float(self.setup_s[src, dst] + nbytes * self.s_per_byte[src, dst])
+
+    def transfer_from(self, src: int, tokens: FloatVec) -> FloatVec:
+        """Seconds to move `tokens[j]` tokens of KV from `src` to every instance j."""
+        nbytes = tokens * self.kv_bytes_per_token
+        moving = tokens > 0
+        return np.where(moving, self.setup_s[src] + nbytes * self.s_per_byte[src], 0.0)

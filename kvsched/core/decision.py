@@ -1,0 +1,110 @@
+"""Values that cross the policy boundary: requests in, decisions and transfer plans out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+RequestId = int | str
+
+
+class TransferKind(Enum):
+    """Why KV cache moves between instances."""
+
+    FETCH_PREFIX = "fetch_prefix"  # pull a longer prefix to the chosen instance (on the path)
+    MIGRATE_SESSION = "migrate_session"  # move a session's context to a new host
+    REPLICATE_PREFIX = "replicate_prefix"  # copy a hot shared prefix to another instance
+    HANDOFF = "handoff"  # prefill instance → decode instance (disaggregated serving)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a router knows about a request when it asks for a placement."""
+
+    request_id: RequestId
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: tuple[int, ...]  # our chained hashes of the prompt's full blocks
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """An order to move the KV of `block_hashes[skip_blocks:]` from `source` to `target`.
+
+    `block_hashes` is the whole chain from the root so the target can place the blocks; the
+    target already holds the first `skip_blocks`."""
+
+    kind: TransferKind
+    source: int
+    target: int
+    block_hashes: tuple[int, ...]
+    skip_blocks: int
+    tokens: int
+    nbytes: int
+    est_seconds: float
+    on_critical_path: bool
+    session_id: str | None = None
+    request_id: RequestId | None = None
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_hashes) - self.skip_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A placement (or a rejection) with the terms that produced it.
+
+    `terms` maps a term name to one value per instance slot and `candidates` says which slots
+    were eligible, so any decision can be explained after the fact without the hot path
+    building per-candidate objects."""
+
+    request_id: RequestId
+    instance: int  # prefill (or only) instance; -1 when rejected
+    decode_instance: int
+    cached_tokens: int  # prompt tokens expected to hit locally (block-quantised, ≤ prompt − 1)
+    fetched_tokens: int  # prompt tokens expected to arrive by transfer before prefill
+    estimated_ttft_s: float
+    rule: str
+    transfers: tuple[TransferPlan, ...] = ()
+    terms: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    candidates: Sequence[bool] = ()
+    rejected: bool = False
+    retry_after_s: float = 0.0
+
+    def explain(self) -> list[dict[str, Any]]:
+        """All candidates with their named terms, best estimated TTFT first."""
+        if not self.terms:
+            return []
+        n = len(next(iter(self.terms.values())))
+        rows = []
+        for slot in range(n):
+            if len(self.candidates) and not self.candidates[slot]:
+                continue
+            row: dict[str, Any] = {"instance": slot}
+            row.update({name: float(values[slot]) for name, values in self.terms.items()})
+            row["chosen"] = slot == self.instance
+            rows.append(row)
+        key = "ttft_s" if "ttft_s" in self.terms else next(iter(self.terms))
+        return sorted(rows, key=lambda r: (r[key] != r[key], r[key], r["instance"]))  # NaN last
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What the router reports when a request ends."""
+
+    request_id: RequestId
+    session_id: str | None
+    instance: int
+    decode_instance: int
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    block_hashes: tuple[int, ...]
+    arrival: float
+    first_token_at: float
+    finished_at: float
+    ok: bool = True

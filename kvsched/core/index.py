@@ -1,0 +1,292 @@
+"""Global prefix index: which instance holds which block, in which tier.
+
+Each tier maps a block hash to a bitmask of instance slots. Blocks arrive in chain order
+(`store`), leave one by one (`remove`) or all at once (`clear_instance`). Because our hashes are
+chained, an instance's reachable prefix ends at its first missing block: when a block leaves an
+instance, its descendants on that instance leave with it (they can no longer be matched there).
+That keeps every instance's holdings prefix-closed, which is what makes `match` cheap: along a
+request's hash list the set of holders only shrinks, so the boundaries where it shrinks are found
+by galloping binary search in O(k log L) lookups (k = distinct holder sets, L = blocks), never
+O(instances × L).
+
+Speculative entries record a placement the moment it is decided, before the engine's events
+confirm it, so the next request sharing the prefix does not herd elsewhere. They expire unless a
+real `store` confirms them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Tier(IntEnum):
+    """Where a block lives on an instance."""
+
+    GPU = 0
+    CPU = 1
+    DISK = 2
+
+
+@dataclass(slots=True)
+class IndexCounters:
+    """Anomalies counted instead of raised (events can be lost, reordered or duplicated)."""
+
+    unknown_parents: int = 0  # stored block whose parent the instance does not hold
+    duplicate_stores: int = 0  # stored block the instance already held
+    absent_removals: int = 0  # removed block the instance did not hold
+    cascaded_removals: int = 0  # descendants dropped because an ancestor left
+    speculative_added: int = 0
+    speculative_confirmed: int = 0
+    speculative_expired: int = 0
+
+
+def iter_bits(mask: int) -> Iterator[int]:
+    """Slots of the set bits of `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class PrefixIndex:
+    """Block holdings per (instance slot, tier); see the module docstring for the invariants."""
+
+    def __init__(self, n_slots: int) -> None:
+        if n_slots <= 0:
+            raise ValueError("an index needs at least one instance slot")
+        self.n_slots = n_slots
+        self._masks: tuple[dict[int, int], ...] = tuple({} for _ in Tier)
+        self._counts: tuple[list[int], ...] = tuple([0] * n_slots for _ in Tier)
+        self._parent: dict[int, int | None] = {}
+        self._children: dict[int, list[int]] = {}
+        self._spec: list[dict[int, float]] = [{} for _ in range(n_slots)]
+        self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        self.counters = IndexCounters()
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def holders(self, block: int, tier: Tier = Tier.GPU) -> int:
+        """Bitmask of the slots holding `block` in `tier` (speculative GPU entries included)."""
+        return self._masks[tier].get(block, 0)
+
+    def block_count(self, slot: int, tier: Tier = Tier.GPU) -> int:
+        """Blocks `slot` holds in `tier`, speculative ones included."""
+        return self._counts[tier][slot]
+
+    def speculative_count(self, slot: int) -> int:
+        return len(self._spec[slot])
+
+    def __len__(self) -> int:
+        """Distinct blocks held anywhere."""
+        return len(self._parent)
+
+    def match(self, hashes: Sequence[int], tier: Tier = Tier.GPU) -> dict[int, int]:
+        """Matched leading blocks per slot (slots with no match are absent). Changes nothing."""
+        get = self._masks[tier].get
+        n = len(hashes)
+        result: dict[int, int] = {}
+        if n == 0:
+            return result
+        alive = get(hashes[0], 0)
+        pos = 0  # every slot in `alive` holds blocks [0, pos]
+        while alive:
+            # Gallop then bisect for the last position still held by all of `alive`.
+            lo, step = pos, 1
+            hi = n
+            while lo + step < hi:
+                if get(hashes[lo + step], 0) & alive == alive:
+                    lo += step
+                    step <<= 1
+                else:
+                    hi = lo + step
+                    break
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if get(hashes[mid], 0) & alive == alive:
+                    lo = mid
+                else:
+                    hi = mid
+            nxt = get(hashes[lo + 1], 0) & alive if lo + 1 < n else 0
+            for slot in iter_bits(alive & ~nxt):
+                result[slot] = lo + 1
+            alive, pos = nxt, lo + 1
+        return result
+
+    # ---- writes ------------------------------------------------------------------------
+
+    def store(
+        self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
+    ) -> None:
+        """Record that `slot` now holds the chain `hashes` (parent of the first is `parent`,
+        None for a chain starting at the root) in `tier`. Confirms speculative entries."""
+        bit = 1 << slot
+        masks, counts = self._masks[tier], self._counts[tier]
+        spec = self._spec[slot] if tier is Tier.GPU else None
+        if parent is not None and not masks.get(parent, 0) & bit:
+            self.counters.unknown_parents += 1
+        parents, children = self._parent, self._children
+        for h in hashes:
+            if h not in parents:
+                parents[h] = parent
+                if parent is not None:
+                    children.setdefault(parent, []).append(h)
+            mask = masks.get(h, 0)
+            if mask & bit:
+                if spec is not None and spec.pop(h, None) is not None:
+                    self.counters.speculative_confirmed += 1
+                else:
+                    self.counters.duplicate_stores += 1
+            else:
+                masks[h] = mask | bit
+                counts[slot] += 1
+            parent = h
+
+    def remove(self, slot: int, hashes: Sequence[int], tier: Tier = Tier.GPU) -> None:
+        """Record that `slot` no longer holds `hashes` in `tier`; their descendants on `slot`
+        in that tier leave too."""
+        bit = 1 << slot
+        masks, counts = self._masks[tier], self._counts[tier]
+        spec = self._spec[slot] if tier is Tier.GPU else None
+        children = self._children
+        for h in hashes:
+            mask = masks.get(h, 0)
+            if not mask & bit:
+                self.counters.absent_removals += 1
+            elif h in children:
+                self._drop_subtree(slot, h, tier)
+            else:  # a leaf, the common case (engines evict leaves first): drop it inline
+                counts[slot] -= 1
+                if spec is not None and spec:
+                    spec.pop(h, None)
+                mask &= ~bit
+                if mask:
+                    masks[h] = mask
+                else:
+                    del masks[h]
+                    self._unlink_if_unheld(h)
+
+    def clear_instance(self, slot: int) -> None:
+        """Forget everything `slot` holds, in every tier (AllBlocksCleared, instance removal)."""
+        bit = 1 << slot
+        for tier in Tier:
+            masks = self._masks[tier]
+            mine = [h for h, mask in masks.items() if mask & bit]  # rare: a full scan is fine
+            for h in mine:
+                mask = masks[h] & ~bit
+                if mask:
+                    masks[h] = mask
+                else:
+                    del masks[h]
+                    self._unlink_if_unheld(h)
+            self._counts[tier][slot] = 0
+        self._spec[slot].clear()
+
+    def speculate(self, slot: int, hashes: Sequence[int], expires_at: float) -> None:
+        """Add short-lived GPU entries for a placement just decided; `hashes` start at the root.
+        Blocks the slot already holds for real are left alone."""
+        bit = 1 << slot
+        masks, counts, spec = self._masks[Tier.GPU], self._counts[Tier.GPU], self._spec[slot]
+        added: list[int] = []
+        parent: int | None = None
+        parents, children = self._parent, self._children
+        for h in hashes:
+            mask = masks.get(h, 0)
+            if not mask & bit:
+                if h not in parents:
+                    parents[h] = parent
+                    if parent is not None:
+                        children.setdefault(parent, []).append(h)
+                masks[h] = mask | bit
+                counts[slot] += 1
+                spec[h] = expires_at
+                added.append(h)
+            elif h in spec:
+                spec[h] = expires_at
+                added.append(h)
+            parent = h
+        if added:
+            self.counters.speculative_added += len(added)
+            self._spec_queue.append((expires_at, slot, tuple(added)))
+
+    def expire(self, now: float) -> None:
+        """Drop speculative entries whose time is up and that no event confirmed."""
+        queue = self._spec_queue
+        while queue and queue[0][0] <= now:
+            expires_at, slot, hashes = queue.popleft()
+            spec = self._spec[slot]
+            for h in hashes:
+                if spec.get(h) == expires_at and self.holders(h) & (1 << slot):
+                    self.counters.speculative_expired += 1
+                    self._drop_subtree(slot, h, Tier.GPU)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _drop_subtree(self, slot: int, root: int, tier: Tier) -> None:
+        bit = 1 << slot
+        masks, counts = self._masks[tier], self._counts[tier]
+        spec = self._spec[slot] if tier is Tier.GPU else None
+        children = self._children
+        stack = [root]
+        while stack:
+            h = stack.pop()
+            mask = masks.get(h, 0)
+            if not mask & bit:
+                continue
+            if h != root:
+                self.counters.cascaded_removals += 1
+            counts[slot] -= 1
+            if spec is not None:
+                spec.pop(h, None)
+            kids = children.get(h)
+            if kids:
+                stack.extend(kids)
+            mask &= ~bit
+            if mask:
+                masks[h] = mask
+            else:
+                del masks[h]
+                self._unlink_if_unheld(h)
+
+    def _unlink_if_unheld(self, h: int) -> None:
+        gpu, cpu, disk = self._masks
+        if h in gpu or h in cpu or h in disk:
+            return
+        parent = self._parent.pop(h, None)
+        if parent is not None:
+            siblings = self._children.get(parent)
+            if siblings is not None:
+                if len(siblings) == 1:
+                    del self._children[parent]
+                else:
+                    siblings.remove(h)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the internal views disagree or a slot's holdings are not
+        prefix-closed."""
+        for tier in Tier:
+            masks = self._masks[tier]
+            counts = [0] * self.n_slots
+            for h, mask in masks.items():
+                assert mask, "zero mask stored"
+                assert h in self._parent, "held block missing from the parent map"
+                parent = self._parent[h]
+                for slot in iter_bits(mask):
+                    counts[slot] += 1
+                    # Only a lost event (counted as an unknown parent) may leave a gap.
+                    assert (
+                        parent is None
+                        or masks.get(parent, 0) & (1 << slot)
+                        or (self.counters.unknown_parents)
+                    ), f"slot {slot} holds {h:#x} but not its parent (tier {tier.name})"
+            assert counts == self._counts[tier], f"block counts out of step (tier {tier.name})"
+        for slot, spec in enumerate(self._spec):
+            for h in spec:
+                assert self._masks[Tier.GPU].get(h, 0) & (1 << slot), "speculative entry not held"
+        live = {h for masks in self._masks for h in masks}
+        assert live == set(self._parent), "parent map out of step with holdings"
+        for parent, kids in self._children.items():
+            for kid in kids:
+                assert self._parent.get(kid) == parent, "children map out of step"

@@ -1,0 +1,242 @@
+"""Prefill/decode disaggregation: a static split (`static_pd`) and Mooncake's Conductor."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from random import Random
+
+import numpy as np
+
+from kvsched.core.cluster import Role
+from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.policies.base import FloatVec, ParamValue, Policy, View, argmin_eligible
+
+
+def split_roles(n: int, prefill_share: float) -> tuple[Role, ...]:
+    """The first ⌈n × share⌉ slots prefill (at least one of each when n ≥ 2), the rest decode."""
+    if n == 1:
+        return (Role.BOTH,)
+    n_prefill = min(max(math.ceil(n * prefill_share), 1), n - 1)
+    return (Role.PREFILL,) * n_prefill + (Role.DECODE,) * (n - n_prefill)
+
+
+class _Disaggregated(Policy):
+    defaults: Mapping[str, ParamValue] = {"prefill_share": 0.5}
+
+    @classmethod
+    def roles(cls, n: int, params: Mapping[str, ParamValue] | None = None) -> tuple[Role, ...]:
+        share = float((params or {}).get("prefill_share", cls.defaults["prefill_share"]))
+        return split_roles(n, share)
+
+    def decode_terms(self, view: View, pool: np.ndarray) -> tuple[int, FloatVec]:
+        """Pick the decode instance with the lowest estimated inter-token time that has room
+        for the request's KV (the lowest TBT overall when none has room). Returns it with the
+        TBT vector."""
+        cluster = self.cluster
+        load = cluster.load
+        lat = cluster.cost.latency
+        need = view.req.prompt_tokens + view.req.output_tokens
+        tbt = (
+            lat.step_s
+            + lat.decode_seq_s * (load.running + 1)
+            + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
+        )
+        room = pool & (load.free_blocks * cluster.block_size >= need)
+        slot = argmin_eligible(tbt, room if room.any() else pool, load.decode_tokens, load.running)
+        return slot, np.where(pool, tbt, np.nan)
+
+    def handoff(self, view: View, prefill: int, decode: int) -> TransferPlan:
+        """Ship the whole prompt's KV from the prefill to the decode instance after prefill."""
+        cluster = self.cluster
+        tokens = view.req.prompt_tokens
+        return TransferPlan(
+            kind=TransferKind.HANDOFF,
+            source=prefill,
+            target=decode,
+            block_hashes=view.req.block_hashes,
+            skip_blocks=0,
+            tokens=tokens,
+            nbytes=tokens * cluster.cost.kv_bytes_per_token,
+            est_seconds=cluster.cost.transfer_s(prefill, decode, tokens),
+            on_critical_path=False,
+            session_id=view.req.session_id,
+            request_id=view.req.request_id,
+        )
+
+
+class StaticPD(_Disaggregated):
+    """Rules: a fixed prefill pool (the first ⌈n × prefill_share⌉ instances) and decode pool.
+    Prefill goes to the prefill instance with the fewest pending prefill tokens; decode to the
+    decode instance with the lowest estimated TBT that has room for the KV, which is handed
+    from prefill to decode after the first token."""
+
+    name = "static_pd"
+
+    def decide(self, view: View, now: float, rng: Random) -> Decision:
+        slot = self.least_pending(view.eligible)
+        decode, tbt = self.decode_terms(view, self.cluster.slots_with(Role.DECODE))
+        terms = self.ttft_terms(view, view.hit_tokens)
+        terms["tbt_s"] = tbt
+        return self.decision(
+            view,
+            slot,
+            "fewest pending prefill tokens; decode by TBT",
+            terms,
+            decode_slot=decode,
+            transfers=(self.handoff(view, slot, decode),),
+        )
+
+
+class Mooncake(_Disaggregated):
+    """Mooncake's KV-cache-centric scheduling (Algorithm 1 of the paper, seeds 002/004/000).
+
+    - For every prefill instance p: if the best prefix held anywhere (`best`) exceeds p's own
+      prefix × `balancing_threshold`, estimate TTFT = queue + transfer of the missing prefix
+      from the best holder + prefill of the rest; otherwise queue + prefill on p's own prefix.
+      Pick the minimum. When the chosen instance fetches, the fetch is a transfer on the
+      critical path (which also replicates the prefix there).
+    - Decode instance: the lowest estimated TBT with room for the KV (colocated: the same).
+    - Early rejection: when the TTFT or TBT estimate misses its SLO, reject (429) with a
+      retry delay. A request whose own isolated prefill already exceeds the TTFT SLO is not
+      rejected for it: it could never meet it.
+    - Hot-block replication (seed 000): every prefix that a request reuses keeps a frequency
+      score hits / sqrt(age). When a prefix was reused at least `min_hits` times, its score
+      exceeds `hot_score`, and the predicted benefit,
+      score × `horizon_s` future requests × the transfer time each would otherwise need,
+      exceeds 1.5 × the replication cost, the prefix is copied to the least-loaded prefill
+      instance that lacks it (off the critical path).
+    """
+
+    name = "mooncake"
+    defaults = {
+        "prefill_share": 0.5,
+        "colocated": False,
+        "balancing_threshold": 1.5,
+        "hot_score": 1.0,
+        "min_hits": 3,
+        "horizon_s": 60.0,
+        "benefit_factor": 1.5,
+    }
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._hits: dict[int, tuple[int, float]] = {}  # prefix key -> (hits, first seen)
+
+    @classmethod
+    def roles(cls, n: int, params: Mapping[str, ParamValue] | None = None) -> tuple[Role, ...]:
+        if bool((params or {}).get("colocated", False)):
+            return (Role.BOTH,) * n
+        return super().roles(n, params)
+
+    def decide(self, view: View, now: float, rng: Random) -> Decision:
+        cluster = self.cluster
+        best = view.best_slot
+        best_tokens = float(view.hit_tokens[best]) if best >= 0 else 0.0
+        fetch = view.eligible & (best_tokens > view.hit_tokens * self.param("balancing_threshold"))
+        if best >= 0:
+            fetch[best] = False
+        cached = np.where(fetch, best_tokens, view.hit_tokens)
+        transfer = (
+            np.where(fetch, cluster.cost.transfer_from(best, best_tokens - view.hit_tokens), 0.0)
+            if best >= 0
+            else np.zeros(cluster.n)
+        )
+        terms = self.ttft_terms(view, cached, transfer)
+        slot = argmin_eligible(terms["ttft_s"], view.eligible, cluster.load.in_flight)
+        if self.param("colocated"):
+            decode = slot
+            lat = cluster.cost.latency
+            load = cluster.load
+            tbt = (
+                lat.step_s
+                + lat.decode_seq_s * (load.running + 1)
+                + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
+            )
+            tbt = np.where(view.eligible, tbt, np.nan)
+        else:
+            decode, tbt = self.decode_terms(view, cluster.slots_with(Role.DECODE))
+        terms["tbt_s"] = tbt
+        slo = cluster.config.slo
+        ttft = float(terms["ttft_s"][slot])
+        floor = self.isolated_floor(view, terms)
+        if (ttft > slo.ttft_s and floor <= slo.ttft_s) or float(tbt[decode]) > slo.tpot_s:
+            retry = max(ttft - slo.ttft_s, 1.0)
+            return self.reject(view, "estimated TTFT or TBT misses its SLO: reject", retry, terms)
+        transfers: list[TransferPlan] = []
+        fetched = 0
+        if fetch[slot]:
+            fetched = int(best_tokens - view.hit_tokens[slot])
+            transfers.append(self.fetch_plan(view, best, slot))
+        if not self.param("colocated") and decode != slot:
+            transfers.append(self.handoff(view, slot, decode))
+        transfers.extend(self.replicate_hot(view, slot, best, now))
+        rule = "min estimated TTFT" + (" (fetching best prefix)" if fetched else "")
+        return self.decision(
+            view,
+            slot,
+            rule,
+            terms,
+            decode_slot=decode,
+            cached_tokens=view.hit_tokens[slot],
+            fetched_tokens=fetched,
+            transfers=tuple(transfers),
+        )
+
+    def fetch_plan(self, view: View, source: int, target: int) -> TransferPlan:
+        bs = self.cluster.block_size
+        have = int(view.hit_blocks[target])
+        upto = int(min(view.hit_blocks[source], view.max_blocks))
+        tokens = (upto - have) * bs
+        return TransferPlan(
+            kind=TransferKind.FETCH_PREFIX,
+            source=source,
+            target=target,
+            block_hashes=view.req.block_hashes[:upto],
+            skip_blocks=have,
+            tokens=tokens,
+            nbytes=tokens * self.cluster.cost.kv_bytes_per_token,
+            est_seconds=self.cluster.cost.transfer_s(source, target, tokens),
+            on_critical_path=True,
+            session_id=view.req.session_id,
+            request_id=view.req.request_id,
+        )
+
+    def replicate_hot(self, view: View, chosen: int, best: int, now: float) -> list[TransferPlan]:
+        """Seed 000's frequency-scored replication of the prefix this request reuses."""
+        if best < 0:
+            return []
+        blocks = int(min(view.hit_blocks[best], view.max_blocks))
+        key = view.req.block_hashes[blocks - 1]
+        hits, first = self._hits.get(key, (0, now))
+        hits += 1
+        self._hits[key] = (hits, first)
+        score = hits / math.sqrt(max(now - first, 1.0))
+        if hits < self.param("min_hits") or score < self.param("hot_score"):
+            return []
+        cluster = self.cluster
+        lacking = view.eligible & (view.hit_blocks < blocks)
+        lacking[chosen] = False
+        if not lacking.any():
+            return []
+        target = self.least_pending(lacking)
+        have = int(view.hit_blocks[target])
+        tokens = (blocks - have) * cluster.block_size
+        cost = cluster.cost.transfer_s(best, target, tokens)
+        benefit = score * self.param("horizon_s") * cost
+        if benefit <= self.param("benefit_factor") * cost:
+            return []
+        self._hits[key] = (0, now)  # replicated: start counting afresh
+        return [
+            TransferPlan(
+                kind=TransferKind.REPLICATE_PREFIX,
+                source=best,
+                target=target,
+                block_hashes=view.req.block_hashes[:blocks],
+                skip_blocks=have,
+                tokens=tokens,
+                nbytes=tokens * cluster.cost.kv_bytes_per_token,
+                est_seconds=cost,
+                on_critical_path=False,
+            )
+        ]

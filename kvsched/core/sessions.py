@@ -1,0 +1,115 @@
+"""Session bindings: which instance hosts a session's KV, and its migration history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NO_HOST = -1
+
+
+@dataclass(slots=True)
+class Session:
+    """Mutable per-session record (hot: one lookup per request)."""
+
+    session_id: str
+    host: int = NO_HOST
+    turns: int = 0
+    last_arrival_at: float = float("-inf")
+    last_finish_at: float = float("-inf")
+    last_migration_at: float = float("-inf")
+    migrations: int = 0
+    context_hashes: tuple[int, ...] = ()  # the last prompt's block hashes
+    context_tokens: int = 0  # the last prompt plus its output
+    prompt_tokens: int = 0  # the last prompt
+    growth_tokens: float = -1.0  # smoothed new prompt tokens per turn; -1 unknown
+    idle_gap_s: float = -1.0  # smoothed gap between a finish and the next arrival; -1 unknown
+    pending_target: int = NO_HOST  # a migration in flight to this slot
+    pending_ready_at: float = float("inf")
+
+    def in_cooldown(self, now: float, cooldown_s: float) -> bool:
+        return now - self.last_migration_at < cooldown_s
+
+
+class SessionTable:
+    """All sessions by id. Changes only through the methods below."""
+
+    def __init__(self, gap_smoothing: float = 0.5) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._alpha = gap_smoothing
+        self.bound: dict[int, int] = {}  # host -> sessions bound to it
+
+    def bound_on(self, host: int) -> int:
+        return self.bound.get(host, 0)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def arrive(self, session_id: str, now: float) -> Session:
+        """The session's next turn arrived: create the record if new, learn the idle gap."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = Session(session_id)
+        elif s.last_finish_at > float("-inf"):
+            gap = max(0.0, now - s.last_finish_at)
+            s.idle_gap_s = (
+                gap if s.idle_gap_s < 0 else (self._alpha * gap + (1 - self._alpha) * s.idle_gap_s)
+            )
+        s.turns += 1
+        s.last_arrival_at = now
+        return s
+
+    def finish(
+        self, session_id: str, hashes: tuple[int, ...], prompt: int, output: int, now: float
+    ) -> None:
+        """A turn ended: remember its context and how much the prompt grew."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return
+        if s.prompt_tokens:
+            growth = max(prompt - s.prompt_tokens, 0)
+            s.growth_tokens = (
+                growth
+                if s.growth_tokens < 0
+                else (self._alpha * growth + (1 - self._alpha) * s.growth_tokens)
+            )
+        s.last_finish_at = now
+        s.context_hashes = hashes
+        s.prompt_tokens = prompt
+        s.context_tokens = prompt + output
+
+    def bind(self, session_id: str, host: int, now: float, migrated: bool) -> None:
+        """Point the session at `host`; a migration starts its cooldown."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = Session(session_id)
+        if migrated and s.host != host:
+            s.last_migration_at = now
+            s.migrations += 1
+        if s.host != host:
+            if s.host != NO_HOST:
+                self.bound[s.host] -= 1
+            self.bound[host] = self.bound.get(host, 0) + 1
+        s.host = host
+        s.pending_target = NO_HOST
+        s.pending_ready_at = float("inf")
+
+    def unbind_host(self, host: int) -> int:
+        """Drop every binding to `host` (the instance died); returns how many moved."""
+        n = 0
+        self.bound.pop(host, None)
+        for s in self._sessions.values():
+            if s.host == host:
+                s.host = NO_HOST
+                n += 1
+            if s.pending_target == host:
+                s.pending_target = NO_HOST
+                s.pending_ready_at = float("inf")
+        return n
+
+    def forget(self, session_id: str) -> None:
+        s = self._sessions.pop(session_id, None)
+        if s is not None and s.host != NO_HOST:
+            self.bound[s.host] -= 1

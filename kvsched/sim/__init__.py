@@ -1,0 +1,1 @@
+"""Trace-replay simulator: engine model, trace readers, virtual-clock replay, metrics, reports."""

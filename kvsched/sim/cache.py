@@ -1,0 +1,251 @@
+"""Paged prefix cache of one simulated engine (Mini-SGLang's radix cache, one page a block).
+
+Every page is in exactly one state:
+
+    free       not allocated
+    evictable  holds a cached block no request needs (may be evicted, LRU, leaves first)
+    locked     holds a cached block some request needs, or is private to a request
+               (reserved for its uncomputed prompt tail and its output)
+
+so `free + evictable + locked == total` always (`check_integrity`). A block's node counts the
+requests whose held prefix passes through it (`lock`); a node is evictable when that count is 0
+and no cached child hangs below it, which keeps the cache prefix-closed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One cached block."""
+
+    hash: int
+    parent: Node | None
+    children: int = 0
+    lock: int = 0
+    last_access: float = 0.0
+
+
+@dataclass(slots=True)
+class CacheEvents:
+    """Blocks stored and removed since the last drain, in order (vLLM KV-event semantics)."""
+
+    stored: list[tuple[tuple[int, ...], int | None]] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
+class PrefixCache:
+    """Pages, cached blocks and locks of one engine. Pure bookkeeping, no clock of its own."""
+
+    def __init__(self, total_pages: int) -> None:
+        if total_pages <= 0:
+            raise ValueError("a cache needs at least one page")
+        self.total = total_pages
+        self.free = total_pages
+        self.private = 0  # pages reserved by requests, not (yet) holding a cached block
+        self.locked_nodes = 0  # cached blocks with lock > 0
+        self.nodes: dict[int, Node] = {}
+        self._lru: list[tuple[float, int, Node]] = []
+        self._seq = 0
+        self.events = CacheEvents()
+        self.evicted_total = 0
+
+    # ---- sizes -------------------------------------------------------------------------
+
+    @property
+    def evictable(self) -> int:
+        return len(self.nodes) - self.locked_nodes
+
+    @property
+    def locked(self) -> int:
+        return self.locked_nodes + self.private
+
+    @property
+    def available(self) -> int:
+        """Pages a reservation could get: free now or after evicting."""
+        return self.free + self.evictable
+
+    # ---- lookups -----------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int], limit: int) -> int:
+        """Leading blocks of `hashes[:limit]` that are cached (the cache is prefix-closed, so a
+        binary search suffices). Changes nothing."""
+        nodes = self.nodes
+        lo, hi = 0, min(limit, len(hashes))
+        if hi == 0 or hashes[0] not in nodes:
+            return 0
+        if hashes[hi - 1] in nodes:
+            return hi
+        lo = 1  # hashes[lo-1] cached, hashes[hi-1] not
+        while lo < hi - 1:
+            mid = (lo + hi) >> 1
+            if hashes[mid - 1] in nodes:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    # ---- locks -------------------------------------------------------------------------
+
+    def lock_prefix(self, hashes: Sequence[int], n: int, now: float) -> None:
+        """A request starts holding the first `n` cached blocks of `hashes`."""
+        if n <= 0:
+            return
+        node: Node | None = self.nodes[hashes[n - 1]]
+        while node is not None:
+            if node.lock == 0:
+                self.locked_nodes += 1
+            node.lock += 1
+            node.last_access = now
+            node = node.parent
+
+    def unlock_prefix(self, hashes: Sequence[int], n: int, now: float) -> None:
+        """A request stops holding the first `n` blocks of `hashes` (all cached)."""
+        if n <= 0:
+            return
+        node: Node | None = self.nodes[hashes[n - 1]]
+        while node is not None:
+            node.lock -= 1
+            node.last_access = now
+            if node.lock == 0:
+                self.locked_nodes -= 1
+                if node.children == 0:
+                    self._push_lru(node)
+            node = node.parent
+
+    # ---- pages -------------------------------------------------------------------------
+
+    def reserve(self, pages: int) -> bool:
+        """Take `pages` private pages, evicting LRU blocks if needed. False (and no change at
+        all) when even eviction cannot make room."""
+        if pages > self.free + self.evictable:
+            return False
+        if pages > self.free:
+            self._evict(pages - self.free)
+        self.free -= pages
+        self.private += pages
+        return True
+
+    def release(self, pages: int) -> None:
+        """Return `pages` private pages to the free pool."""
+        assert 0 <= pages <= self.private, "releasing pages that were never reserved"
+        self.private -= pages
+        self.free += pages
+
+    def commit(self, hashes: Sequence[int], start: int, end: int, held: int, now: float) -> int:
+        """A request has computed blocks `hashes[start:end]` into its private pages.
+
+        The request already holds the first `held` (== start) blocks. Each new block becomes a
+        cached node it holds; a block someone else cached meanwhile is shared instead and the
+        duplicate page goes back to the free pool. Returns how many private pages were used."""
+        assert held == start, "blocks must be committed in order"
+        nodes = self.nodes
+        parent = nodes[hashes[start - 1]] if start > 0 else None
+        used = 0
+        new: list[int] = []
+        for i in range(start, end):
+            h = hashes[i]
+            node = nodes.get(h)
+            self.private -= 1
+            if node is None:
+                node = Node(h, parent, lock=1, last_access=now)
+                nodes[h] = node
+                if parent is not None:
+                    parent.children += 1
+                self.locked_nodes += 1
+                new.append(h)
+                used += 1
+            else:
+                self.free += 1
+                if node.lock == 0:
+                    self.locked_nodes += 1
+                node.lock += 1
+                node.last_access = now
+            parent = node
+        if new:
+            self._record_stored(hashes, start, end, new)
+        return used
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _record_stored(
+        self,
+        hashes: Sequence[int],
+        start: int,
+        end: int,
+        new: list[int],
+    ) -> None:
+        if len(new) == end - start:
+            self.events.stored.append((tuple(new), hashes[start - 1] if start > 0 else None))
+            return
+        # Some blocks already existed: emit each run of new blocks with its own parent.
+        new_set = set(new)
+        run: list[int] = []
+        run_parent: int | None = None
+        for i in range(start, end):
+            h = hashes[i]
+            if h in new_set:
+                if not run:
+                    run_parent = hashes[i - 1] if i > 0 else None
+                run.append(h)
+            elif run:
+                self.events.stored.append((tuple(run), run_parent))
+                run = []
+        if run:
+            self.events.stored.append((tuple(run), run_parent))
+
+    def _push_lru(self, node: Node) -> None:
+        self._seq += 1
+        heapq.heappush(self._lru, (node.last_access, self._seq, node))
+
+    def _evict(self, pages: int) -> None:
+        nodes, lru, removed = self.nodes, self._lru, self.events.removed
+        while pages > 0:
+            stamp, _, node = heapq.heappop(lru)
+            if (
+                node.lock
+                or node.children
+                or node.last_access != stamp
+                or nodes.get(node.hash) is not node
+            ):
+                continue  # stale entry: the node was touched, locked or already evicted
+            del nodes[node.hash]
+            removed.append(node.hash)
+            self.free += 1
+            self.evicted_total += 1
+            pages -= 1
+            parent = node.parent
+            if parent is not None:
+                parent.children -= 1
+                if parent.children == 0 and parent.lock == 0:
+                    self._push_lru(parent)
+
+    def drain_events(self) -> CacheEvents:
+        events, self.events = self.events, CacheEvents()
+        return events
+
+    def check_integrity(self) -> None:
+        """Assert the page states add up and the cache is prefix-closed."""
+        assert self.free >= 0 and self.private >= 0
+        assert self.free + self.evictable + self.locked == self.total, (
+            f"free {self.free} + evictable {self.evictable} + locked {self.locked} "
+            f"!= total {self.total}"
+        )
+        children: dict[int, int] = {}
+        locked = 0
+        for h, node in self.nodes.items():
+            assert node.hash == h
+            if node.parent is not None:
+                assert self.nodes.get(node.parent.hash) is node.parent, "orphan block"
+                children[node.parent.hash] = children.get(node.parent.hash, 0) + 1
+            assert node.lock >= 0
+            locked += node.lock > 0
+        for h, node in self.nodes.items():
+            assert node.children == children.get(h, 0), "child count out of step"
+            if node.lock:
+                assert node.parent is None or node.parent.lock >= node.lock, "lock not on path"
+        assert locked == self.locked_nodes

@@ -1,0 +1,145 @@
+"""Meters the replay feeds while it runs: load balance over time and inter-token gaps."""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+import numpy as np
+
+
+class HotspotMeter:
+    """Integrates, exactly between load changes, statistics of L_i(t) = pending prefill tokens
+    of instance i: the hotspot index (time-weighted max/mean over instants with pending work),
+    its coefficient of variation, the share of time some instance is hot (above 1.5 × the
+    median and above one chunk), and each instance's time-averaged load."""
+
+    def __init__(self, n: int, chunk_tokens: int) -> None:
+        self.n = n
+        self.chunk = chunk_tokens
+        self.loads = [0.0] * n
+        self.last_t = 0.0
+        self.started = False
+        self.busy_s = 0.0  # time with pending work somewhere
+        self.ratio_area = 0.0
+        self.cv_area = 0.0
+        self.hot_s = 0.0
+        self.area = [0.0] * n
+        self.elapsed_s = 0.0
+        # Change log for the heatmap: time, slot, new value.
+        self.log_t = array("d")
+        self.log_slot = array("i")
+        self.log_value = array("d")
+
+    def set(self, now: float, slot: int, value: float) -> None:
+        """Instance `slot` has `value` pending prefill tokens from `now` on."""
+        if now > self.last_t:
+            self._integrate(now)
+        elif not self.started:
+            self.last_t = now
+        self.started = True
+        if self.loads[slot] != value:
+            self.loads[slot] = value
+            self.log_t.append(now)
+            self.log_slot.append(slot)
+            self.log_value.append(value)
+
+    def finish(self, now: float) -> None:
+        if now > self.last_t:
+            self._integrate(now)
+
+    def _integrate(self, now: float) -> None:
+        dt = now - self.last_t
+        loads = self.loads
+        self.last_t = now
+        if not self.started:
+            return
+        self.elapsed_s += dt
+        total = sum(loads)
+        if total > 0:
+            mean = total / self.n
+            self.busy_s += dt
+            self.ratio_area += dt * max(loads) / mean
+            var = sum((x - mean) ** 2 for x in loads) / self.n
+            self.cv_area += dt * math.sqrt(var) / mean
+            ordered = sorted(loads)
+            mid = self.n // 2
+            median = ordered[mid] if self.n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+            if ordered[-1] > 1.5 * median and ordered[-1] > self.chunk:
+                self.hot_s += dt
+            area = self.area
+            for i, x in enumerate(loads):
+                area[i] += x * dt
+
+    def summary(self) -> dict[str, float]:
+        busy = self.busy_s or math.nan
+        mean_area = sum(self.area) / self.n
+        return {
+            "hotspot_index": self.ratio_area / busy,
+            "hotspot_cv": self.cv_area / busy,
+            "hot_time_share": self.hot_s / busy,
+            "persistent_skew": max(self.area) / mean_area if mean_area > 0 else math.nan,
+            "pending_time_share": self.busy_s / self.elapsed_s if self.elapsed_s else math.nan,
+        }
+
+    def heatmap(self, start: float, end: float, bins: int) -> np.ndarray:
+        """Time-averaged pending prefill tokens per instance (rows) per time bin (columns)."""
+        out = np.zeros((self.n, bins))
+        if end <= start or not len(self.log_t):
+            return out
+        width = (end - start) / bins
+        current = [0.0] * self.n
+        since = [start] * self.n
+        for t, slot, value in zip(self.log_t, self.log_slot, self.log_value, strict=True):
+            _spread(out[slot], since[slot], min(t, end), current[slot], start=start, width=width)
+            current[slot], since[slot] = value, max(t, start)
+        for slot in range(self.n):
+            _spread(out[slot], since[slot], end, current[slot], start=start, width=width)
+        return out / width
+
+
+def _spread(
+    row: np.ndarray, t0: float, t1: float, value: float, *, start: float, width: float
+) -> None:
+    if value == 0 or t1 <= t0:
+        return
+    bins = len(row)
+    b = int((t0 - start) // width)
+    while t0 < t1 and b < bins:
+        edge = start + (b + 1) * width
+        seg_end = min(edge, t1)
+        row[max(b, 0)] += value * (seg_end - t0)
+        t0, b = seg_end, b + 1
+
+
+class GapHistogram:
+    """Log-binned histogram of individual inter-token gaps (seconds), for stutter percentiles."""
+
+    LO, RATIO, BINS = 1e-4, 1.02, 1000
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BINS)
+        self._log_ratio = math.log(self.RATIO)
+
+    def add(self, first: float, last: float, count: float) -> None:
+        """`count` gaps spread evenly between `first` and `last`."""
+        if count <= 0:
+            return
+        spread = abs(last - first)
+        pieces = 1 if spread <= 0.02 * first else min(4, max(1, int(count)))
+        share = count / pieces
+        step = (last - first) / pieces
+        for k in range(pieces):
+            self.counts[self._bin(first + step * (k + 0.5))] += share
+
+    def _bin(self, value: float) -> int:
+        if value <= self.LO:
+            return 0
+        return min(int(math.log(value / self.LO) / self._log_ratio), self.BINS - 1)
+
+    def percentile(self, q: float) -> float:
+        total = self.counts.sum()
+        if total == 0:
+            return math.nan
+        idx = int(np.searchsorted(np.cumsum(self.counts), q / 100.0 * total))
+        return self.LO * self.RATIO ** (min(idx, self.BINS - 1) + 0.5)

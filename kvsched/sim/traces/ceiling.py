@@ -1,0 +1,90 @@
+"""Ideal automatic-prefix-cache (APC) ceilings of a trace: one unbounded cache, trace order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from kvsched.sim.traces.model import Trace
+
+Scope = Literal["global", "session"]
+
+
+def matched_blocks(ids: Sequence[int], seen: set[int] | frozenset[int]) -> int:
+    """Leading ids of `ids` that are in `seen` (the count before the first unseen id).
+
+    Exact for any ids; fast for prefix ids: a binary search finds the candidate boundary (where
+    seen-ness is monotone, as with prefix ids), a C-level superset check confirms it, and only
+    when that fails does a linear scan run. O(len(ids))."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ids[mid] in seen:
+            lo = mid + 1
+        else:
+            hi = mid
+    # ids[lo] (if any) was found unseen by the search, so lo is exact once ids[:lo] are all seen
+    if seen.issuperset(ids[:lo]):
+        return lo
+    m = 0
+    for x in ids:
+        if x not in seen:
+            break
+        m += 1
+    return m
+
+
+def ideal_hits(trace: Trace, *, scope: Scope = "global") -> list[int]:
+    """Per call, the prompt tokens one unbounded cache fed in trace order would serve:
+    H = min(matched leading blocks × block_tokens, P − 1).
+
+    scope "global": a block is matched when any earlier call had that id; scope "session": only
+    earlier calls of the same session count (calls with session "" never hit). Blocks are
+    counted as listed in `block_ids`. O(total block ids); changes nothing.
+
+    Raises ValueError for an unknown scope."""
+    if scope not in ("global", "session"):
+        raise ValueError(f"scope must be 'global' or 'session', got {scope!r}")
+    bt = trace.block_tokens
+    seen_all: set[int] = set()
+    by_session: dict[str, set[int]] = {}
+    out: list[int] = []
+    for call in trace.calls:
+        ids = call.block_ids
+        if scope == "global":
+            seen = seen_all
+        elif call.session:
+            seen = by_session.setdefault(call.session, set())
+        else:
+            seen = set()
+        m = matched_blocks(ids, seen)
+        out.append(max(0, min(m * bt, call.input_tokens - 1)))
+        seen.update(ids[m:])
+    return out
+
+
+def ideal_apc(
+    trace: Trace, *, scope: Scope = "global", window: range | Sequence[bool] | None = None
+) -> float:
+    """Token-weighted ideal APC = ΣH / ΣP (H from `ideal_hits`) over the calls in `window`: a
+    range of call indices or one boolean per call (all calls when None). Calls outside the
+    window still warm the cache. Returns 0.0 when the window holds no prompt tokens.
+
+    Raises ValueError for an unknown scope or a window outside the trace."""
+    calls = trace.calls
+    if window is None:
+        chosen: Sequence[bool] = [True] * len(calls)
+    elif isinstance(window, range):
+        if len(window) and (min(window) < 0 or max(window) >= len(calls)):
+            raise ValueError(f"window {window} is outside the trace's {len(calls)} calls")
+        chosen = [False] * len(calls)
+        for i in window:
+            chosen[i] = True
+    else:
+        if len(window) != len(calls):
+            raise ValueError(f"window mask has {len(window)} entries for {len(calls)} calls")
+        chosen = window
+    hits = ideal_hits(trace, scope=scope)
+    prompt = sum(c.input_tokens for c, keep in zip(calls, chosen, strict=True) if keep)
+    served = sum(h for h, keep in zip(hits, chosen, strict=True) if keep)
+    return served / prompt if prompt else 0.0

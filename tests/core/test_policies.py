@@ -1,0 +1,302 @@
+"""Each policy's defining rule, on hand-made cluster states."""
+
+from __future__ import annotations
+
+from random import Random
+
+import numpy as np
+import pytest
+
+from kvsched.core.cluster import Role, SloConfig
+from kvsched.core.decision import Completion, TransferKind
+from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
+from kvsched.core.policies.disaggregated import split_roles
+from tests.conftest import chain, make_cluster, request, set_load
+
+RNG = Random(0)
+
+
+def test_every_policy_is_registered_and_documented() -> None:
+    assert set(ALL_POLICIES) == {
+        "round_robin",
+        "least_loaded",
+        "cache_aware",
+        "kv_cost",
+        "lmetric",
+        "mooncake",
+        "sticky",
+        "static_pd",
+        "ear",
+        "elastic",
+    }
+    for cls in POLICIES.values():
+        assert cls.__doc__ and len(cls.__doc__) > 40, cls.name
+
+
+def test_specs_parse_and_bad_ones_fail_clearly() -> None:
+    assert parse_spec("mooncake:colocated=1,balancing_threshold=2.5") == (
+        "mooncake",
+        {"colocated": 1, "balancing_threshold": 2.5},
+    )
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_spec("nope")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("ear:t_hot_tokens")
+    with pytest.raises(ValueError, match="no parameter"):
+        make_policy("ear:bogus=1", make_cluster(2))
+
+
+def test_round_robin_cycles_over_live_instances() -> None:
+    cluster = make_cluster(3)
+    cluster.alive[1] = False
+    policy = make_policy("round_robin", cluster)
+    picks = [policy.place(request(i, chain(i, 2)), 0.0, RNG).instance for i in range(4)]
+    assert picks == [0, 2, 0, 2]
+
+
+def test_least_loaded_ignores_cache() -> None:
+    cluster = make_cluster(3)
+    hashes = chain(1, 8)
+    cluster.index.store(0, hashes, None)
+    set_load(cluster, 0, pending=5000)
+    set_load(cluster, 1, pending=100)
+    set_load(cluster, 2, pending=200)
+    d = make_policy("least_loaded", cluster).place(request(1, hashes), 0.0, RNG)
+    assert d.instance == 1
+    assert d.rule == "fewest pending prefill tokens"
+
+
+def test_cache_aware_follows_the_longest_match_unless_imbalanced() -> None:
+    cluster = make_cluster(3)
+    hashes = chain(1, 10)
+    cluster.index.store(2, hashes, None)
+    policy = make_policy("cache_aware", cluster)
+    assert policy.place(request(1, hashes), 0.0, RNG).instance == 2
+    # 70 requests in flight on the holder: imbalance rule → shortest queue.
+    for _ in range(70):
+        cluster.load.charge(2, 0, 0.0, 0)
+    d = policy.place(request(2, hashes), 0.0, RNG)
+    assert d.instance != 2
+    assert d.rule.startswith("imbalanced")
+    # A low match sends the request to the emptiest cache.
+    cluster2 = make_cluster(3)
+    cluster2.index.store(0, chain(7, 10), None)
+    cluster2.index.store(1, chain(8, 3), None)
+    assert (
+        make_policy("cache_aware", cluster2).place(request(3, chain(9, 10)), 0.0, RNG).instance == 2
+    )
+
+
+def test_kv_cost_weighs_uncached_blocks_against_load() -> None:
+    cluster = make_cluster(2)
+    hashes = chain(1, 20)
+    cluster.index.store(0, hashes[:10], None)
+    policy = make_policy("kv_cost", cluster)
+    assert policy.place(request(1, hashes), 0.0, RNG).instance == 0  # 10 blocks cheaper
+    set_load(cluster, 0, pending=16 * 40)  # 40 blocks of queued prompt work
+    assert policy.place(request(2, hashes), 0.0, RNG).instance == 1
+
+
+def test_lmetric_minimises_new_tokens_times_batch() -> None:
+    cluster = make_cluster(2)
+    hashes = chain(1, 20)
+    cluster.index.store(0, hashes[:15], None)
+    set_load(cluster, 0, running=3)  # 81 new tokens × 3 = 243
+    set_load(cluster, 1, running=1)  # 321 new tokens × 1
+    d = make_policy("lmetric", cluster).place(request(1, hashes), 0.0, RNG)
+    assert d.instance == 0
+    assert d.terms["score"][0] == pytest.approx(81 * 3)
+    fresh = make_cluster(2)
+    fresh.index.store(0, hashes[:15], None)
+    set_load(fresh, 0, running=5)  # 405 > 321
+    set_load(fresh, 1, running=1)
+    assert make_policy("lmetric", fresh).place(request(2, hashes), 0.0, RNG).instance == 1
+
+
+def test_mooncake_fetches_a_remote_prefix_only_past_the_threshold() -> None:
+    roles = split_roles(4, 0.5)
+    assert roles == (Role.PREFILL, Role.PREFILL, Role.DECODE, Role.DECODE)
+    hashes = chain(1, 400)  # a 6.4K-token prompt
+    for local, expect_fetch in ((100, True), (300, False)):
+        cluster = make_cluster(4, roles=roles, slo=SloConfig(ttft_s=100))
+        cluster.index.store(0, hashes[:390], None)
+        cluster.index.store(1, hashes[:local], None)
+        set_load(cluster, 0, pending=200_000)  # the best holder is busy
+        d = make_policy("mooncake:balancing_threshold=1.5", cluster).place(
+            request(1, hashes), 0.0, RNG
+        )
+        assert d.instance == 1
+        kinds = {t.kind for t in d.transfers}
+        # 390 > 100 × 1.5: fetch; 390 < 300 × 1.5: recompute the difference locally.
+        assert (TransferKind.FETCH_PREFIX in kinds) is expect_fetch
+        assert TransferKind.HANDOFF in kinds and d.decode_instance in (2, 3)
+        assert d.cached_tokens == local * 16
+        assert d.fetched_tokens == (390 - local) * 16 * expect_fetch
+
+
+def test_mooncake_rejects_what_misses_the_slo_but_not_what_never_could() -> None:
+    cluster = make_cluster(2, roles=(Role.BOTH, Role.BOTH), slo=SloConfig(ttft_s=0.5, tpot_s=0.1))
+    for slot in (0, 1):
+        set_load(cluster, slot, pending=60_000)  # ~1.5 s of queued prompts everywhere
+    policy = make_policy("mooncake:colocated=1", cluster)
+    d = policy.place(request(1, chain(1, 10)), 0.0, RNG)
+    assert d.rejected and d.retry_after_s > 0 and d.instance == -1
+    huge = request(2, chain(2, 3000))  # 48K tokens: > 0.5 s even on an idle instance
+    assert not policy.place(huge, 0.0, RNG).rejected
+
+
+def test_sticky_pins_sessions() -> None:
+    cluster = make_cluster(3)
+    policy = make_policy("sticky", cluster)
+    first = policy.place(request(1, chain(1, 4), session="s"), 0.0, RNG).instance
+    set_load(cluster, first, pending=10**6)
+    assert policy.place(request(2, chain(1, 6), session="s"), 1.0, RNG).instance == first
+
+
+def test_static_pd_uses_fixed_pools() -> None:
+    cluster = make_cluster(4, roles=split_roles(4, 0.5))
+    d = make_policy("static_pd", cluster).place(request(1, chain(1, 4)), 0.0, RNG)
+    assert d.instance in (0, 1) and d.decode_instance in (2, 3)
+    assert [t.kind for t in d.transfers] == [TransferKind.HANDOFF]
+
+
+def _ear_setup(params: str = "") -> tuple:
+    cluster = make_cluster(3)
+    policy = make_policy("ear" + params, cluster)
+    hashes = chain(1, 40)
+    d = policy.place(request(1, hashes[:20], session="s"), 0.0, RNG)
+    host = d.instance
+    cluster.index.store(host, hashes[:20], None)
+    return cluster, policy, hashes, host
+
+
+def test_ear_migrates_a_hot_host_to_the_least_pending_instance_with_room() -> None:
+    cluster, policy, hashes, host = _ear_setup()
+    others = [s for s in range(3) if s != host]
+    set_load(cluster, host, pending=20_000)
+    set_load(cluster, others[0], pending=5_000)
+    set_load(cluster, others[1], pending=1_000)
+    d = policy.place(request(2, hashes, session="s"), 10.0, RNG)
+    assert d.instance == others[1]
+    (plan,) = d.transfers
+    assert plan.kind is TransferKind.MIGRATE_SESSION and plan.on_critical_path
+    assert (plan.source, plan.target, plan.tokens) == (host, others[1], 20 * 16)
+    # Within T_cool the session stays put even though its new host is now hot.
+    set_load(cluster, others[1], pending=50_000)
+    assert policy.place(request(3, hashes, session="s"), 20.0, RNG).instance == others[1]
+
+
+def test_ear_never_migrates_to_a_busier_or_too_small_instance() -> None:
+    cluster, policy, hashes, host = _ear_setup()
+    others = [s for s in range(3) if s != host]
+    set_load(cluster, host, pending=20_000)
+    set_load(cluster, others[0], pending=30_000)  # busier
+    set_load(cluster, others[1], pending=100, free=2)  # cooler but no room
+    d = policy.place(request(2, hashes, session="s"), 10.0, RNG)
+    assert d.instance == host and not d.transfers
+    assert "stay" in d.rule
+
+
+def _finish(policy, req, slot: int, now: float) -> list:
+    done = Completion(
+        req.request_id,
+        req.session_id,
+        slot,
+        slot,
+        req.prompt_tokens,
+        req.output_tokens,
+        0,
+        req.block_hashes,
+        now - 1.0,
+        now - 0.5,
+        now,
+    )
+    return list(policy.on_finish(done, now, RNG))
+
+
+def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands() -> None:
+    cluster = make_cluster(3)
+    policy = make_policy("elastic:admission=0", cluster)
+    hashes = chain(1, 200)
+    req = request(1, hashes[:100], session="s")
+    host = policy.place(req, 0.0, RNG).instance
+    cluster.index.store(host, hashes[:100], None)
+    assert _finish(policy, req, host, 1.0) == []  # host cool: nothing to do
+    req2 = request(2, hashes[:120], session="s")
+    assert policy.place(req2, 5.0, RNG).instance == host  # affinity
+    # The host turns hot while the agent works: ~20 s of queued prompts, longer than the gap.
+    set_load(cluster, host, pending=400_000)
+    (plan,) = _finish(policy, req2, host, 6.0)
+    assert plan.kind is TransferKind.MIGRATE_SESSION and not plan.on_critical_path
+    assert plan.source == host and plan.target != host
+    session = cluster.sessions.get("s")
+    assert session.host == host and session.pending_target == plan.target
+    policy.on_transfer(plan, True, 6.5)
+    assert session.host == plan.target and session.migrations == 1
+    # A second hot finish inside T_cool does not move it again.
+    set_load(cluster, plan.target, pending=400_000)
+    assert _finish(policy, request(3, hashes[:130], session="s"), plan.target, 10.0) == []
+
+
+def test_elastic_keeps_the_session_on_its_source_when_a_turn_overtakes_the_copy() -> None:
+    cluster = make_cluster(3)
+    policy = make_policy("elastic:admission=0", cluster)
+    hashes = chain(1, 200)
+    req = request(1, hashes[:100], session="s")
+    host = policy.place(req, 0.0, RNG).instance
+    cluster.index.store(host, hashes[:100], None)
+    _finish(policy, req, host, 1.0)
+    req2 = request(2, hashes[:110], session="s")
+    policy.place(req2, 2.0, RNG)
+    set_load(cluster, host, pending=400_000)
+    (plan,) = _finish(policy, req2, host, 3.0)
+    policy.place(request(3, hashes[:120], session="s"), 3.1, RNG)  # arrives mid-copy
+    policy.on_transfer(plan, True, 3.5)
+    assert cluster.sessions.get("s").host == host
+
+
+def test_elastic_admission_rejects_queueing_misses_only() -> None:
+    cluster = make_cluster(2, slo=SloConfig(ttft_s=0.5))
+    for slot in (0, 1):
+        set_load(cluster, slot, pending=60_000)
+    policy = make_policy("elastic", cluster)
+    assert policy.place(request(1, chain(1, 10)), 0.0, RNG).rejected
+    assert not policy.place(request(2, chain(2, 3000)), 0.0, RNG).rejected
+    assert (
+        not make_policy("elastic:admission=0", cluster)
+        .place(request(3, chain(3, 10)), 0.0, RNG)
+        .rejected
+    )
+
+
+def test_elastic_cold_start_uses_the_global_index_and_fetches_shared_prefixes() -> None:
+    cluster = make_cluster(2)
+    system = chain(9, 300)  # a 4.8K-token shared system prompt
+    cluster.index.store(0, system, None)
+    set_load(cluster, 0, pending=100_000)  # its holder is busy
+    d = make_policy("elastic", cluster).place(request(1, system + chain(5, 10)), 0.0, RNG)
+    assert d.instance == 1
+    assert [t.kind for t in d.transfers] == [TransferKind.FETCH_PREFIX]
+    assert d.fetched_tokens == 300 * 16
+    # Without the global index it is a least-pending cold start with no fetch.
+    d2 = make_policy("elastic:global_index=0", cluster).place(
+        request(2, system + chain(6, 10)), 0.0, RNG
+    )
+    assert d2.instance == 1 and not d2.transfers
+
+
+def test_decisions_explain_every_candidate() -> None:
+    cluster = make_cluster(3)
+    cluster.alive[2] = False
+    cluster.index.store(1, chain(1, 5), None)
+    d = make_policy("mooncake:colocated=1", cluster).place(request(1, chain(1, 8)), 0.0, RNG)
+    rows = d.explain()
+    assert [r["instance"] for r in rows] == sorted(
+        [0, 1], key=lambda s: float(d.terms["ttft_s"][s])
+    )
+    assert sum(r["chosen"] for r in rows) == 1
+    for key in ("queue_s", "prefill_s", "transfer_s", "ttft_s", "hit_tokens"):
+        assert key in rows[0]
+    assert np.isclose(
+        rows[0]["ttft_s"], rows[0]["queue_s"] + rows[0]["prefill_s"] + rows[0]["transfer_s"]
+    )

@@ -1,0 +1,81 @@
+"""`kvsched/core` stays pure: no I/O frameworks, no clocks, no module-level randomness."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parent.parent / "kvsched" / "core"
+FORBIDDEN_MODULES = {
+    "asyncio",
+    "grpc",
+    "etcd",
+    "aetcd",
+    "opentelemetry",
+    "time",
+    "services",
+    "socket",
+    "zmq",
+    "threading",
+}
+RANDOM_OK = {"Random"}  # a seeded instance is passed in; the module's own functions are not
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_core_imports_nothing_impure() -> None:
+    files = sorted(CORE.rglob("*.py"))
+    assert len(files) > 10
+    offenders = []
+    for path in files:
+        for name in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+            root = name.split(".")[0]
+            if (
+                root in FORBIDDEN_MODULES
+                or name.startswith("kvsched.sim")
+                or name.startswith("kvsched.services")
+            ):
+                offenders.append(f"{path.name}: {name}")
+    assert offenders == []
+
+
+def test_core_calls_no_module_level_random() -> None:
+    offenders = []
+    for path in sorted(CORE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "random":
+                offenders += [
+                    f"{path.name}: from random import {a.name}"
+                    for a in node.names
+                    if a.name not in RANDOM_OK
+                ]
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "random"
+                and node.attr not in RANDOM_OK
+            ):
+                offenders.append(f"{path.name}: random.{node.attr}")
+    assert offenders == []
+
+
+def test_layering_check_catches_a_violation(tmp_path: Path) -> None:
+    # The checks above must be able to fail: feed them a bad module.
+    bad = ast.parse("import time\nimport random\nx = random.random()\n")
+    assert "time" in _imports(bad)
+    assert any(
+        isinstance(n, ast.Attribute)
+        and n.attr == "random"
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "random"
+        for n in ast.walk(bad)
+    )
