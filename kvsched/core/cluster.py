@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
+import numpy.typing as npt
 
 from kvsched.core.cost import CostModel
 from kvsched.core.index import PrefixIndex
@@ -73,8 +74,10 @@ class ClusterState:
     index: PrefixIndex
     load: LoadTracker
     sessions: SessionTable
-    alive: np.ndarray  # bool per slot
-    _role_masks: dict[frozenset[Role], np.ndarray] = field(default_factory=dict, repr=False)
+    alive: npt.NDArray[np.bool_]  # per slot
+    _role_masks: dict[frozenset[Role], npt.NDArray[np.bool_]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def n(self) -> int:
@@ -84,13 +87,13 @@ class ClusterState:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def slots_with(self, *roles: Role) -> np.ndarray:
+    def slots_with(self, *roles: Role) -> npt.NDArray[np.bool_]:
         """Boolean mask of live slots whose role is one of `roles` (a fresh array)."""
         key = frozenset(roles)
         mask = self._role_masks.get(key)
         if mask is None:
             mask = self._role_masks[key] = np.array([r in roles for r in self.roles], dtype=bool)
-        return mask & self.alive
+        return np.logical_and(mask, self.alive)
 
     def remove_instance(self, slot: int) -> None:
         """An instance died or left: forget its blocks, load and session bindings."""

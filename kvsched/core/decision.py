@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 RequestId = int | str
 
@@ -70,8 +73,8 @@ class Decision:
     estimated_ttft_s: float
     rule: str
     transfers: tuple[TransferPlan, ...] = ()
-    terms: Mapping[str, Sequence[float]] = field(default_factory=dict)
-    candidates: Sequence[bool] = ()
+    terms: Mapping[str, npt.NDArray[np.float64]] = field(default_factory=dict)
+    candidates: npt.NDArray[np.bool_] | None = None
     rejected: bool = False
     retry_after_s: float = 0.0
 
@@ -82,7 +85,7 @@ class Decision:
         n = len(next(iter(self.terms.values())))
         rows = []
         for slot in range(n):
-            if len(self.candidates) and not self.candidates[slot]:
+            if self.candidates is not None and not self.candidates[slot]:
                 continue
             row: dict[str, Any] = {"instance": slot}
             row.update({name: float(values[slot]) for name, values in self.terms.items()})

@@ -17,11 +17,8 @@ from kvsched.sim.traces.weka import weka_shared_prefix
 
 # Defaults per trace format: loop mode, token scale (Claude-sized agentic contexts shrink to
 # fit a 128K-context model), and SLOs. Every one is recorded in the report.
-FORMAT_DEFAULTS = {
-    "mooncake": {"mode": "open", "token_scale": 1.0},
-    "weka": {"mode": "closed", "token_scale": 0.25},
-    "azure": {"mode": "open", "token_scale": 1.0},
-}
+DEFAULT_MODE = {"mooncake": "open", "weka": "closed", "azure": "open"}
+DEFAULT_TOKEN_SCALE = {"mooncake": 1.0, "weka": 0.25, "azure": 1.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--trace", required=True, type=Path, help="trace file (.jsonl, .jsonl.xz, .csv)"
     )
-    rp.add_argument("--trace-format", choices=sorted(FORMAT_DEFAULTS), help="default: detected")
+    rp.add_argument("--trace-format", choices=sorted(DEFAULT_MODE), help="default: detected")
     rp.add_argument("--policies", default="all", help="'all' or NAME[:k=v,...][,NAME...]")
     rp.add_argument("--instances", type=int, default=8)
     rp.add_argument("--seed", type=int, default=0)
@@ -86,9 +83,7 @@ def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:
         trace = transform.cap_gaps(trace, args.max_gap)
     if args.repeat != 1:
         trace = transform.repeat_groups(trace, args.repeat)
-    scale = (
-        args.token_scale if args.token_scale is not None else FORMAT_DEFAULTS[fmt]["token_scale"]
-    )
+    scale = args.token_scale if args.token_scale is not None else DEFAULT_TOKEN_SCALE[fmt]
     if scale != 1.0:
         trace = transform.scale_tokens(trace, scale)
     return trace, fmt
@@ -120,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         trace, fmt = load_trace(args)
-        mode = args.mode or FORMAT_DEFAULTS[fmt]["mode"]
+        mode = args.mode or DEFAULT_MODE[fmt]
         if mode == "closed" and not any(c.after >= 0 for c in trace.calls):
             raise ValueError(f"{fmt} traces carry no turn dependencies: use --mode open")
         cmp = Comparison(
@@ -138,9 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--instances and --load must be positive")
     except (ValueError, OSError) as exc:
         parser.exit(2, f"kvsched: error: {exc}\n")
-    run_comparison(
-        cmp, args.out, figures=not args.no_figures, progress=None if args.quiet else ProgressBar()
-    )
+    bar = None if args.quiet else ProgressBar()
+    run_comparison(cmp, args.out, figures=not args.no_figures, stream=sys.stdout, progress=bar)
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -87,7 +86,7 @@ def run_comparison(
     out: Path | None,
     *,
     figures: bool = True,
-    stream: TextIO | None = sys.stdout,
+    stream: TextIO | None = None,
     progress: Callable[[str, float], None] | None = None,
 ) -> dict[str, Any]:
     """Replay every policy, print the table to `stream`, write `report.json` and figures

@@ -110,7 +110,7 @@ def _heatmap(path: Path, name: str, result: ReplayResult, bins: int = 200) -> Pa
         cmap="magma",
         interpolation="nearest",
     )
-    for start, source, target in result.migrations.events:
+    for start, source, target, _ in result.migrations.events:
         ax.annotate(
             "",
             xy=(start, target),

@@ -142,4 +142,4 @@ class GapHistogram:
         if total == 0:
             return math.nan
         idx = int(np.searchsorted(np.cumsum(self.counts), q / 100.0 * total))
-        return self.LO * self.RATIO ** (min(idx, self.BINS - 1) + 0.5)
+        return float(self.LO * self.RATIO ** (min(idx, self.BINS - 1) + 0.5))

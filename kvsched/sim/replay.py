@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
@@ -85,7 +86,8 @@ class MigrationLog:
     cooldown_violations: int = 0
     follow_turns: int = 0  # turns served on a migration target within 3 turns after
     follow_cool: int = 0  # ... of which found the target not hot
-    events: list[tuple[float, int, int]] = field(default_factory=list)  # (start, source, target)
+    # (start, source, target, session) of every migration, in order.
+    events: list[tuple[float, int, int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -145,7 +147,7 @@ class Replay:
         self.transfer_stats: dict[str, list[float]] = {k.value: [0, 0, 0.0] for k in TransferKind}
         self.reqs = [Req(i) for i in range(len(self.calls))]
         self._handoffs: dict[int, TransferPlan] = {}
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._version = [0] * cluster_cfg.n_instances
         self._dependents: dict[int, list[int]] = {}
@@ -201,7 +203,12 @@ class Replay:
         heap = self._heap
         total = len(self.calls)
         done_before = 0
-        handlers = (self._on_arrive, self._on_step, self._on_wake, self._on_transfer_done)
+        handlers: tuple[Callable[[Any], None], ...] = (
+            self._on_arrive,
+            self._on_step,
+            self._on_wake,
+            self._on_transfer_done,
+        )
         while heap:
             t, _, kind, payload = heapq.heappop(heap)
             self.now = t
@@ -226,14 +233,13 @@ class Replay:
             events=self.events,
         )
 
-    def _push(self, t: float, kind: int, payload: object) -> None:
+    def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, payload))
 
     # ---- arrivals and placement ----------------------------------------------------------
 
-    def _on_arrive(self, payload: object) -> None:
-        call_idx = int(payload)  # type: ignore[call-overload]
+    def _on_arrive(self, call_idx: int) -> None:
         call = self.calls[call_idx]
         req = self.reqs[call_idx]
         now = self.now
@@ -347,7 +353,7 @@ class Replay:
         log = self.migrations
         log.count += 1
         log.bytes += nbytes
-        log.events.append((start, plan.source, plan.target))
+        log.events.append((start, plan.source, plan.target, plan.session_id or ""))
         if job is not None:
             log.on_path += 1
             log.critical_path_s += end - self.now
@@ -365,9 +371,7 @@ class Replay:
             self.migrations.failed += 1
         self.policy.on_transfer(plan, False, self.now)
 
-    def _on_transfer_done(self, payload: object) -> None:
-        record = payload
-        assert isinstance(record, Transfer)
+    def _on_transfer_done(self, record: Transfer) -> None:
         now = self.now
         plan = record.plan
         src, dst = self.engines[plan.source], self.engines[plan.target]
@@ -394,11 +398,11 @@ class Replay:
             self._push(end, _STEP, (slot, self._version[slot]))
         self._report(slot)
 
-    def _on_wake(self, payload: object) -> None:
-        self._kick(int(payload))  # type: ignore[call-overload]
+    def _on_wake(self, slot: int) -> None:
+        self._kick(slot)
 
-    def _on_step(self, payload: object) -> None:
-        slot, version = payload  # type: ignore[misc]
+    def _on_step(self, key: tuple[int, int]) -> None:
+        slot, version = key
         if version != self._version[slot]:
             return  # superseded by an interrupt
         engine = self.engines[slot]

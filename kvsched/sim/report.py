@@ -63,7 +63,7 @@ _HIGHER_BETTER = {"apc", "slo_attainment"}
 def _best_per_column(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     best: dict[str, float] = {}
     for key in _LOWER_BETTER | _HIGHER_BETTER:
-        values = [v for r in rows.values() if _finite(v := r.get(key))]
+        values = [float(r[key]) for r in rows.values() if _finite(r.get(key))]
         if values:
             best[key] = min(values) if key in _LOWER_BETTER else max(values)
     return best

@@ -46,7 +46,9 @@ class Model:
     """Obvious implementation: sets per (slot, tier), cascades by scanning."""
 
     def __init__(self, n: int) -> None:
-        self.held = {(s, t): set() for s in range(n) for t in Tier}
+        self.held: dict[tuple[int, Tier], set[int]] = {
+            (s, t): set() for s in range(n) for t in Tier
+        }
         self.spec: dict[int, dict[int, float]] = {s: {} for s in range(n)}
         self.unknown_parents = 0
 

@@ -7,9 +7,9 @@ from random import Random
 import numpy as np
 import pytest
 
-from kvsched.core.cluster import Role, SloConfig
-from kvsched.core.decision import Completion, TransferKind
-from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
+from kvsched.core.cluster import ClusterState, Role, SloConfig
+from kvsched.core.decision import Completion, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.policies import ALL_POLICIES, POLICIES, Policy, make_policy, parse_spec
 from kvsched.core.policies.disaggregated import split_roles
 from tests.conftest import chain, make_cluster, request, set_load
 
@@ -160,7 +160,7 @@ def test_static_pd_uses_fixed_pools() -> None:
     assert [t.kind for t in d.transfers] == [TransferKind.HANDOFF]
 
 
-def _ear_setup(params: str = "") -> tuple:
+def _ear_setup(params: str = "") -> tuple[ClusterState, Policy, tuple[int, ...], int]:
     cluster = make_cluster(3)
     policy = make_policy("ear" + params, cluster)
     hashes = chain(1, 40)
@@ -197,7 +197,7 @@ def test_ear_never_migrates_to_a_busier_or_too_small_instance() -> None:
     assert "stay" in d.rule
 
 
-def _finish(policy, req, slot: int, now: float) -> list:
+def _finish(policy: Policy, req: RequestInfo, slot: int, now: float) -> list[TransferPlan]:
     done = Completion(
         req.request_id,
         req.session_id,
@@ -230,6 +230,7 @@ def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands
     assert plan.kind is TransferKind.MIGRATE_SESSION and not plan.on_critical_path
     assert plan.source == host and plan.target != host
     session = cluster.sessions.get("s")
+    assert session is not None
     assert session.host == host and session.pending_target == plan.target
     policy.on_transfer(plan, True, 6.5)
     assert session.host == plan.target and session.migrations == 1
@@ -252,7 +253,8 @@ def test_elastic_keeps_the_session_on_its_source_when_a_turn_overtakes_the_copy(
     (plan,) = _finish(policy, req2, host, 3.0)
     policy.place(request(3, hashes[:120], session="s"), 3.1, RNG)  # arrives mid-copy
     policy.on_transfer(plan, True, 3.5)
-    assert cluster.sessions.get("s").host == host
+    session = cluster.sessions.get("s")
+    assert session is not None and session.host == host
 
 
 def test_elastic_admission_rejects_queueing_misses_only() -> None:

@@ -31,11 +31,14 @@ def job(rid: int, prompt: int, output: int, hashes: tuple[int, ...] = (), at: fl
 
 
 def drive(
-    eng: Engine, arrivals: list[tuple[float, Job]], interrupts: list[float] = (), check: bool = True
+    eng: Engine,
+    arrivals: list[tuple[float, Job]],
+    interrupts: list[float] | None = None,
+    check: bool = True,
 ) -> list[Job]:
     """A tiny event loop: submit jobs at their times, step the engine, collect finished jobs."""
     pending = sorted(arrivals, key=lambda a: a[0])
-    cuts = sorted(interrupts)
+    cuts = sorted(interrupts or [])
     done: list[Job] = []
     now, end = 0.0, None
     while pending or end is not None or eng.waiting or eng.running:

@@ -48,6 +48,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, ParamValue]]:
         if not sep:
             raise ValueError(f"policy parameter {item!r} must look like key=value")
         params[key.strip()] = _parse_value(value.strip())
+    unknown = sorted(set(params) - set(POLICIES[name].defaults))
+    if unknown:
+        known = ", ".join(sorted(POLICIES[name].defaults)) or "none"
+        raise ValueError(f"policy {name!r} has no parameter(s) {unknown}; known: {known}")
     return name, params
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from random import Random
+from typing import ClassVar
 
 import numpy as np
 
@@ -22,7 +23,7 @@ def split_roles(n: int, prefill_share: float) -> tuple[Role, ...]:
 
 
 class _Disaggregated(Policy):
-    defaults: Mapping[str, ParamValue] = {"prefill_share": 0.5}
+    defaults: ClassVar[Mapping[str, ParamValue]] = {"prefill_share": 0.5}
 
     @classmethod
     def roles(cls, n: int, params: Mapping[str, ParamValue] | None = None) -> tuple[Role, ...]:
@@ -109,7 +110,7 @@ class Mooncake(_Disaggregated):
     """
 
     name = "mooncake"
-    defaults = {
+    defaults: ClassVar[Mapping[str, ParamValue]] = {
         "prefill_share": 0.5,
         "colocated": False,
         "balancing_threshold": 1.5,
