@@ -10,8 +10,10 @@ by galloping binary search in O(k log L) lookups (k = distinct holder sets, L = 
 O(instances × L).
 
 Speculative entries record a placement the moment it is decided, before the engine's events
-confirm it, so the next request sharing the prefix does not herd elsewhere. They expire unless a
-real `store` confirms them.
+arrive, so the next request sharing the prefix does not herd elsewhere. They are kept as whole
+chains (one record per placement, O(1) to add) grouped by their first block, and `match`
+extends an instance's GPU match by the longest live chain placed there; they expire after
+their time-to-live, by which point the engine's own events describe the blocks.
 """
 
 from __future__ import annotations
@@ -38,9 +40,17 @@ class IndexCounters:
     duplicate_stores: int = 0  # stored block the instance already held
     absent_removals: int = 0  # removed block the instance did not hold
     cascaded_removals: int = 0  # descendants dropped because an ancestor left
-    speculative_added: int = 0
-    speculative_confirmed: int = 0
+    speculative_added: int = 0  # placements recorded
     speculative_expired: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A placement's speculative claim: `slot` will hold `chain` until `expires_at`."""
+
+    expires_at: float
+    slot: int
+    chain: tuple[int, ...]
 
 
 def iter_bits(mask: int) -> Iterator[int]:
@@ -49,6 +59,29 @@ def iter_bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two chains of chained hashes (equal at i ⇒ equal
+    before i): gallop from the start, where chains usually part, then bisect."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[n - 1] == b[n - 1]:
+        return n
+    lo, step = 1, 1  # a[:lo] == b[:lo]
+    hi = n - 1  # a[hi] != b[hi]
+    while lo + step < hi and a[lo + step] == b[lo + step]:
+        lo += step + 1
+        step <<= 1
+    hi = min(hi, lo + step)
+    while lo < hi:  # a[:lo] == b[:lo]; a[hi] != b[hi]
+        mid = (lo + hi) >> 1
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class PrefixIndex:
@@ -62,29 +95,31 @@ class PrefixIndex:
         self._counts: tuple[list[int], ...] = tuple([0] * n_slots for _ in Tier)
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, list[int]] = {}
-        self._spec: list[dict[int, float]] = [{} for _ in range(n_slots)]
-        self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        self._pending: dict[int, deque[_Pending]] = {}  # first block -> claims, oldest first
+        self._pending_queue: deque[_Pending] = deque()
         self.counters = IndexCounters()
 
     # ---- reads -------------------------------------------------------------------------
 
     def holders(self, block: int, tier: Tier = Tier.GPU) -> int:
-        """Bitmask of the slots holding `block` in `tier` (speculative GPU entries included)."""
+        """Bitmask of the slots whose engines reported holding `block` in `tier`."""
         return self._masks[tier].get(block, 0)
 
     def block_count(self, slot: int, tier: Tier = Tier.GPU) -> int:
-        """Blocks `slot` holds in `tier`, speculative ones included."""
+        """Blocks `slot` reported holding in `tier`."""
         return self._counts[tier][slot]
 
-    def speculative_count(self, slot: int) -> int:
-        return len(self._spec[slot])
+    def pending_count(self) -> int:
+        """Speculative placements still live."""
+        return len(self._pending_queue)
 
     def __len__(self) -> int:
         """Distinct blocks held anywhere."""
         return len(self._parent)
 
     def match(self, hashes: Sequence[int], tier: Tier = Tier.GPU) -> dict[int, int]:
-        """Matched leading blocks per slot (slots with no match are absent). Changes nothing."""
+        """Matched leading blocks per slot (slots with no match are absent); on the GPU tier
+        speculative placements count too. Changes nothing."""
         get = self._masks[tier].get
         n = len(hashes)
         result: dict[int, int] = {}
@@ -113,6 +148,11 @@ class PrefixIndex:
             for slot in iter_bits(alive & ~nxt):
                 result[slot] = lo + 1
             alive, pos = nxt, lo + 1
+        if tier is Tier.GPU:
+            for claim in self._pending.get(hashes[0], ()):
+                length = common_prefix(claim.chain, hashes)
+                if length > result.get(claim.slot, 0):
+                    result[claim.slot] = length
         return result
 
     # ---- writes ------------------------------------------------------------------------
@@ -121,10 +161,9 @@ class PrefixIndex:
         self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
     ) -> None:
         """Record that `slot` now holds the chain `hashes` (parent of the first is `parent`,
-        None for a chain starting at the root) in `tier`. Confirms speculative entries."""
+        None for a chain starting at the root) in `tier`."""
         bit = 1 << slot
         masks, counts = self._masks[tier], self._counts[tier]
-        spec = self._spec[slot] if tier is Tier.GPU else None
         if parent is not None and not masks.get(parent, 0) & bit:
             self.counters.unknown_parents += 1
         parents, children = self._parent, self._children
@@ -135,10 +174,7 @@ class PrefixIndex:
                     children.setdefault(parent, []).append(h)
             mask = masks.get(h, 0)
             if mask & bit:
-                if spec is not None and spec.pop(h, None) is not None:
-                    self.counters.speculative_confirmed += 1
-                else:
-                    self.counters.duplicate_stores += 1
+                self.counters.duplicate_stores += 1
             else:
                 masks[h] = mask | bit
                 counts[slot] += 1
@@ -149,7 +185,6 @@ class PrefixIndex:
         in that tier leave too."""
         bit = 1 << slot
         masks, counts = self._masks[tier], self._counts[tier]
-        spec = self._spec[slot] if tier is Tier.GPU else None
         children = self._children
         for h in hashes:
             mask = masks.get(h, 0)
@@ -159,8 +194,6 @@ class PrefixIndex:
                 self._drop_subtree(slot, h, tier)
             else:  # a leaf, the common case (engines evict leaves first): drop it inline
                 counts[slot] -= 1
-                if spec is not None and spec:
-                    spec.pop(h, None)
                 mask &= ~bit
                 if mask:
                     masks[h] = mask
@@ -169,7 +202,8 @@ class PrefixIndex:
                     self._unlink_if_unheld(h)
 
     def clear_instance(self, slot: int) -> None:
-        """Forget everything `slot` holds, in every tier (AllBlocksCleared, instance removal)."""
+        """Forget everything `slot` holds, in every tier, and its speculative placements
+        (AllBlocksCleared, instance removal)."""
         bit = 1 << slot
         for tier in Tier:
             masks = self._masks[tier]
@@ -182,52 +216,44 @@ class PrefixIndex:
                     del masks[h]
                     self._unlink_if_unheld(h)
             self._counts[tier][slot] = 0
-        self._spec[slot].clear()
+        for first, claims in list(self._pending.items()):
+            kept = deque(c for c in claims if c.slot != slot)
+            if kept:
+                self._pending[first] = kept
+            else:
+                del self._pending[first]
+        self._pending_queue = deque(c for c in self._pending_queue if c.slot != slot)
 
     def speculate(self, slot: int, hashes: Sequence[int], expires_at: float) -> None:
-        """Add short-lived GPU entries for a placement just decided; `hashes` start at the root.
-        Blocks the slot already holds for real are left alone."""
-        bit = 1 << slot
-        masks, counts, spec = self._masks[Tier.GPU], self._counts[Tier.GPU], self._spec[slot]
-        added: list[int] = []
-        parent: int | None = None
-        parents, children = self._parent, self._children
-        for h in hashes:
-            mask = masks.get(h, 0)
-            if not mask & bit:
-                if h not in parents:
-                    parents[h] = parent
-                    if parent is not None:
-                        children.setdefault(parent, []).append(h)
-                masks[h] = mask | bit
-                counts[slot] += 1
-                spec[h] = expires_at
-                added.append(h)
-            elif h in spec:
-                spec[h] = expires_at
-                added.append(h)
-            parent = h
-        if added:
-            self.counters.speculative_added += len(added)
-            self._spec_queue.append((expires_at, slot, tuple(added)))
+        """Claim that `slot` will hold the chain `hashes` (starting at the root) until
+        `expires_at`. O(1): the chain is kept whole, not block by block."""
+        if not hashes:
+            return
+        claim = _Pending(expires_at, slot, tuple(hashes))
+        self._pending.setdefault(hashes[0], deque()).append(claim)
+        self._pending_queue.append(claim)
+        self.counters.speculative_added += 1
 
     def expire(self, now: float) -> None:
-        """Drop speculative entries whose time is up and that no event confirmed."""
-        queue = self._spec_queue
-        while queue and queue[0][0] <= now:
-            expires_at, slot, hashes = queue.popleft()
-            spec = self._spec[slot]
-            for h in hashes:
-                if spec.get(h) == expires_at and self.holders(h) & (1 << slot):
-                    self.counters.speculative_expired += 1
-                    self._drop_subtree(slot, h, Tier.GPU)
+        """Drop speculative placements whose time is up (callers use one time-to-live, so
+        claims expire in the order they were made)."""
+        queue = self._pending_queue
+        while queue and queue[0].expires_at <= now:
+            claim = queue.popleft()
+            claims = self._pending[claim.chain[0]]
+            if claims[0] is claim:
+                claims.popleft()
+            else:  # a shorter time-to-live overtook it: find it
+                claims.remove(claim)
+            if not claims:
+                del self._pending[claim.chain[0]]
+            self.counters.speculative_expired += 1
 
     # ---- internals ---------------------------------------------------------------------
 
     def _drop_subtree(self, slot: int, root: int, tier: Tier) -> None:
         bit = 1 << slot
         masks, counts = self._masks[tier], self._counts[tier]
-        spec = self._spec[slot] if tier is Tier.GPU else None
         children = self._children
         stack = [root]
         while stack:
@@ -238,8 +264,6 @@ class PrefixIndex:
             if h != root:
                 self.counters.cascaded_removals += 1
             counts[slot] -= 1
-            if spec is not None:
-                spec.pop(h, None)
             kids = children.get(h)
             if kids:
                 stack.extend(kids)
@@ -282,11 +306,10 @@ class PrefixIndex:
                         or (self.counters.unknown_parents)
                     ), f"slot {slot} holds {h:#x} but not its parent (tier {tier.name})"
             assert counts == self._counts[tier], f"block counts out of step (tier {tier.name})"
-        for slot, spec in enumerate(self._spec):
-            for h in spec:
-                assert self._masks[Tier.GPU].get(h, 0) & (1 << slot), "speculative entry not held"
         live = {h for masks in self._masks for h in masks}
         assert live == set(self._parent), "parent map out of step with holdings"
         for parent, kids in self._children.items():
             for kid in kids:
                 assert self._parent.get(kid) == parent, "children map out of step"
+        grouped = sorted(id(c) for claims in self._pending.values() for c in claims)
+        assert grouped == sorted(id(c) for c in self._pending_queue), "pending claims out of step"

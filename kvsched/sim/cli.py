@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--ttft-slo", type=float, default=SloConfig().ttft_s, help="seconds")
     rp.add_argument("--tpot-slo", type=float, default=SloConfig().tpot_s, help="seconds")
+    rp.add_argument(
+        "--sweep",
+        metavar="L1,L2,...",
+        help="also replay at these loads; goodput = highest load with SLO attainment >= 90%%",
+    )
     rp.add_argument("--warmup", type=float, default=0.05, help="share of the trace excluded")
     rp.add_argument("--no-figures", action="store_true")
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -110,6 +115,18 @@ class ProgressBar:
         self.stream.flush()
 
 
+def parse_loads(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        loads = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--sweep takes comma-separated loads, got {text!r}") from None
+    if not loads or min(loads) <= 0:
+        raise ValueError("--sweep loads must be positive")
+    return loads
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -128,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             closed_loop=mode == "closed",
             slo=SloConfig(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo),
             warmup_fraction=args.warmup,
+            sweep_loads=parse_loads(args.sweep),
         )
         if args.instances <= 0 or args.load <= 0:
             raise ValueError("--instances and --load must be positive")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,6 +39,7 @@ class Comparison:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     warmup_fraction: float = 0.05
     latency_profile: str = "llama-3.1-8b-h100"
+    sweep_loads: tuple[float, ...] = ()  # loads to sweep for goodput (besides `load`)
 
 
 def expand_policies(text: str) -> tuple[str, ...]:
@@ -112,6 +113,7 @@ def run_comparison(
         if progress is not None:
             progress(spec, 1.0)
         ttfts[spec] = _ttfts(result, cmp.trace, config)
+    goodput = sweep_goodput(cmp, prepared, config, rows, progress) if cmp.sweep_loads else {}
     first = next(iter(results.values()))
     window = measured_calls(cmp.trace, config, first.group_start)
     report = {
@@ -122,6 +124,8 @@ def run_comparison(
         "timing": timing,
         "policies": rows,
     }
+    if goodput:
+        report["goodput"] = goodput
     table = markdown_table(rows)
     if stream is not None:
         print(_headline(cmp), file=stream)
@@ -131,10 +135,49 @@ def run_comparison(
         write_report(out / "report.json", report)
         (out / "table.md").write_text(_headline(cmp) + "\n\n" + table + "\n", encoding="utf-8")
         if figures:
-            write_figures(out, rows, results, ttfts, _headline(cmp))
+            write_figures(out, rows, results, ttfts, _headline(cmp), goodput=goodput)
         if stream is not None:
             print(f"\nreport: {out / 'report.json'}  figures: {out}", file=stream)
     return report
+
+
+GOODPUT_ATTAINMENT = 0.9
+
+
+def sweep_goodput(
+    cmp: Comparison,
+    prepared: PreparedTrace,
+    config: ReplayConfig,
+    rows: dict[str, dict[str, Any]],
+    progress: Callable[[str, float], None] | None,
+) -> dict[str, Any]:
+    """Replay every policy at each sweep load; goodput is the highest load whose SLO
+    attainment is at least 90% (DESIGN). Adds `goodput_load` to each policy's row."""
+    loads = sorted({*cmp.sweep_loads, cmp.load})
+    curves: dict[str, list[float]] = {spec: [] for spec in cmp.policies}
+    for load in loads:
+        for spec in cmp.policies:
+            if load == cmp.load:
+                attainment = rows[spec]["slo_attainment"]
+            else:
+                label = f"{spec} @ load {load:g}"
+                tick = (lambda frac, s=label: progress(s, frac)) if progress else None
+                swept = replace(config, load=load)
+                attainment = summarize(run_replay(prepared, spec, swept, tick), cmp.trace, swept)[
+                    "slo_attainment"
+                ]
+                if progress is not None:
+                    progress(label, 1.0)
+            curves[spec].append(attainment)
+    out: dict[str, Any] = {"loads": loads, "attainment_target": GOODPUT_ATTAINMENT, "policies": {}}
+    for spec, curve in curves.items():
+        ok = [load for load, a in zip(loads, curve, strict=True) if a >= GOODPUT_ATTAINMENT]
+        rows[spec]["goodput_load"] = max(ok) if ok else 0.0
+        out["policies"][spec] = {
+            "slo_attainment": curve,
+            "goodput_load": rows[spec]["goodput_load"],
+        }
+    return out
 
 
 def _headline(cmp: Comparison) -> str:

@@ -31,10 +31,14 @@ def write_figures(
     results: Mapping[str, ReplayResult],
     ttfts: Mapping[str, np.ndarray],
     title: str,
+    *,
+    goodput: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write every figure into `out`; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [_bars(out / "headline.png", rows, title), _cdf(out / "ttft_cdf.png", ttfts, title)]
+    if goodput:
+        paths.append(_goodput(out / "goodput.png", goodput, title))
     heat_dir = out / "heatmaps"
     heat_dir.mkdir(exist_ok=True)
     for name, result in results.items():
@@ -92,6 +96,29 @@ def _cdf(path: Path, ttfts: Mapping[str, np.ndarray], title: str) -> Path:
     ax.grid(True, which="both", linewidth=0.3)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(f"TTFT CDF — {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _goodput(path: Path, goodput: Mapping[str, Any], title: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    loads = goodput["loads"]
+    for name, curve in goodput["policies"].items():
+        style = (
+            {"linewidth": 2.4, "color": "#d62728"}
+            if name.startswith("elastic")
+            else {"linewidth": 1.2}
+        )
+        ax.plot(loads, curve["slo_attainment"], marker="o", markersize=3, label=name, **style)
+    ax.axhline(goodput["attainment_target"], color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("offered load (arrival-rate multiplier, log scale)")
+    ax.set_ylabel("SLO attainment")
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(f"Goodput sweep — {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

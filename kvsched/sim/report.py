@@ -22,6 +22,7 @@ TABLE = (
     ("hotspot_cv", "HCV", "{:.2f}"),
     ("amplification", "Ampl.", "{:.2f}"),
     ("slo_attainment", "SLO att.", "{:.3f}"),
+    ("goodput_load", "Goodput", "{:g}"),
     ("completed", "Done", "{:d}"),
     ("rejected", "Rej.", "{:d}"),
     ("migrations", "Migr.", "{:d}"),
@@ -31,12 +32,13 @@ TABLE = (
 def markdown_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     """One line per policy; the best value of each column in bold."""
     best = _best_per_column(rows)
-    header = "| policy | " + " | ".join(h for _, h, _ in TABLE) + " |"
-    rule = "|---|" + "---:|" * len(TABLE)
+    columns = [c for c in TABLE if any(c[0] in row for row in rows.values())]
+    header = "| policy | " + " | ".join(h for _, h, _ in columns) + " |"
+    rule = "|---|" + "---:|" * len(columns)
     lines = [header, rule]
     for name, row in rows.items():
         cells = []
-        for key, _, fmt in TABLE:
+        for key, _, fmt in columns:
             value = row.get(key)
             text = _fmt(value, fmt)
             if key in best and value == best[key] and text != "–":
@@ -57,7 +59,7 @@ _LOWER_BETTER = {
     "hotspot_cv",
     "amplification",
 }
-_HIGHER_BETTER = {"apc", "slo_attainment"}
+_HIGHER_BETTER = {"apc", "slo_attainment", "goodput_load"}
 
 
 def _best_per_column(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:

@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsched.core.index import PrefixIndex, Tier
+from kvsched.core.index import PrefixIndex, Tier, common_prefix
 
 # A fixed forest of chains: 3 roots, every node has up to 2 children, depth ≤ 8.
 _rng = random.Random(7)
@@ -43,13 +43,13 @@ def descendants(h: int) -> set[int]:
 
 
 class Model:
-    """Obvious implementation: sets per (slot, tier), cascades by scanning."""
+    """Obvious implementation: sets per (slot, tier), cascades by scanning, claims as a list."""
 
     def __init__(self, n: int) -> None:
         self.held: dict[tuple[int, Tier], set[int]] = {
             (s, t): set() for s in range(n) for t in Tier
         }
-        self.spec: dict[int, dict[int, float]] = {s: {} for s in range(n)}
+        self.claims: list[tuple[float, int, list[int]]] = []
         self.unknown_parents = 0
 
     def store(self, slot: int, chain: list[int], tier: Tier) -> None:
@@ -57,32 +57,19 @@ class Model:
         parent = PARENT[chain[0]]
         if parent is not None and parent not in held:
             self.unknown_parents += 1
-        for h in chain:
-            held.add(h)
-            if tier is Tier.GPU:
-                self.spec[slot].pop(h, None)
+        held.update(chain)
 
     def remove(self, slot: int, hs: list[int], tier: Tier) -> None:
         held = self.held[slot, tier]
         for h in hs:
             if h in held:
-                for d in descendants(h):
-                    held.discard(d)
-                    if tier is Tier.GPU:
-                        self.spec[slot].pop(d, None)
+                held -= descendants(h)
 
     def speculate(self, slot: int, hs: list[int], expiry: float) -> None:
-        held = self.held[slot, Tier.GPU]
-        for h in hs:
-            if h not in held or h in self.spec[slot]:
-                held.add(h)
-                self.spec[slot][h] = expiry
+        self.claims.append((expiry, slot, hs))
 
     def expire(self, now: float) -> None:
-        for slot, spec in self.spec.items():
-            for h, t in sorted(spec.items()):
-                if t <= now and h in spec:
-                    self.remove(slot, [h], Tier.GPU)
+        self.claims = [c for c in self.claims if c[0] > now]
 
     def match(self, hs: list[int], tier: Tier) -> dict[int, int]:
         out = {}
@@ -92,6 +79,13 @@ class Model:
             n = 0
             while n < len(hs) and hs[n] in held:
                 n += 1
+            if tier is Tier.GPU:
+                for _, s, chain in self.claims:
+                    if s == slot:
+                        k = 0
+                        while k < min(len(chain), len(hs)) and chain[k] == hs[k]:
+                            k += 1
+                        n = max(n, k)
             if n:
                 out[slot] = n
         return out
@@ -163,7 +157,7 @@ def test_index_matches_brute_force(ops: list[tuple[str, int, int, int, Tier]]) -
             index.clear_instance(slot)
             for t in Tier:
                 model.held[slot, t].clear()
-            model.spec[slot].clear()
+            model.claims = [c for c in model.claims if c[1] != slot]
         index.check_integrity()
         for probe in (full, path_to(NODES[-1]), path_to(NODES[0])):
             for t in Tier:
@@ -219,13 +213,31 @@ def test_removing_a_block_drops_its_descendants_on_that_instance_only() -> None:
     index.check_integrity()
 
 
-def test_speculative_entries_expire_unless_confirmed() -> None:
+def test_speculative_claims_extend_matches_until_they_expire() -> None:
     index = PrefixIndex(2)
+    index.store(0, [1, 2], None)
     index.speculate(1, [1, 2, 3], expires_at=5.0)
-    assert index.match([1, 2, 3]) == {1: 3}
-    index.store(1, [1, 2], None)  # the engine confirms the first two
+    assert index.match([1, 2, 3, 4]) == {0: 2, 1: 3}
+    assert index.match([1, 9]) == {0: 1, 1: 1}
+    assert index.match([7]) == {}
+    index.store(1, [1, 2], None)  # the engine reports the first two
     index.expire(5.0)
-    assert index.match([1, 2, 3]) == {1: 2}
-    assert index.counters.speculative_confirmed == 2
-    assert index.counters.speculative_expired == 1
+    assert index.match([1, 2, 3]) == {0: 2, 1: 2}
+    assert (index.counters.speculative_added, index.counters.speculative_expired) == (1, 1)
+    assert index.pending_count() == 0
     index.check_integrity()
+
+
+def test_common_prefix_of_chains() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3], [1, 5, 6]) == 1
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([9], [1]) == 0
+
+
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40))
+def test_common_prefix_matches_a_scan(n: int, m: int, k: int) -> None:
+    k = min(k, n, m)
+    a = list(range(k)) + [1000 + i for i in range(n - k)]
+    b = list(range(k)) + [2000 + i for i in range(m - k)]
+    assert common_prefix(a, b) == k

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 from functools import cache
 
 import pytest
@@ -36,7 +37,9 @@ def config(
     )
 
 
-def run(prepared: PreparedTrace, spec: str, cfg: ReplayConfig) -> tuple[ReplayResult, dict]:
+def run(
+    prepared: PreparedTrace, spec: str, cfg: ReplayConfig
+) -> tuple[ReplayResult, dict[str, Any]]:
     result = run_replay(prepared, spec, cfg)
     row = summarize(result, prepared.trace, cfg)
     row.pop("wall_seconds")
