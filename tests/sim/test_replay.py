@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 from functools import cache
+from typing import Any
 
 import pytest
 
