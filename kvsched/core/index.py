@@ -149,10 +149,18 @@ class PrefixIndex:
                 result[slot] = lo + 1
             alive, pos = nxt, lo + 1
         if tier is Tier.GPU:
-            for claim in self._pending.get(hashes[0], ()):
-                length = common_prefix(claim.chain, hashes)
-                if length > result.get(claim.slot, 0):
-                    result[claim.slot] = length
+            claims = self._pending.get(hashes[0])
+            if claims:
+                second = hashes[1] if n > 1 else None
+                for claim in claims:
+                    chain = claim.chain
+                    # Most claims part right after a shared first block: settle those inline.
+                    if len(chain) < 2 or second is None or chain[1] != second:
+                        length = 1
+                    else:
+                        length = common_prefix(chain, hashes)
+                    if length > result.get(claim.slot, 0):
+                        result[claim.slot] = length
         return result
 
     # ---- writes ------------------------------------------------------------------------
@@ -192,14 +200,9 @@ class PrefixIndex:
                 self.counters.absent_removals += 1
             elif h in children:
                 self._drop_subtree(slot, h, tier)
-            else:  # a leaf, the common case (engines evict leaves first): drop it inline
+            else:  # a leaf, the common case (engines evict leaves first)
                 counts[slot] -= 1
-                mask &= ~bit
-                if mask:
-                    masks[h] = mask
-                else:
-                    del masks[h]
-                    self._unlink_if_unheld(h)
+                self._unset(masks, h, mask & ~bit)
 
     def clear_instance(self, slot: int) -> None:
         """Forget everything `slot` holds, in every tier, and its speculative placements
@@ -209,12 +212,7 @@ class PrefixIndex:
             masks = self._masks[tier]
             mine = [h for h, mask in masks.items() if mask & bit]  # rare: a full scan is fine
             for h in mine:
-                mask = masks[h] & ~bit
-                if mask:
-                    masks[h] = mask
-                else:
-                    del masks[h]
-                    self._unlink_if_unheld(h)
+                self._unset(masks, h, masks[h] & ~bit)
             self._counts[tier][slot] = 0
         for first, claims in list(self._pending.items()):
             kept = deque(c for c in claims if c.slot != slot)
@@ -267,12 +265,16 @@ class PrefixIndex:
             kids = children.get(h)
             if kids:
                 stack.extend(kids)
-            mask &= ~bit
-            if mask:
-                masks[h] = mask
-            else:
-                del masks[h]
-                self._unlink_if_unheld(h)
+            self._unset(masks, h, mask & ~bit)
+
+    def _unset(self, masks: dict[int, int], h: int, remaining: int) -> None:
+        """Store block `h`'s holder mask after a slot left it; forget the block when none is
+        left."""
+        if remaining:
+            masks[h] = remaining
+        else:
+            del masks[h]
+            self._unlink_if_unheld(h)
 
     def _unlink_if_unheld(self, h: int) -> None:
         gpu, cpu, disk = self._masks

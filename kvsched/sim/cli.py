@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     cap = rp.add_mutually_exclusive_group()
     cap.add_argument("--max-requests", type=int, help="replay only the first N calls")
     cap.add_argument("--max-sessions", type=int, help="replay only the first N sessions/groups")
+    cap.add_argument(
+        "--sessions",
+        metavar="A:B",
+        help="weka: replay agentic traces A..B-1 (in file order), e.g. a held-out half",
+    )
     rp.add_argument("--out", type=Path, help="directory for report.json, table.md and figures")
     rp.add_argument("--mode", choices=("open", "closed"), help="default: closed for weka")
     rp.add_argument(
@@ -78,6 +83,13 @@ def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:
             raise ValueError("--max-sessions applies to session traces (weka); use --max-requests")
         opts["max_sessions"] = args.max_sessions
     trace = transform.load(args.trace, fmt, **opts)
+    if args.sessions is not None:
+        if fmt != "weka":
+            raise ValueError("--sessions applies to weka traces")
+        start, sep, stop = args.sessions.partition(":")
+        if not sep or not start.isdigit() or not stop.isdigit():
+            raise ValueError(f"--sessions takes A:B, got {args.sessions!r}")
+        trace = transform.select_groups(trace, int(start), int(stop))
     if args.max_requests is not None:
         trace = transform.cap_requests(trace, args.max_requests)
     if args.shared_prefix is not None:

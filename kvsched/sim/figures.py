@@ -83,12 +83,7 @@ def _cdf(path: Path, ttfts: Mapping[str, np.ndarray], title: str) -> Path:
             continue
         xs = np.sort(values)
         ys = np.arange(1, len(xs) + 1) / len(xs)
-        style = (
-            {"linewidth": 2.4, "color": "#d62728"}
-            if name.startswith("elastic")
-            else {"linewidth": 1.2}
-        )
-        ax.plot(np.maximum(xs, 1e-3), ys, label=name, **style)
+        ax.plot(np.maximum(xs, 1e-3), ys, label=name, **_line_style(name))
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, log scale)")
     ax.set_ylabel("share of requests")
@@ -106,11 +101,7 @@ def _goodput(path: Path, goodput: Mapping[str, Any], title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     loads = goodput["loads"]
     for name, curve in goodput["policies"].items():
-        style = (
-            {"linewidth": 2.4, "color": "#d62728"}
-            if name.startswith("elastic")
-            else {"linewidth": 1.2}
-        )
+        style = _line_style(name)
         ax.plot(loads, curve["slo_attainment"], marker="o", markersize=3, label=name, **style)
     ax.axhline(goodput["attainment_target"], color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log", base=2)
@@ -152,6 +143,13 @@ def _heatmap(path: Path, name: str, result: ReplayResult, bins: int = 200) -> Pa
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _line_style(name: str) -> dict[str, Any]:
+    """Our policy stands out in every line plot."""
+    if name.startswith("elastic"):
+        return {"linewidth": 2.4, "color": "#d62728"}
+    return {"linewidth": 1.2}
 
 
 def _finite(value: object) -> bool:

@@ -37,7 +37,9 @@ class ReplayConfig:
     load: float = 1.0
     closed_loop: bool = False
     warmup_fraction: float = 0.05
-    max_retries: int = 3  # closed loop: a rejected turn retries after its retry delay
+    # Closed loop: a rejected turn comes back after its retry delay (an agent retries a 429),
+    # up to this many times; its TTFT counts from its first arrival.
+    max_retries: int = 20
     check_integrity: bool = False  # assert engine invariants after every step (tests)
     keep_decisions: bool = False
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from kvsched.core.cluster import ClusterState, Role
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.transfers import plan_copy
 
 FloatVec = npt.NDArray[np.float64]
 BoolVec = npt.NDArray[np.bool_]
@@ -118,6 +119,22 @@ class Policy(ABC):
         load = cluster.load
         bound = np.array([cluster.sessions.bound_on(s) for s in range(cluster.n)], dtype=float)
         return argmin_eligible(load.pending_prefill_tokens, mask, load.in_flight, bound)
+
+    def fetch_plan(self, view: View, holder: int, target: int) -> TransferPlan | None:
+        """Order copying the prefix `holder` has beyond `target`'s to `target`, on the
+        request's critical path (Mooncake's remote-prefix fetch)."""
+        return plan_copy(
+            self.cluster.cost,
+            TransferKind.FETCH_PREFIX,
+            holder,
+            target,
+            hashes=view.req.block_hashes,
+            have=int(view.hit_blocks[target]),
+            upto=int(min(view.hit_blocks[holder], view.max_blocks)),
+            on_path=True,
+            session_id=view.req.session_id,
+            request_id=view.req.request_id,
+        )
 
     def view(self, req: RequestInfo, *roles: Role) -> View:
         cluster = self.cluster

@@ -9,9 +9,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvsched.core import admission
 from kvsched.core.cluster import Role
 from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.hotness import PrefixHeat
 from kvsched.core.policies.base import FloatVec, ParamValue, Policy, View, argmin_eligible
+from kvsched.core.replication import hot_prefix_copy
 
 
 def split_roles(n: int, prefill_share: float) -> tuple[Role, ...]:
@@ -49,7 +52,7 @@ class _Disaggregated(Policy):
 
     def handoff(self, view: View, prefill: int, decode: int) -> TransferPlan:
         """Ship the whole prompt's KV from the prefill to the decode instance after prefill."""
-        cluster = self.cluster
+        cost = self.cluster.cost
         tokens = view.req.prompt_tokens
         return TransferPlan(
             kind=TransferKind.HANDOFF,
@@ -58,8 +61,8 @@ class _Disaggregated(Policy):
             block_hashes=view.req.block_hashes,
             skip_blocks=0,
             tokens=tokens,
-            nbytes=tokens * cluster.cost.kv_bytes_per_token,
-            est_seconds=cluster.cost.transfer_s(prefill, decode, tokens),
+            nbytes=tokens * cost.kv_bytes_per_token,
+            est_seconds=cost.transfer_s(prefill, decode, tokens),
             on_critical_path=False,
             session_id=view.req.session_id,
             request_id=view.req.request_id,
@@ -117,12 +120,11 @@ class Mooncake(_Disaggregated):
         "hot_score": 1.0,
         "min_hits": 3,
         "horizon_s": 60.0,
-        "benefit_factor": 1.5,
     }
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._hits: dict[int, tuple[int, float]] = {}  # prefix key -> (hits, first seen)
+        self._heat = PrefixHeat()
 
     @classmethod
     def roles(cls, n: int, params: Mapping[str, ParamValue] | None = None) -> tuple[Role, ...]:
@@ -158,20 +160,39 @@ class Mooncake(_Disaggregated):
         else:
             decode, tbt = self.decode_terms(view, cluster.slots_with(Role.DECODE))
         terms["tbt_s"] = tbt
-        slo = cluster.config.slo
-        ttft = float(terms["ttft_s"][slot])
-        floor = self.isolated_floor(view, terms)
-        if (ttft > slo.ttft_s and floor <= slo.ttft_s) or float(tbt[decode]) > slo.tpot_s:
-            retry = max(ttft - slo.ttft_s, 1.0)
-            return self.reject(view, "estimated TTFT or TBT misses its SLO: reject", retry, terms)
+        refusal = admission.check(
+            float(terms["ttft_s"][slot]),
+            self.isolated_floor(view, terms),
+            cluster.config.slo,
+            tbt_s=float(tbt[decode]),
+            min_retry_s=1.0,
+        )
+        if refusal is not None:
+            return self.reject(view, refusal.rule, refusal.retry_after_s, terms)
         transfers: list[TransferPlan] = []
         fetched = 0
         if fetch[slot]:
-            fetched = int(best_tokens - view.hit_tokens[slot])
-            transfers.append(self.fetch_plan(view, best, slot))
+            plan = self.fetch_plan(view, best, slot)
+            if plan is not None:
+                fetched = plan.tokens
+                transfers.append(plan)
         if not self.param("colocated") and decode != slot:
             transfers.append(self.handoff(view, slot, decode))
-        transfers.extend(self.replicate_hot(view, slot, best, now))
+        if best >= 0:
+            replica = hot_prefix_copy(
+                self,
+                view,
+                self._heat,
+                holder=best,
+                chosen=slot,
+                now=now,
+                min_hits=self.param("min_hits"),
+                hot_score=self.param("hot_score"),
+                # Seed 000: requests expected in the horizon × the transfer each would need.
+                benefit_s=lambda plan, score: score * self.param("horizon_s") * plan.est_seconds,
+            )
+            if replica is not None:
+                transfers.append(replica)
         rule = "min estimated TTFT" + (" (fetching best prefix)" if fetched else "")
         return self.decision(
             view,
@@ -183,61 +204,3 @@ class Mooncake(_Disaggregated):
             fetched_tokens=fetched,
             transfers=tuple(transfers),
         )
-
-    def fetch_plan(self, view: View, source: int, target: int) -> TransferPlan:
-        bs = self.cluster.block_size
-        have = int(view.hit_blocks[target])
-        upto = int(min(view.hit_blocks[source], view.max_blocks))
-        tokens = (upto - have) * bs
-        return TransferPlan(
-            kind=TransferKind.FETCH_PREFIX,
-            source=source,
-            target=target,
-            block_hashes=view.req.block_hashes[:upto],
-            skip_blocks=have,
-            tokens=tokens,
-            nbytes=tokens * self.cluster.cost.kv_bytes_per_token,
-            est_seconds=self.cluster.cost.transfer_s(source, target, tokens),
-            on_critical_path=True,
-            session_id=view.req.session_id,
-            request_id=view.req.request_id,
-        )
-
-    def replicate_hot(self, view: View, chosen: int, best: int, now: float) -> list[TransferPlan]:
-        """Seed 000's frequency-scored replication of the prefix this request reuses."""
-        if best < 0:
-            return []
-        blocks = int(min(view.hit_blocks[best], view.max_blocks))
-        key = view.req.block_hashes[blocks - 1]
-        hits, first = self._hits.get(key, (0, now))
-        hits += 1
-        self._hits[key] = (hits, first)
-        score = hits / math.sqrt(max(now - first, 1.0))
-        if hits < self.param("min_hits") or score < self.param("hot_score"):
-            return []
-        cluster = self.cluster
-        lacking = view.eligible & (view.hit_blocks < blocks)
-        lacking[chosen] = False
-        if not lacking.any():
-            return []
-        target = self.least_pending(lacking)
-        have = int(view.hit_blocks[target])
-        tokens = (blocks - have) * cluster.block_size
-        cost = cluster.cost.transfer_s(best, target, tokens)
-        benefit = score * self.param("horizon_s") * cost
-        if benefit <= self.param("benefit_factor") * cost:
-            return []
-        self._hits[key] = (0, now)  # replicated: start counting afresh
-        return [
-            TransferPlan(
-                kind=TransferKind.REPLICATE_PREFIX,
-                source=best,
-                target=target,
-                block_hashes=view.req.block_hashes[:blocks],
-                skip_blocks=have,
-                tokens=tokens,
-                nbytes=tokens * cluster.cost.kv_bytes_per_token,
-                est_seconds=cost,
-                on_critical_path=False,
-            )
-        ]

@@ -121,6 +121,25 @@ def cap_gaps(trace: Trace, max_gap_s: float) -> Trace:
     return replace(trace, calls=tuple(calls), notes=notes)
 
 
+def select_groups(trace: Trace, start: int, stop: int) -> Trace:
+    """Keep groups [start, stop) in order of first appearance (e.g. a held-out half of the
+    agentic traces); calls are renumbered and dependencies follow. Recorded in
+    `notes["groups"]`."""
+    if not 0 <= start <= stop:
+        raise ValueError(f"need 0 <= start <= stop, got {start}:{stop}")
+    order: dict[str, int] = {}
+    for call in trace.calls:
+        order.setdefault(call.group, len(order))
+    kept = [c for c in trace.calls if start <= order[c.group] < stop]
+    new_index = {c.index: i for i, c in enumerate(kept)}
+    calls = tuple(
+        replace(c, index=i, after=new_index[c.after] if c.after >= 0 else -1)
+        for i, c in enumerate(kept)
+    )
+    notes = {**trace.notes, "groups": [start, min(stop, len(order))]}
+    return replace(trace, calls=calls, notes=notes)
+
+
 def repeat_groups(trace: Trace, times: int) -> Trace:
     """Replay each group (agentic trace) `times` times as distinct users: copy k gets session
     and group names suffixed `#k` and block ids shifted past every original id, so copies share

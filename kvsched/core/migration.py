@@ -1,0 +1,162 @@
+"""Migration planning: when a session's KV leaves its host, where it goes, and the order.
+
+Shared by `ear` (move a hot host's session on the turn's critical path, to the least-pending
+instance) and `elastic` (decide by estimated TTFT including the transfer, and also move during
+the session's idle gap so the copy leaves the critical path). Cooldowns and affinity stay with
+the policies; this module only answers "move? where? how?".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.policies.base import BoolVec, FloatVec, Policy, View, argmin_eligible
+from kvsched.core.sessions import Session
+from kvsched.core.transfers import plan_copy
+
+
+class MigrationPlanner:
+    """Target choice and transfer orders for moving sessions. With `by_ttft` a move must beat
+    staying by `min_gain_s` of estimated TTFT; without it EAR's rule applies (the host holds
+    more than `t_hot_tokens` pending prefill tokens; the target has the fewest)."""
+
+    def __init__(self, policy: Policy, *, by_ttft: bool, t_hot_tokens: float, min_gain_s: float):
+        self.policy = policy
+        self.cluster = policy.cluster
+        self.by_ttft = by_ttft
+        self.t_hot_tokens = t_hot_tokens
+        self.min_gain_s = min_gain_s
+
+    def candidates(self, eligible: BoolVec, host: int, context_tokens: float) -> BoolVec:
+        """Live instances other than the host with KV room for the context and strictly fewer
+        pending prefill tokens than the host (never a busier or too small instance)."""
+        load = self.cluster.load
+        pending = load.pending_prefill_tokens
+        room = load.free_blocks * self.cluster.block_size >= context_tokens
+        out: BoolVec = eligible & room & (pending < pending[host])
+        out[host] = False
+        return out
+
+    def moving_terms(self, view: View, host: int) -> dict[str, FloatVec]:
+        """Estimated TTFT on every instance if the host's part of the prompt moved there first,
+        on the critical path."""
+        hits = view.hit_tokens
+        moved = np.clip(hits[host] - hits, 0.0, None)
+        return self.policy.ttft_terms(
+            view, np.maximum(hits, hits[host]), self.cluster.cost.transfer_from(host, moved)
+        )
+
+    def on_arrival(self, view: View, host: int, terms: dict[str, FloatVec]) -> Decision:
+        """A turn arrived for a session on `host` (outside its cooldown): stay, or move it now.
+        `terms` are the staying estimates."""
+        policy = self.policy
+        if self.by_ttft:
+            # Moving saves at most the host's queue: below the margin nothing can pay.
+            if terms["queue_s"][host] <= self.min_gain_s:
+                return policy.decision(view, host, "affinity", terms)
+        elif self.cluster.load.pending_prefill_tokens[host] <= self.t_hot_tokens:
+            return policy.decision(view, host, "affinity", terms)
+        context = view.req.prompt_tokens + view.req.output_tokens
+        candidates = self.candidates(view.eligible, host, context)
+        if not candidates.any():
+            return policy.decision(
+                view, host, "host busy, no cooler instance with room: stay", terms
+            )
+        if not self.by_ttft:
+            target = policy.least_pending(candidates)
+            return self.move_now(view, host, target, "host hot: migrate to least pending")
+        moving = self.moving_terms(view, host)
+        target = argmin_eligible(moving["ttft_s"], candidates)
+        if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
+            return policy.decision(view, host, "host busy, moving does not pay: stay", terms)
+        return self.move_now(view, host, target, "host busy: migrate now, min TTFT incl. transfer")
+
+    def move_now(self, view: View, host: int, target: int, rule: str) -> Decision:
+        """The decision sending this turn to `target` with the session's KV copied from `host`
+        on its critical path."""
+        cluster = self.cluster
+        plan = plan_copy(
+            cluster.cost,
+            TransferKind.MIGRATE_SESSION,
+            host,
+            target,
+            hashes=view.req.block_hashes,
+            have=int(view.hit_blocks[target]),
+            upto=int(min(view.hit_blocks[host], view.max_blocks)),
+            on_path=True,
+            session_id=view.req.session_id,
+            request_id=view.req.request_id,
+        )
+        moved = plan.tokens if plan is not None else 0
+        cached = np.array(view.hit_tokens)
+        cached[target] = min(view.hit_tokens[target] + moved, max(view.req.prompt_tokens - 1, 0))
+        transfer = np.zeros(cluster.n)
+        transfer[target] = plan.est_seconds if plan is not None else 0.0
+        return self.policy.decision(
+            view,
+            target,
+            rule,
+            self.policy.ttft_terms(view, cached, transfer),
+            cached_tokens=view.hit_tokens[target],
+            fetched_tokens=moved,
+            transfers=(plan,) if plan is not None else (),
+        )
+
+    def during_gap(
+        self, session: Session, gap_s: float, eligible: BoolVec, room: BoolVec, penalty_s: float
+    ) -> TransferPlan | None:
+        """A turn of `session` just ended and the next is expected `gap_s` from now: plan
+        moving its KV off its host now, so it lands before the next turn, or None.
+
+        `room` marks instances that can take the context; `penalty_s` is added to staying (e.g.
+        the expected recompute when the host's memory is oversubscribed)."""
+        cluster = self.cluster
+        host = session.host
+        hashes = session.context_hashes
+        blocks = np.zeros(cluster.n)
+        for slot, count in cluster.index.match(hashes).items():
+            blocks[slot] = count
+        if blocks[host] <= 0:
+            return None
+        candidates = self.candidates(eligible, host, session.context_tokens) & room
+        if not candidates.any():
+            return None
+        est = self.next_turn_estimate(session, blocks * cluster.block_size, host, gap_s)
+        est[host] += penalty_s
+        if self.by_ttft:
+            target = argmin_eligible(est, candidates)
+        else:
+            target = self.policy.least_pending(candidates)
+        if est[target] + self.min_gain_s >= est[host]:
+            return None
+        return plan_copy(
+            cluster.cost,
+            TransferKind.MIGRATE_SESSION,
+            host,
+            target,
+            hashes=hashes,
+            have=int(blocks[target]),
+            upto=int(blocks[host]),
+            on_path=False,
+            session_id=session.session_id,
+        )
+
+    def next_turn_estimate(
+        self, session: Session, held: FloatVec, host: int, gap_s: float
+    ) -> FloatVec:
+        """Estimated TTFT of the session's next turn on every instance if it arrives `gap_s`
+        from now: the queue left by then, the transfer the gap does not hide, and the prefill
+        of its new tokens on the context it would find there."""
+        cluster = self.cluster
+        cost, load = cluster.cost, cluster.load
+        growth = max(session.growth_tokens, float(cluster.block_size))
+        prompt = session.prompt_tokens + growth
+        moved = np.clip(held[host] - held, 0.0, None)
+        cached = np.maximum(held, held[host])
+        transfer = cost.transfer_from(host, moved)
+        queue = np.maximum(load.pending_prefill_s - gap_s, 0.0)
+        est: FloatVec = queue + cost.prefill_s(prompt - cached, cached)
+        est += np.maximum(transfer - gap_s, 0.0)
+        est[host] = queue[host] + cost.prefill_one(int(prompt - held[host]), int(held[host]))
+        return est

@@ -1,0 +1,57 @@
+"""Hot-prefix replication: copy a frequently reused prefix to an instance that lacks it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvsched.core.decision import TransferKind, TransferPlan
+from kvsched.core.hotness import PrefixHeat
+from kvsched.core.policies.base import Policy, View
+from kvsched.core.transfers import plan_copy
+
+BENEFIT_FACTOR = 1.5  # seed 000: replicate only when the benefit exceeds 1.5 × the cost
+
+
+def hot_prefix_copy(
+    policy: Policy,
+    view: View,
+    heat: PrefixHeat,
+    *,
+    holder: int,
+    chosen: int,
+    now: float,
+    min_hits: int,
+    hot_score: float,
+    benefit_s: Callable[[TransferPlan, float], float],
+) -> TransferPlan | None:
+    """Count a reuse of the prefix this request shares with `holder`; when that prefix is hot
+    (at least `min_hits` reuses and a frequency score of `hot_score`) order a copy to the
+    least-loaded eligible instance lacking it (other than `chosen`, which gets it anyway),
+    provided `benefit_s(plan, score)` exceeds 1.5 × the copy's time."""
+    blocks = int(min(view.hit_blocks[holder], view.max_blocks))
+    if blocks <= 0:
+        return None
+    key = view.req.block_hashes[blocks - 1]
+    hits, score = heat.hit(key, now)
+    if hits < min_hits or score < hot_score:
+        return None
+    lacking = view.eligible & (view.hit_blocks < blocks)
+    lacking[chosen] = False
+    if not lacking.any():
+        return None
+    target = policy.least_pending(lacking)
+    plan = plan_copy(
+        policy.cluster.cost,
+        TransferKind.REPLICATE_PREFIX,
+        holder,
+        target,
+        hashes=view.req.block_hashes,
+        have=int(view.hit_blocks[target]),
+        upto=blocks,
+        on_path=False,
+        request_id=view.req.request_id,
+    )
+    if plan is None or benefit_s(plan, score) <= BENEFIT_FACTOR * plan.est_seconds:
+        return None
+    heat.reset(key, now)
+    return plan
