@@ -200,9 +200,14 @@ class PrefixIndex:
                 self.counters.absent_removals += 1
             elif h in children:
                 self._drop_subtree(slot, h, tier)
-            else:  # a leaf, the common case (engines evict leaves first)
+            else:  # a leaf, the common case (engines evict leaves first): inline `_unset`
                 counts[slot] -= 1
-                self._unset(masks, h, mask & ~bit)
+                mask &= ~bit
+                if mask:
+                    masks[h] = mask
+                else:
+                    del masks[h]
+                    self._unlink_if_unheld(h)
 
     def clear_instance(self, slot: int) -> None:
         """Forget everything `slot` holds, in every tier, and its speculative placements

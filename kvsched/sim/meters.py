@@ -60,7 +60,7 @@ class HotspotMeter:
             mean = total / self.n
             self.busy_s += dt
             self.ratio_area += dt * max(loads) / mean
-            var = sum((x - mean) ** 2 for x in loads) / self.n
+            var = max(sum([x * x for x in loads]) / self.n - mean * mean, 0.0)
             self.cv_area += dt * math.sqrt(var) / mean
             ordered = sorted(loads)
             mid = self.n // 2
@@ -118,28 +118,26 @@ class GapHistogram:
     LO, RATIO, BINS = 1e-4, 1.02, 1000
 
     def __init__(self) -> None:
-        self.counts = np.zeros(self.BINS)
-        self._log_ratio = math.log(self.RATIO)
+        self.counts = [0.0] * self.BINS  # a list: one add per engine step must stay cheap
+        self._inv_log_ratio = 1.0 / math.log(self.RATIO)
 
     def add(self, first: float, last: float, count: float) -> None:
         """`count` gaps spread evenly between `first` and `last`."""
         if count <= 0:
             return
-        spread = abs(last - first)
-        pieces = 1 if spread <= 0.02 * first else min(4, max(1, int(count)))
+        pieces = 1 if abs(last - first) <= 0.02 * first else min(4, max(1, int(count)))
         share = count / pieces
         step = (last - first) / pieces
+        counts, lo, top = self.counts, self.LO, self.BINS - 1
         for k in range(pieces):
-            self.counts[self._bin(first + step * (k + 0.5))] += share
-
-    def _bin(self, value: float) -> int:
-        if value <= self.LO:
-            return 0
-        return min(int(math.log(value / self.LO) / self._log_ratio), self.BINS - 1)
+            value = first + step * (k + 0.5)
+            b = 0 if value <= lo else min(int(math.log(value / lo) * self._inv_log_ratio), top)
+            counts[b] += share
 
     def percentile(self, q: float) -> float:
-        total = self.counts.sum()
+        counts = np.array(self.counts)
+        total = counts.sum()
         if total == 0:
             return math.nan
-        idx = int(np.searchsorted(np.cumsum(self.counts), q / 100.0 * total))
+        idx = int(np.searchsorted(np.cumsum(counts), q / 100.0 * total))
         return float(self.LO * self.RATIO ** (min(idx, self.BINS - 1) + 0.5))

@@ -158,8 +158,13 @@ class Policy(ABC):
         cost, load = cluster.cost, cluster.load
         n_new = float(view.req.prompt_tokens) - cached
         lat = cost.latency
-        decode_overhead = lat.decode_seq_s * load.running + lat.decode_ctx_s * load.decode_tokens
-        prefill = cost.prefill_s(n_new, cached) + cost.passes(n_new) * decode_overhead
+        # Every pass also carries the instance's running decodes.
+        per_pass = (
+            lat.step_s + lat.decode_seq_s * load.running + lat.decode_ctx_s * load.decode_tokens
+        )
+        prefill = cost.passes(n_new) * per_pass + n_new * (
+            lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5)
+        )
         queue = load.pending_prefill_s
         transfer = (
             transfer_s if isinstance(transfer_s, np.ndarray) else np.full(cluster.n, transfer_s)
