@@ -97,6 +97,7 @@ class PrefixIndex:
         self._children: dict[int, list[int]] = {}
         self._pending: dict[int, deque[_Pending]] = {}  # first block -> claims, oldest first
         self._pending_queue: deque[_Pending] = deque()
+        self._pending_blocks = [0] * n_slots
         self.counters = IndexCounters()
 
     # ---- reads -------------------------------------------------------------------------
@@ -106,8 +107,10 @@ class PrefixIndex:
         return self._masks[tier].get(block, 0)
 
     def block_count(self, slot: int, tier: Tier = Tier.GPU) -> int:
-        """Blocks `slot` reported holding in `tier`."""
-        return self._counts[tier][slot]
+        """Blocks `slot` holds in `tier`; on the GPU tier the blocks of its live speculative
+        placements count too (as a router's own approximate tree would grow at once)."""
+        count = self._counts[tier][slot]
+        return count + self._pending_blocks[slot] if tier is Tier.GPU else count
 
     def pending_count(self) -> int:
         """Speculative placements still live."""
@@ -226,6 +229,7 @@ class PrefixIndex:
             else:
                 del self._pending[first]
         self._pending_queue = deque(c for c in self._pending_queue if c.slot != slot)
+        self._pending_blocks[slot] = 0
 
     def speculate(self, slot: int, hashes: Sequence[int], expires_at: float) -> None:
         """Claim that `slot` will hold the chain `hashes` (starting at the root) until
@@ -235,6 +239,7 @@ class PrefixIndex:
         claim = _Pending(expires_at, slot, tuple(hashes))
         self._pending.setdefault(hashes[0], deque()).append(claim)
         self._pending_queue.append(claim)
+        self._pending_blocks[slot] += len(claim.chain)
         self.counters.speculative_added += 1
 
     def expire(self, now: float) -> None:
@@ -243,6 +248,7 @@ class PrefixIndex:
         queue = self._pending_queue
         while queue and queue[0].expires_at <= now:
             claim = queue.popleft()
+            self._pending_blocks[claim.slot] -= len(claim.chain)
             claims = self._pending[claim.chain[0]]
             if claims[0] is claim:
                 claims.popleft()
@@ -320,3 +326,7 @@ class PrefixIndex:
                 assert self._parent.get(kid) == parent, "children map out of step"
         grouped = sorted(id(c) for claims in self._pending.values() for c in claims)
         assert grouped == sorted(id(c) for c in self._pending_queue), "pending claims out of step"
+        pending = [0] * self.n_slots
+        for claim in self._pending_queue:
+            pending[claim.slot] += len(claim.chain)
+        assert pending == self._pending_blocks, "pending block counts out of step"

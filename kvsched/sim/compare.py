@@ -116,8 +116,12 @@ def run_comparison(
     goodput = sweep_goodput(cmp, prepared, config, rows, progress) if cmp.sweep_loads else {}
     first = next(iter(results.values()))
     window = measured_calls(cmp.trace, config, first.group_start)
+    # Prompts longer than the model's context are refused by every policy alike: the ceilings
+    # leave them out, as the served APC does.
+    max_len = first.cluster.cost.model.max_model_len
+    oversize = np.array([c.input_tokens > max_len for c in cmp.trace.calls], dtype=bool)
     report = {
-        "trace": trace_section(cmp, prepared, window),
+        "trace": trace_section(cmp, prepared, window & ~oversize, int((window & oversize).sum())),
         "config": config_section(cmp, config),
         "wall_seconds": time.perf_counter() - started,
         "simulated_seconds": sum(t["simulated_seconds"] for t in timing.values()),
@@ -199,7 +203,9 @@ def _ttfts(result: ReplayResult, trace: Trace, config: ReplayConfig) -> np.ndarr
     )
 
 
-def trace_section(cmp: Comparison, prepared: PreparedTrace, window: np.ndarray) -> dict[str, Any]:
+def trace_section(
+    cmp: Comparison, prepared: PreparedTrace, window: np.ndarray, oversize: int
+) -> dict[str, Any]:
     """Facts of the replayed trace; the APC ceilings are over the measurement window (the
     `_all` ones over every call)."""
     trace = cmp.trace
@@ -217,6 +223,7 @@ def trace_section(cmp: Comparison, prepared: PreparedTrace, window: np.ndarray) 
         "prompt_tokens": int(sum(c.input_tokens for c in trace.calls)),
         "output_tokens": int(sum(c.output_tokens for c in trace.calls)),
         "measured_calls": int(window.sum()),
+        "oversize_calls": oversize,
         "ideal_apc_global": ceiling.ideal_apc(trace, scope="global", window=list(window)),
         "ideal_apc_session": ceiling.ideal_apc(trace, scope="session", window=list(window)),
         "ideal_apc_global_all": ceiling.ideal_apc(trace, scope="global"),

@@ -166,7 +166,9 @@ def test_index_matches_brute_force(ops: list[tuple[str, int, int, int, Tier]]) -
         assert index.counters.unknown_parents == model.unknown_parents
         if model.unknown_parents == 0:  # with a gap, what hangs below it is unknowable
             for s in range(4):
-                assert index.block_count(s, Tier.GPU) == len(model.held[s, Tier.GPU])
+                claimed = sum(len(c[2]) for c in model.claims if c[1] == s)
+                assert index.block_count(s, Tier.GPU) == len(model.held[s, Tier.GPU]) + claimed
+                assert index.block_count(s, Tier.CPU) == len(model.held[s, Tier.CPU])
 
 
 class CountingDict(dict[int, int]):

@@ -10,12 +10,13 @@ parts, each switchable for ablation:
     turn ran meanwhile; a failed or late copy leaves it on its source.
 (b) `ttft_target`: decide *whether* and *where* to migrate by estimated TTFT including the
     part of the transfer a gap does not hide, moving only when that beats staying by
-    `min_gain_s`; and re-place a turn whose host lost its context (evicted) where it starts
-    soonest. Off: EAR's `t_hot_tokens` trigger and least-pending target.
+    `min_gain_s`. Off: EAR's `t_hot_tokens` trigger and least-pending target.
 (c) `global_index`: cold starts (new sessions, sessionless requests) go where the estimated
-    TTFT is lowest using every instance's cached prefix, fetching a longer shared prefix (a
-    system prompt) from its holder when the transfer beats recomputing it, and preferring
-    instances whose active sessions leave room for the new context.
+    TTFT is lowest using every instance's cached prefix — plus the extra prefill a placement
+    costs over the best holder's, weighted by the share of instances busy (that compute
+    delays whoever queues behind it) — fetching a longer shared prefix (a system prompt) from
+    its holder when the transfer beats recomputing it, and preferring instances whose active
+    sessions leave room for the new context.
 (d) `replicate`: prefixes that cold starts reuse often (frequency score hits / sqrt(age), seed
     000) are copied ahead of time to the least-loaded instance lacking them when the expected
     saving exceeds 1.5 × the copy's cost.
@@ -97,13 +98,6 @@ class Elastic(Policy):
             return self.decision(view, host, "affinity (idle migration in flight)", terms)
         if session.in_cooldown(now, self.param("t_cool_s")):
             return self.decision(view, host, "affinity (cooldown)", terms)
-        if self.param("ttft_target"):
-            # Where the host lost the session's KV (evicted), affinity buys nothing: go where
-            # the turn starts soonest, as a cold start would.
-            ttft = terms["ttft_s"]
-            best = argmin_eligible(ttft, view.eligible, self.resident.tokens)
-            if best != host and ttft[best] + self.param("min_gain_s") < ttft[host]:
-                return self.decision(view, best, "host lost the context: re-place", terms)
         return self.planner.on_arrival(view, host, terms)
 
     def _cold(self, view: View, now: float) -> Decision:
@@ -127,11 +121,18 @@ class Elastic(Policy):
             cached = np.where(fetch, hits[best], hits)
             transfer = np.where(fetch, fetch_s, 0.0)
         terms = self.ttft_terms(view, cached, transfer)
+        # Recomputing what another instance holds also delays whoever queues behind it: a
+        # request arriving at a busy instance waits, so charge the extra prefill at the share
+        # of instances busy now (for Poisson arrivals, the chance of finding one busy).
+        prefill = terms["prefill_s"]
+        busy_share = float(np.mean(cluster.load.pending_prefill_s[view.eligible] > 0))
+        extra = prefill - float(np.min(prefill[view.eligible]))
+        terms["score_s"] = terms["ttft_s"] + busy_share * extra
         context = view.req.prompt_tokens + view.req.output_tokens
         resident = self.resident.tokens
         fits = view.eligible & (resident + context <= self._capacity_tokens)
         pool = fits if fits.any() else view.eligible
-        slot = argmin_eligible(terms["ttft_s"], pool, resident, cluster.load.in_flight)
+        slot = argmin_eligible(terms["score_s"], pool, resident, cluster.load.in_flight)
         terms["resident_tokens"] = resident.copy()
         transfers: list[TransferPlan] = []
         fetched = 0

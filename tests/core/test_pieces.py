@@ -1,0 +1,93 @@
+"""The small shared pieces: admission, prefix heat, residency, transfer orders."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvsched.core import admission
+from kvsched.core.cluster import SloConfig
+from kvsched.core.decision import TransferKind
+from kvsched.core.hotness import PrefixHeat
+from kvsched.core.residency import ResidentSessions
+from kvsched.core.sessions import SessionTable
+from kvsched.core.transfers import plan_copy
+from tests.conftest import make_cluster
+
+SLO = SloConfig(ttft_s=2.0, tpot_s=0.1)
+
+
+def test_admission_refuses_queueing_misses_not_hopeless_requests() -> None:
+    assert admission.check(1.9, 0.5, SLO) is None
+    refusal = admission.check(3.5, 0.5, SLO, min_retry_s=0.1)
+    assert refusal is not None and refusal.retry_after_s == pytest.approx(1.5)
+    assert admission.check(9.0, 8.0, SLO) is None  # slower than the SLO even when idle
+    assert admission.check(1.0, 0.5, SLO, min_retry_s=2.0) is None
+    tbt = admission.check(1.0, 0.5, SLO, tbt_s=0.2)
+    assert tbt is not None and "inter-token" in tbt.rule
+
+
+def test_prefix_heat_is_hits_over_root_age() -> None:
+    heat = PrefixHeat()
+    assert heat.hit(7, 10.0) == (1, 1.0)
+    heat.hit(7, 12.0)
+    hits, score = heat.hit(7, 14.0)
+    assert hits == 3 and score == pytest.approx(3 / math.sqrt(4.0))
+    heat.reset(7, 20.0)
+    assert heat.hit(7, 20.5) == (1, 1.0)
+
+
+def test_residency_moves_and_expires_claims() -> None:
+    sessions = SessionTable()
+    resident = ResidentSessions(3, window_s=10.0)
+    sessions.arrive("a", 0.0)
+    resident.claim("a", 1, 1000.0, 0.0)
+    resident.claim("a", 2, 1500.0, 1.0)  # moved and grew
+    assert list(resident.tokens) == [0.0, 0.0, 1500.0]
+    sessions.arrive("a", 8.0)  # active again: the first expiry must not drop it
+    resident.expire(10.5, sessions)
+    assert resident.tokens[2] == 1500.0
+    resident.expire(30.0, sessions)
+    assert list(resident.tokens) == [0.0, 0.0, 0.0]
+
+
+def test_transfer_orders_cover_exactly_the_missing_blocks() -> None:
+    cluster = make_cluster(4, block_size=16)
+    hashes = tuple(range(1, 11))
+    plan = plan_copy(
+        cluster.cost,
+        TransferKind.MIGRATE_SESSION,
+        0,
+        3,
+        hashes=hashes,
+        have=4,
+        upto=9,
+        on_path=False,
+    )
+    assert plan is not None
+    assert (plan.block_hashes, plan.skip_blocks, plan.n_blocks) == (hashes[:9], 4, 5)
+    assert plan.tokens == 80 and plan.nbytes == 80 * cluster.cost.kv_bytes_per_token
+    assert plan.est_seconds == pytest.approx(cluster.cost.transfer_s(0, 3, 80))
+    assert (
+        plan_copy(
+            cluster.cost,
+            TransferKind.FETCH_PREFIX,
+            0,
+            1,
+            hashes=hashes,
+            have=5,
+            upto=5,
+            on_path=True,
+        )
+        is None
+    )
+
+
+def test_topology_distances_and_costs() -> None:
+    cluster = make_cluster(16)
+    topo = cluster.cost.topology
+    assert [topo.distance(0, j) for j in (1, 4, 8)] == [0, 1, 2]
+    assert topo.transfer_s(0, 0, 10**9) == 0.0
+    near, far = topo.transfer_s(0, 1, 10**9), topo.transfer_s(0, 8, 10**9)
+    assert 0 < near < far
