@@ -102,9 +102,6 @@ class ClusterState:
         self.load.reset(slot, self.capacity_blocks)
         self.sessions.unbind_host(slot)
 
-    def revive_instance(self, slot: int) -> None:
-        self.alive[slot] = True
-
 
 def build_cluster(config: ClusterConfig) -> ClusterState:
     """The one constructor of cluster state (simulator and services alike)."""

@@ -108,8 +108,3 @@ class SessionTable:
                 s.pending_target = NO_HOST
                 s.pending_ready_at = float("inf")
         return n
-
-    def forget(self, session_id: str) -> None:
-        s = self._sessions.pop(session_id, None)
-        if s is not None and s.host != NO_HOST:
-            self.bound[s.host] -= 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -269,7 +269,3 @@ def config_section(cmp: Comparison, config: ReplayConfig) -> dict[str, Any]:
             "links": links,
         },
     }
-
-
-def policy_names(specs: Sequence[str]) -> list[str]:
-    return [parse_spec(s)[0] for s in specs]

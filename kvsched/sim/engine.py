@@ -67,9 +67,6 @@ class StepOutcome:
 
     first_tokens: list[Job] = field(default_factory=list)
     finished: list[Job] = field(default_factory=list)  # includes prefill-only jobs handed off
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    passes: int = 0
 
 
 @dataclass(slots=True)
@@ -145,10 +142,8 @@ class Engine:
             limit = (job.prompt - 1) // self.bs
             guess = max(job.held + job.fetched, self.cache.match(job.hashes, limit))
             n_new = job.prompt - min(guess * self.bs, job.prompt - 1)
-            job.est_prefill_s = float(
-                self.latency.prefill_scalar(
-                    float(n_new), float(job.prompt - n_new), self.chunk_tokens
-                )
+            job.est_prefill_s = self.latency.prefill_scalar(
+                n_new, job.prompt - n_new, self.chunk_tokens
             )
             self.pending_tokens += n_new
             self.pending_s += job.est_prefill_s
@@ -233,7 +228,7 @@ class Engine:
         step = self.step
         assert step is not None and abs(step.end - now) < 1e-9, "complete() off the step end"
         self.step = None
-        out = StepOutcome(passes=step.passes, decode_seqs=step.decode_seqs)
+        out = StepOutcome()
         dur = now - step.start
         self.busy_s += dur
         self.kv_area += self.cache.locked * dur
@@ -310,10 +305,8 @@ class Engine:
             # Replace the provisional pending estimate with the one for the real hit.
             self.pending_tokens += job.computed - cached_tokens
             job.computed = cached_tokens
-            new_est = float(
-                self.latency.prefill_scalar(
-                    float(job.prompt - cached_tokens), float(cached_tokens), self.chunk_tokens
-                )
+            new_est = self.latency.prefill_scalar(
+                job.prompt - cached_tokens, cached_tokens, self.chunk_tokens
             )
             self.pending_s += new_est - job.est_prefill_s
             job.est_prefill_s = new_est
@@ -328,14 +321,9 @@ class Engine:
     def _progress(self, job: Job, take: int, now: float, out: StepOutcome) -> None:
         bs = self.bs
         job.computed += take
-        out.prefill_tokens += take
         self.pending_tokens -= take
         remaining_est = (
-            float(
-                self.latency.prefill_scalar(
-                    float(job.prompt - job.computed), float(job.computed), self.chunk_tokens
-                )
-            )
+            self.latency.prefill_scalar(job.prompt - job.computed, job.computed, self.chunk_tokens)
             if job.computed < job.prompt
             else 0.0
         )

@@ -15,7 +15,6 @@ class Network:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._free: dict[tuple[str, int], float] = {}
-        self.bytes_moved = 0
 
     def schedule(self, src: int, dst: int, nbytes: int, now: float) -> tuple[float, float]:
         """Book a transfer of `nbytes` from `src` to `dst` starting no earlier than `now`;
@@ -30,5 +29,4 @@ class Network:
         end = start + link.seconds(nbytes)
         for k in keys:
             self._free[k] = end
-        self.bytes_moved += nbytes
         return start, end

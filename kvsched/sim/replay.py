@@ -57,7 +57,6 @@ class Req:
     finished_at: float = -1.0
     local_hit: int = 0
     transfer_hit: int = 0
-    transfer_wait_s: float = 0.0
     rejected: bool = False
     done: bool = False
     decision: Decision | None = None
@@ -109,7 +108,6 @@ class ReplayResult:
     end_time: float
     events: int
     wall_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Replay:
@@ -343,8 +341,6 @@ class Replay:
             job.held, job.fetched, job.private = have_dst, blocks, job.private + blocks
             job.ready_at = start + (end - start) / dst.layers
             job.kv_done_at = end
-            req = self.reqs[job.rid]
-            req.transfer_wait_s = end - now
         if plan.kind is TransferKind.MIGRATE_SESSION:
             self._count_migration(plan, nbytes, start, end, job)
         self._push(end, _XFER_DONE, record)
