@@ -91,8 +91,10 @@ class PrefixCache:
 
     # ---- locks -------------------------------------------------------------------------
 
-    def lock_prefix(self, hashes: Sequence[int], n: int, now: float) -> None:
-        """A request starts holding the first `n` cached blocks of `hashes`."""
+    def lock_prefix(self, hashes: Sequence[int], n: int, now: float, *, touch: bool = True) -> None:
+        """A request (or a copy to another instance) starts holding the first `n` cached blocks
+        of `hashes`. `touch=False` for a copy's read: it is not a use, so the blocks keep their
+        place in the LRU order."""
         if n <= 0:
             return
         node: Node | None = self.nodes[hashes[n - 1]]
@@ -100,17 +102,22 @@ class PrefixCache:
             if node.lock == 0:
                 self.locked_nodes += 1
             node.lock += 1
-            node.last_access = now
+            if touch:
+                node.last_access = now
             node = node.parent
 
-    def unlock_prefix(self, hashes: Sequence[int], n: int, now: float) -> None:
-        """A request stops holding the first `n` blocks of `hashes` (all cached)."""
+    def unlock_prefix(
+        self, hashes: Sequence[int], n: int, now: float, *, touch: bool = True
+    ) -> None:
+        """A request stops holding the first `n` blocks of `hashes` (all cached); see
+        `lock_prefix` for `touch`."""
         if n <= 0:
             return
         node: Node | None = self.nodes[hashes[n - 1]]
         while node is not None:
             node.lock -= 1
-            node.last_access = now
+            if touch:
+                node.last_access = now
             if node.lock == 0:
                 self.locked_nodes -= 1
                 if node.children == 0:

@@ -329,7 +329,7 @@ class Replay:
             dst.cache.unlock_prefix(hashes, have_dst, now)
             self._transfer_failed(plan)
             return
-        src.cache.lock_prefix(hashes, have_src, now)
+        src.cache.lock_prefix(hashes, have_src, now, touch=False)  # reading is not using
         blocks = have_src - have_dst
         nbytes = blocks * dst.bs * self.cluster.cost.kv_bytes_per_token
         start, end = self.network.schedule(plan.source, plan.target, nbytes, now)
@@ -373,7 +373,7 @@ class Replay:
         now = self.now
         plan = record.plan
         src, dst = self.engines[plan.source], self.engines[plan.target]
-        src.cache.unlock_prefix(plan.block_hashes, record.source_blocks, now)
+        src.cache.unlock_prefix(plan.block_hashes, record.source_blocks, now, touch=False)
         if record.job is None:
             # Nobody waits: the copied blocks join the target's cache, evictable.
             hashes = plan.block_hashes

@@ -105,3 +105,16 @@ def test_random_requests_keep_the_page_invariant(reqs: list[tuple[int, int, bool
         assert cache.free + cache.evictable + cache.locked == cache.total
     with pytest.raises(AssertionError):
         cache.release(cache.private + 1)
+
+
+def test_a_copy_reading_blocks_does_not_refresh_them() -> None:
+    cache = filled(4, [1, 2], now=1.0)
+    assert cache.reserve(1)
+    cache.commit([7], 0, 1, 0, now=5.0)  # a younger block elsewhere
+    cache.unlock_prefix([7], 1, now=5.0)
+    cache.lock_prefix([1, 2], 2, now=9.0, touch=False)  # copied to another instance
+    cache.unlock_prefix([1, 2], 2, now=9.5, touch=False)
+    cache.drain_events()
+    assert cache.reserve(2)  # 1 free + evict one: the old chain's leaf goes, not block 7
+    assert cache.drain_events().removed == [2]
+    cache.check_integrity()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every comparison quoted in docs/evaluation.md, reproducible: needs the public traces in
+# ../shared/traces. Writes out/eval/<run>/{report.json,table.md,*.png}. About an hour on two
+# cores (the two groups run side by side).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+K=.venv/bin/kvsched
+T=../shared/traces
+W=$T/weka_cc_agentic/weka_cc_agentic_calls.jsonl.xz
+C=$T/conversation_trace.jsonl
+S=$T/synthetic_trace.jsonl
+A=$T/azure_llm_2023/AzureLLMInferenceTrace_conv.csv
+ABLATION=ear,elastic,elastic:idle_migration=0,elastic:ttft_target=0,elastic:global_index=0,elastic:replicate=0,elastic:admission=0
+WEKA=(--instances 8 --load 64 --max-gap 300 --quiet)
+OPEN=(--instances 8 --quiet)
+mkdir -p out/eval
+
+agentic() {
+    $K replay --trace "$W" --policies all --seed 0 "${WEKA[@]}" --out out/eval/weka
+    $K replay --trace "$W" --policies "$ABLATION" --seed 0 "${WEKA[@]}" --no-figures --out out/eval/weka_ablation
+    $K replay --trace "$W" --sessions 180:360 --policies all --seed 0 "${WEKA[@]}" --no-figures --out out/eval/weka_heldout
+    for seed in 1 2; do
+        $K replay --trace "$W" --policies kv_cost,mooncake,sticky,ear,elastic --seed "$seed" "${WEKA[@]}" \
+            --no-figures --out "out/eval/weka_seed$seed"
+    done
+    $K replay --trace "$W" --sessions 0:180 --policies all --seed 0 "${WEKA[@]}" --sweep 16,32,128,256 \
+        --no-figures --out out/eval/weka_sweep
+}
+
+open_loop() {
+    $K replay --trace "$C" --policies all --seed 0 --load 1 "${OPEN[@]}" --out out/eval/conv
+    $K replay --trace "$C" --policies "$ABLATION" --seed 0 --load 1 "${OPEN[@]}" --no-figures --out out/eval/conv_ablation
+    $K replay --trace "$S" --policies all --seed 0 --load 1 "${OPEN[@]}" --out out/eval/synth
+    $K replay --trace "$A" --policies all --seed 0 --load 16 "${OPEN[@]}" --no-figures --out out/eval/azure
+    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
+    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
+}
+
+agentic > out/eval/agentic.log 2>&1 &
+open_loop > out/eval/open_loop.log 2>&1
+wait
+for run in out/eval/*/; do echo "== $run"; cat "$run/table.md"; echo; done
