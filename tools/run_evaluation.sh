@@ -23,6 +23,8 @@ agentic() {
         $K replay --trace "$W" --policies kv_cost,mooncake,sticky,ear,elastic --seed "$seed" "${WEKA[@]}" \
             --no-figures --out "out/eval/weka_seed$seed"
     done
+    $K replay --trace "$W" --shared-prefix "$T/weka_cc_agentic/weka_cc_agentic_trace_meta.json" \
+        --policies "cache_aware,sticky,$ABLATION" --seed 0 "${WEKA[@]}" --no-figures --out out/eval/weka_shared
     $K replay --trace "$W" --sessions 0:180 --policies all --seed 0 "${WEKA[@]}" --sweep 16,32,128,256 \
         --no-figures --out out/eval/weka_sweep
 }

@@ -155,11 +155,11 @@ class Engine:
     def report(self) -> LoadReport:
         """The engine's load as a scheduler would read it from its metrics."""
         batch = len(self.decoding)
-        room = max(self.chunk_tokens - batch, 1)
-        passes = -(-self.pending_tokens // room)
-        overhead = passes * (
-            self.latency.decode_seq_s * batch + self.latency.decode_ctx_s * self.decode_ctx
-        )
+        overhead = 0.0
+        if self.pending_tokens and batch:  # decodes ride along every pass of the queue
+            passes = -(-self.pending_tokens // max(self.chunk_tokens - batch, 1))
+            lat = self.latency
+            overhead = passes * (lat.decode_seq_s * batch + lat.decode_ctx_s * self.decode_ctx)
         return LoadReport(
             pending_prefill_tokens=self.pending_tokens,
             pending_prefill_s=self.pending_s + overhead,

@@ -24,7 +24,8 @@ class HotspotMeter:
         self.ratio_area = 0.0
         self.cv_area = 0.0
         self.hot_s = 0.0
-        self.area = [0.0] * n
+        self.area = [0.0] * n  # ∫ L_i dt, brought up to date when L_i changes
+        self._since = [0.0] * n
         self.elapsed_s = 0.0
         # Change log for the heatmap: time, slot, new value.
         self.log_t = array("d")
@@ -39,6 +40,8 @@ class HotspotMeter:
             self.last_t = now
         self.started = True
         if self.loads[slot] != value:
+            self.area[slot] += self.loads[slot] * (now - self._since[slot])
+            self._since[slot] = now
             self.loads[slot] = value
             self.log_t.append(now)
             self.log_slot.append(slot)
@@ -47,6 +50,9 @@ class HotspotMeter:
     def finish(self, now: float) -> None:
         if now > self.last_t:
             self._integrate(now)
+        for slot, load in enumerate(self.loads):
+            self.area[slot] += load * (now - self._since[slot])
+            self._since[slot] = now
 
     def _integrate(self, now: float) -> None:
         dt = now - self.last_t
@@ -67,9 +73,6 @@ class HotspotMeter:
             median = ordered[mid] if self.n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
             if ordered[-1] > 1.5 * median and ordered[-1] > self.chunk:
                 self.hot_s += dt
-            area = self.area
-            for i, x in enumerate(loads):
-                area[i] += x * dt
 
     def summary(self) -> dict[str, float]:
         busy = self.busy_s or math.nan

@@ -252,6 +252,9 @@ def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -
     lowest slot. Deterministic: no random tie-break."""
     if not eligible.any():
         raise ValueError("no eligible instance")
-    keys = [np.where(eligible, v, np.inf) for v in (*reversed(tiebreaks), values)]
-    order = np.lexsort(keys)
-    return int(order[0])
+    masked = np.where(eligible, values, np.inf)
+    best = int(np.argmin(masked))
+    if not tiebreaks or np.count_nonzero(masked == masked[best]) == 1:
+        return best  # the common case: a unique minimum
+    keys = [np.where(eligible, v, np.inf) for v in reversed(tiebreaks)]
+    return int(np.lexsort([*keys, masked])[0])
