@@ -8,19 +8,10 @@ the policies; this module only answers "move? where? how?".
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from kvsched.core.decision import Decision, TransferKind, TransferPlan
-from kvsched.core.policies.base import (
-    BoolVec,
-    FloatVec,
-    Policy,
-    View,
-    argmin_eligible,
-    argmin_within,
-)
+from kvsched.core.policies.base import BoolVec, FloatVec, Policy, View, argmin_eligible
 from kvsched.core.sessions import Session
 from kvsched.core.transfers import plan_copy
 
@@ -30,19 +21,8 @@ class MigrationPlanner:
     staying by `min_gain_s` of estimated TTFT; without it EAR's rule applies (the host holds
     more than `t_hot_tokens` pending prefill tokens; the target has the fewest)."""
 
-    def __init__(
-        self,
-        policy: Policy,
-        *,
-        by_ttft: bool,
-        t_hot_tokens: float,
-        min_gain_s: float,
-        spread: Callable[[], FloatVec] | None = None,
-    ):
+    def __init__(self, policy: Policy, *, by_ttft: bool, t_hot_tokens: float, min_gain_s: float):
         self.policy = policy
-        # With `spread`, targets whose estimate is within the margin of the best are told
-        # apart by it (e.g. the active sessions each instance already hosts).
-        self.spread = spread
         self.cluster = policy.cluster
         self.by_ttft = by_ttft
         self.t_hot_tokens = t_hot_tokens
@@ -87,7 +67,7 @@ class MigrationPlanner:
             target = policy.least_pending(candidates)
             return self.move_now(view, host, target, "host hot: migrate to least pending")
         moving = self.moving_terms(view, host)
-        target = self._best(moving["ttft_s"], candidates)
+        target = argmin_eligible(moving["ttft_s"], candidates)
         if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
             return policy.decision(view, host, "host busy, moving does not pay: stay", terms)
         return self.move_now(view, host, target, "host busy: migrate now, min TTFT incl. transfer")
@@ -145,7 +125,7 @@ class MigrationPlanner:
         est = self.next_turn_estimate(session, blocks * cluster.block_size, host, gap_s)
         est[host] += penalty_s
         if self.by_ttft:
-            target = self._best(est, candidates)
+            target = argmin_eligible(est, candidates)
         else:
             target = self.policy.least_pending(candidates)
         if est[target] + self.min_gain_s >= est[host]:
@@ -161,11 +141,6 @@ class MigrationPlanner:
             on_path=False,
             session_id=session.session_id,
         )
-
-    def _best(self, estimate: FloatVec, candidates: BoolVec) -> int:
-        if self.spread is None:
-            return argmin_eligible(estimate, candidates)
-        return argmin_within(estimate, candidates, self.min_gain_s, self.spread())
 
     def next_turn_estimate(
         self, session: Session, held: FloatVec, host: int, gap_s: float

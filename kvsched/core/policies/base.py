@@ -247,17 +247,6 @@ class Policy(ABC):
                 cluster.sessions.bind(req.session_id, slot, now, migrated=migrated)
 
 
-def argmin_within(
-    values: FloatVec, eligible: BoolVec, margin: float, spread: FloatVec, *tiebreaks: FloatVec
-) -> int:
-    """Among eligible slots whose value is within `margin` of the best, the one with the least
-    `spread` (then the later keys, the value itself, the lowest slot): differences smaller than
-    a decision's margin are noise, and should not decide where work piles up."""
-    masked = np.where(eligible, values, np.inf)
-    near: BoolVec = eligible & (masked <= masked.min() + margin)
-    return argmin_eligible(spread, near, *tiebreaks, values)
-
-
 def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -> int:
     """Index of the smallest value among eligible slots; ties go to the later keys, then the
     lowest slot. Deterministic: no random tie-break."""

@@ -16,10 +16,7 @@ parts, each switchable for ablation:
     costs over the best holder's, weighted by the share of instances busy (that compute
     delays whoever queues behind it) — fetching a longer shared prefix (a system prompt) from
     its holder when the transfer beats recomputing it, and preferring instances whose active
-    sessions leave room for the new context. Among instances within `min_gain_s` of the best,
-    the one hosting the fewest active-session tokens wins (migration targets alike): a new
-    big prefill should not land where many sessions, some held by their cooldown, will queue
-    behind it.
+    sessions leave room for the new context.
 (d) `replicate`: prefixes that cold starts reuse often (frequency score hits / sqrt(age), seed
     000) are copied ahead of time to the least-loaded instance lacking them when the expected
     saving exceeds 1.5 × the copy's cost.
@@ -38,7 +35,7 @@ from kvsched.core.cluster import Role
 from kvsched.core.decision import Completion, Decision, TransferKind, TransferPlan
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
-from kvsched.core.policies.base import Policy, View, argmin_within
+from kvsched.core.policies.base import Policy, View, argmin_eligible
 from kvsched.core.replication import hot_prefix_copy
 from kvsched.core.residency import ResidentSessions
 from kvsched.core.sessions import NO_HOST, Session
@@ -71,7 +68,6 @@ class Elastic(Policy):
             by_ttft=self.param("ttft_target"),
             t_hot_tokens=self.param("t_hot_tokens"),
             min_gain_s=self.param("min_gain_s"),
-            spread=lambda: self.resident.tokens,
         )
         self.resident = ResidentSessions(cluster.n, self.param("active_window_s"))
         self._heat = PrefixHeat()
@@ -136,9 +132,7 @@ class Elastic(Policy):
         resident = self.resident.tokens
         fits = view.eligible & (resident + context <= self._capacity_tokens)
         pool = fits if fits.any() else view.eligible
-        slot = argmin_within(
-            terms["score_s"], pool, self.param("min_gain_s"), resident, cluster.load.in_flight
-        )
+        slot = argmin_eligible(terms["score_s"], pool, resident, cluster.load.in_flight)
         terms["resident_tokens"] = resident.copy()
         transfers: list[TransferPlan] = []
         fetched = 0
