@@ -76,13 +76,15 @@ class Transfer:
 
 @dataclass(slots=True)
 class MigrationLog:
-    """Migration accounting (DESIGN: count, bytes, downtime, critical path, cooldown, after)."""
+    """Migration accounting (DESIGN: count, bytes, downtime and critical path, cooldown,
+    whether the target stayed cool)."""
 
     count: int = 0
     on_path: int = 0
     bytes: int = 0
+    # Copy time a turn waited for; also the session's downtime, since a session stalls only
+    # while a copy is on its turn's critical path (a copy in its idle gap stalls nothing).
     critical_path_s: float = 0.0
-    downtime_s: float = 0.0
     failed: int = 0
     cooldown_violations: int = 0
     follow_turns: int = 0  # turns served on a migration target within 3 turns after
@@ -95,8 +97,6 @@ class MigrationLog:
 class ReplayResult:
     """Everything a report needs from one policy's run."""
 
-    policy: str
-    trace_calls: int
     reqs: list[Req]
     cluster: ClusterState
     engines: list[Engine]
@@ -219,8 +219,6 @@ class Replay:
                 progress(done_before / total)
         self.hotspot.finish(self.now)
         return ReplayResult(
-            policy=self.spec,
-            trace_calls=total,
             reqs=self.reqs,
             cluster=self.cluster,
             engines=self.engines,
@@ -355,7 +353,6 @@ class Replay:
         if job is not None:
             log.on_path += 1
             log.critical_path_s += end - self.now
-            log.downtime_s += end - self.now
         if plan.session_id is not None:
             cooldown = float(self.policy.params.get("t_cool_s", 0.0))
             last = self._last_migration.get(plan.session_id, -math.inf)

@@ -101,7 +101,7 @@ def summarize(result: ReplayResult, trace: Trace, config: ReplayConfig) -> dict[
         "migrations_on_path": mig.on_path,
         "migrated_bytes": mig.bytes,
         "migration_critical_path_s": mig.critical_path_s,
-        "migration_downtime_s": mig.downtime_s,
+        "migration_downtime_s": mig.critical_path_s,  # the same in this model: see MigrationLog
         "migration_failed": mig.failed,
         "cooldown_violations": mig.cooldown_violations,
         "migration_target_cool_share": (mig.follow_cool / mig.follow_turns)
