@@ -15,8 +15,8 @@ from kvsched.sim.traces import transform
 from kvsched.sim.traces.model import Trace
 from kvsched.sim.traces.weka import weka_shared_prefix
 
-# Defaults per trace format: loop mode, token scale (Claude-sized agentic contexts shrink to
-# fit a 128K-context model), and SLOs. Every one is recorded in the report.
+# Defaults per trace format: loop mode and token scale (Claude-sized agentic contexts shrink to
+# fit a 128K-context model). Both are recorded in the report.
 DEFAULT_MODE = {"mooncake": "open", "weka": "closed", "azure": "open"}
 DEFAULT_TOKEN_SCALE = {"mooncake": 1.0, "weka": 0.25, "azure": 1.0}
 
