@@ -23,8 +23,8 @@ class Session:
     prompt_tokens: int = 0  # the last prompt
     growth_tokens: float = -1.0  # smoothed new prompt tokens per turn; -1 unknown
     idle_gap_s: float = -1.0  # smoothed gap between a finish and the next arrival; -1 unknown
-    pending_target: int = NO_HOST  # a migration in flight to this slot
-    pending_ready_at: float = float("inf")
+    pending_target: int = NO_HOST  # an idle-gap copy of its KV in flight to this slot
+    pending_since: float = float("inf")  # when that copy started
 
     def in_cooldown(self, now: float, cooldown_s: float) -> bool:
         return now - self.last_migration_at < cooldown_s
@@ -94,7 +94,25 @@ class SessionTable:
             self.bound[host] = self.bound.get(host, 0) + 1
         s.host = host
         s.pending_target = NO_HOST
-        s.pending_ready_at = float("inf")
+        s.pending_since = float("inf")
+
+    def begin_move(self, session_id: str, target: int, now: float) -> None:
+        """A copy of the session's KV to `target` started while the session is idle; the
+        session stays on its host until `end_move`."""
+        s = self._sessions[session_id]
+        s.pending_target, s.pending_since = target, now
+
+    def end_move(self, session_id: str, target: int, ok: bool, now: float) -> bool:
+        """The copy to `target` ended. The session moves there only if it landed and no turn
+        ran meanwhile (otherwise its host holds newer KV). Returns whether it moved."""
+        s = self._sessions.get(session_id)
+        if s is None or s.pending_target != target:
+            return False
+        moved = ok and s.last_arrival_at < s.pending_since
+        s.pending_target, s.pending_since = NO_HOST, float("inf")
+        if moved:
+            self.bind(session_id, target, now, migrated=True)
+        return moved
 
     def unbind_host(self, host: int) -> int:
         """Drop every binding to `host` (the instance died); returns how many moved."""
@@ -106,5 +124,5 @@ class SessionTable:
                 n += 1
             if s.pending_target == host:
                 s.pending_target = NO_HOST
-                s.pending_ready_at = float("inf")
+                s.pending_since = float("inf")
         return n

@@ -99,15 +99,13 @@ class Policy(ABC):
         self.cluster.load.finish(done.instance)
         return ()
 
-    def on_transfer(self, plan: TransferPlan, ok: bool, now: float) -> None:
-        """A transfer this policy ordered ended; a landed migration rebinds its session."""
-        if ok and plan.kind is TransferKind.MIGRATE_SESSION and plan.session_id is not None:
-            self.cluster.sessions.bind(plan.session_id, plan.target, now, migrated=True)
-        elif not ok and plan.session_id is not None:
-            session = self.cluster.sessions.get(plan.session_id)
-            if session is not None and session.pending_target == plan.target:
-                session.pending_target = -1
-                session.pending_ready_at = float("inf")
+    def on_transfer(self, plan: TransferPlan, ok: bool, now: float) -> bool:
+        """A transfer this policy ordered ended. An idle-gap migration rebinds its session if
+        the KV landed in time (a migration on a turn's critical path was bound at placement).
+        Returns whether a session moved."""
+        if plan.kind is not TransferKind.MIGRATE_SESSION or plan.session_id is None:
+            return False
+        return self.cluster.sessions.end_move(plan.session_id, plan.target, ok, now)
 
     # ---- shared helpers ------------------------------------------------------------------
 

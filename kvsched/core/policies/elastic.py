@@ -32,7 +32,7 @@ import numpy as np
 
 from kvsched.core import admission
 from kvsched.core.cluster import Role
-from kvsched.core.decision import Completion, Decision, TransferKind, TransferPlan
+from kvsched.core.decision import Completion, Decision, TransferPlan
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.policies.base import Policy, View, argmin_eligible
@@ -71,7 +71,6 @@ class Elastic(Policy):
         )
         self.resident = ResidentSessions(cluster.n, self.param("active_window_s"))
         self._heat = PrefixHeat()
-        self._inflight: dict[str, float] = {}  # session -> when its idle migration started
         self._capacity_tokens = float(cluster.capacity_blocks * cluster.block_size)
 
     # ---- placement ---------------------------------------------------------------------
@@ -93,7 +92,7 @@ class Elastic(Policy):
     def _affine(self, view: View, session: Session, now: float) -> Decision:
         host = session.host
         terms = self.ttft_terms(view, view.hit_tokens)
-        if session.session_id in self._inflight:
+        if session.pending_target != NO_HOST:
             # Its KV is on the wire; the source still holds it: no second move.
             return self.decision(view, host, "affinity (idle migration in flight)", terms)
         if session.in_cooldown(now, self.param("t_cool_s")):
@@ -212,7 +211,7 @@ class Elastic(Policy):
     def _idle_migration(self, session: Session, now: float) -> TransferPlan | None:
         """(a): move a session off a busy or crowded host while its agent is busy."""
         host, gap = session.host, session.idle_gap_s
-        if host == NO_HOST or gap < 0 or session.session_id in self._inflight:
+        if host == NO_HOST or gap < 0 or session.pending_target != NO_HOST:
             return None  # unbound, no gap seen yet, or already moving
         if session.in_cooldown(now, self.param("t_cool_s")) or not session.context_hashes:
             return None
@@ -236,27 +235,12 @@ class Elastic(Policy):
         eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
         plan = self.planner.during_gap(session, gap, eligible, room, penalty)
         if plan is not None:
-            self._inflight[session.session_id] = now
-            session.pending_target = plan.target
-            session.pending_ready_at = now + plan.est_seconds
+            cluster.sessions.begin_move(session.session_id, plan.target, now)
         return plan
 
-    def on_transfer(self, plan: TransferPlan, ok: bool, now: float) -> None:
-        sid = plan.session_id
-        if (
-            plan.kind is not TransferKind.MIGRATE_SESSION
-            or sid is None
-            or sid not in self._inflight
-        ):
-            super().on_transfer(plan, ok, now)
-            return
-        started = self._inflight.pop(sid)
-        session = self.cluster.sessions.get(sid)
-        if session is None:
-            return
-        session.pending_target = NO_HOST
-        session.pending_ready_at = float("inf")
-        # Rebind only if no turn ran while the KV moved: otherwise the source holds newer KV.
-        if ok and session.last_arrival_at < started:
-            self.cluster.sessions.bind(sid, plan.target, now, migrated=True)
-            self.resident.claim(sid, plan.target, session.context_tokens, now)
+    def on_transfer(self, plan: TransferPlan, ok: bool, now: float) -> bool:
+        moved = super().on_transfer(plan, ok, now)
+        session = self.cluster.sessions.get(plan.session_id) if moved and plan.session_id else None
+        if session is not None:
+            self.resident.claim(session.session_id, plan.target, session.context_tokens, now)
+        return moved
