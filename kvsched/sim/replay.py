@@ -318,7 +318,6 @@ class Replay:
         hashes = plan.block_hashes
         have_src = src.cache.match(hashes, len(hashes))
         have_dst = dst.cache.match(hashes, len(hashes))
-        stats = self.transfer_stats[plan.kind.value]
         if have_src <= have_dst:
             self._transfer_failed(plan)
             return
@@ -331,9 +330,7 @@ class Replay:
         blocks = have_src - have_dst
         nbytes = blocks * dst.bs * self.cluster.cost.kv_bytes_per_token
         start, end = self.network.schedule(plan.source, plan.target, nbytes, now)
-        stats[0] += 1
-        stats[1] += nbytes
-        stats[2] += end - start
+        self._count_transfer(plan, nbytes, end - start)
         record = Transfer(plan, have_src, have_dst, job, start, end)
         if job is not None:
             job.held, job.fetched, job.private = have_dst, blocks, job.private + blocks
@@ -342,6 +339,12 @@ class Replay:
         if plan.kind is TransferKind.MIGRATE_SESSION:
             self._count_migration(plan, nbytes, start, end, job)
         self._push(end, _XFER_DONE, record)
+
+    def _count_transfer(self, plan: TransferPlan, nbytes: int, seconds: float) -> None:
+        stats = self.transfer_stats[plan.kind.value]
+        stats[0] += 1
+        stats[1] += nbytes
+        stats[2] += seconds
 
     def _count_migration(
         self, plan: TransferPlan, nbytes: int, start: float, end: float, job: Job | None
@@ -440,10 +443,7 @@ class Replay:
         nbytes = job.prompt * self.cluster.cost.kv_bytes_per_token
         start, end = self.network.schedule(plan.source, plan.target, nbytes, job.admitted_at)
         end = max(end, now + (end - start) / engine.layers)
-        stats = self.transfer_stats[plan.kind.value]
-        stats[0] += 1
-        stats[1] += nbytes
-        stats[2] += end - start
+        self._count_transfer(plan, nbytes, end - start)
         decode = Job(job.rid, JobKind.DECODE_ONLY, job.prompt, job.output, job.hashes, now)
         decode.generated = 1
         decode.ready_at = decode.kv_done_at = end

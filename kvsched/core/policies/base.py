@@ -134,10 +134,12 @@ class Policy(ABC):
             request_id=view.req.request_id,
         )
 
-    def view(self, req: RequestInfo, *roles: Role) -> View:
+    def view(self, req: RequestInfo) -> View:
+        """The request's hits on every instance; the candidates are the live instances that
+        take prompt work."""
         cluster = self.cluster
         bs = cluster.block_size
-        eligible = cluster.slots_with(*(roles or (Role.BOTH, Role.PREFILL)))
+        eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
         max_blocks = max(req.prompt_tokens - 1, 0) // bs
         hashes = req.block_hashes[:max_blocks]
         blocks = np.zeros(cluster.n)

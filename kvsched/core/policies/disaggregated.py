@@ -39,16 +39,21 @@ class _Disaggregated(Policy):
         TBT vector."""
         cluster = self.cluster
         load = cluster.load
-        lat = cluster.cost.latency
         need = view.req.prompt_tokens + view.req.output_tokens
-        tbt = (
+        tbt = self.tbt_s(view)
+        room = pool & (load.free_blocks * cluster.block_size >= need)
+        slot = argmin_eligible(tbt, room if room.any() else pool, load.decode_tokens, load.running)
+        return slot, np.where(pool, tbt, np.nan)
+
+    def tbt_s(self, view: View) -> FloatVec:
+        """Estimated inter-token time on every instance once this request joins its decodes."""
+        load = self.cluster.load
+        lat = self.cluster.cost.latency
+        return (
             lat.step_s
             + lat.decode_seq_s * (load.running + 1)
             + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
         )
-        room = pool & (load.free_blocks * cluster.block_size >= need)
-        slot = argmin_eligible(tbt, room if room.any() else pool, load.decode_tokens, load.running)
-        return slot, np.where(pool, tbt, np.nan)
 
     def handoff(self, view: View, prefill: int, decode: int) -> TransferPlan:
         """Ship the whole prompt's KV from the prefill to the decode instance after prefill."""
@@ -149,14 +154,7 @@ class Mooncake(_Disaggregated):
         slot = argmin_eligible(terms["ttft_s"], view.eligible, cluster.load.in_flight)
         if self.param("colocated"):
             decode = slot
-            lat = cluster.cost.latency
-            load = cluster.load
-            tbt = (
-                lat.step_s
-                + lat.decode_seq_s * (load.running + 1)
-                + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
-            )
-            tbt = np.where(view.eligible, tbt, np.nan)
+            tbt = np.where(view.eligible, self.tbt_s(view), np.nan)
         else:
             decode, tbt = self.decode_terms(view, cluster.slots_with(Role.DECODE))
         terms["tbt_s"] = tbt
