@@ -95,6 +95,15 @@ class ClusterState:
             mask = self._role_masks[key] = np.array([r in roles for r in self.roles], dtype=bool)
         return np.logical_and(mask, self.alive)
 
+    def add_instance(self, slot: int, role: Role) -> None:
+        """An instance joined (or came back) in `slot` with `role`: it starts empty and idle."""
+        if self.roles[slot] is not role:
+            self.roles = (*self.roles[:slot], role, *self.roles[slot + 1 :])
+            self._role_masks.clear()
+        self.index.clear_instance(slot)
+        self.load.reset(slot, self.capacity_blocks)
+        self.alive[slot] = True
+
     def remove_instance(self, slot: int) -> None:
         """An instance died or left: forget its blocks, load and session bindings."""
         self.alive[slot] = False

@@ -51,6 +51,7 @@ class TransferPlan:
     on_critical_path: bool
     session_id: str | None = None
     request_id: RequestId | None = None
+    transfer_id: str = ""  # set by the Conductor when it hands the order out
 
     @property
     def n_blocks(self) -> int:

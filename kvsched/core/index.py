@@ -212,13 +212,39 @@ class PrefixIndex:
                     del masks[h]
                     self._unlink_if_unheld(h)
 
+    def parent_of(self, block: int) -> int | None:
+        """The block `block` continues (None at the root or when unknown)."""
+        return self._parent.get(block)
+
+    def blocks_of(self, slot: int, tier: Tier = Tier.GPU) -> list[int]:
+        """Every block `slot` holds in `tier` (a full scan: for resyncs and removals)."""
+        bit = 1 << slot
+        return [h for h, mask in self._masks[tier].items() if mask & bit]
+
+    def subtree_of(self, slot: int, hashes: Sequence[int], tier: Tier = Tier.GPU) -> list[int]:
+        """The blocks `remove(slot, hashes, tier)` would drop: those of `hashes` that `slot`
+        holds and their descendants on `slot`."""
+        bit = 1 << slot
+        masks, children = self._masks[tier], self._children
+        out: list[int] = []
+        stack = [h for h in hashes if masks.get(h, 0) & bit]
+        seen: set[int] = set()
+        while stack:
+            h = stack.pop()
+            if h in seen:
+                continue
+            seen.add(h)
+            out.append(h)
+            stack.extend(c for c in children.get(h, ()) if masks.get(c, 0) & bit)
+        return out
+
     def clear_instance(self, slot: int) -> None:
         """Forget everything `slot` holds, in every tier, and its speculative placements
         (AllBlocksCleared, instance removal)."""
         bit = 1 << slot
         for tier in Tier:
             masks = self._masks[tier]
-            mine = [h for h, mask in masks.items() if mask & bit]  # rare: a full scan is fine
+            mine = self.blocks_of(slot, tier)  # rare: a full scan is fine
             for h in mine:
                 self._unset(masks, h, masks[h] & ~bit)
             self._counts[tier][slot] = 0

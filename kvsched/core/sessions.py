@@ -96,6 +96,16 @@ class SessionTable:
         s.pending_target = NO_HOST
         s.pending_since = float("inf")
 
+    def restore(self, session: Session) -> None:
+        """Put back a session record saved elsewhere (a Conductor's warm start); replaces any
+        record of the same id."""
+        old = self._sessions.get(session.session_id)
+        if old is not None and old.host != NO_HOST:
+            self.bound[old.host] -= 1
+        self._sessions[session.session_id] = session
+        if session.host != NO_HOST:
+            self.bound[session.host] = self.bound.get(session.host, 0) + 1
+
     def begin_move(self, session_id: str, target: int, now: float) -> None:
         """A copy of the session's KV to `target` started while the session is idle; the
         session stays on its host until `end_move`."""

@@ -19,7 +19,9 @@ from typing import Any
 
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
-from kvsched.core.policies import POLICIES, Policy, make_policy, parse_spec
+from kvsched.core.policies import POLICIES, parse_spec
+from kvsched.core.policies.base import ParamValue
+from kvsched.core.scheduler import Scheduler, SchedulerPort
 from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind, StepOutcome
 from kvsched.sim.meters import GapHistogram, HotspotMeter
 from kvsched.sim.network import Network
@@ -113,7 +115,15 @@ class ReplayResult:
 class Replay:
     """One policy on one prepared trace. `run()` once."""
 
-    def __init__(self, prepared: PreparedTrace, spec: str, config: ReplayConfig) -> None:
+    def __init__(
+        self,
+        prepared: PreparedTrace,
+        spec: str,
+        config: ReplayConfig,
+        scheduler: SchedulerPort | None = None,
+    ) -> None:
+        """`scheduler` defaults to an in-process one; the parity test passes one that asks a
+        live Conductor."""
         name, params = parse_spec(spec)
         trace = prepared.trace
         cluster_cfg = replace(
@@ -126,8 +136,8 @@ class Replay:
         self.calls = trace.calls
         self.config = config
         self.cluster = build_cluster(cluster_cfg)
-        self.policy: Policy = make_policy(spec, self.cluster)
-        self.rng = random.Random(config.seed)
+        self.scheduler: SchedulerPort = scheduler or Scheduler(self.cluster, spec, config.seed)
+        self.params: dict[str, ParamValue] = {**POLICIES[name].defaults, **params}
         cost = self.cluster.cost
         engine_spec = EngineSpec(
             block_size=trace.block_tokens,
@@ -254,7 +264,7 @@ class Replay:
         if call.input_tokens > self.cluster.cost.model.max_model_len:
             self._finish_rejected(req)
             return
-        decision = self.policy.place(info, now, self.rng)
+        decision = self.scheduler.place(info, now)
         if self.config.keep_decisions:
             req.decision = decision
         if decision.rejected:
@@ -292,7 +302,7 @@ class Replay:
         target, left = self._migrated_at[sid]
         if slot == target:
             self.migrations.follow_turns += 1
-            hot = float(self.policy.params.get("t_hot_tokens", self.cluster.config.chunk_tokens))
+            hot = float(self.params.get("t_hot_tokens", self.cluster.config.chunk_tokens))
             if self.engines[target].pending_tokens <= hot:
                 self.migrations.follow_cool += 1
         if left <= 1:
@@ -357,7 +367,7 @@ class Replay:
             log.on_path += 1
             log.critical_path_s += end - self.now
         if plan.session_id is not None:
-            cooldown = float(self.policy.params.get("t_cool_s", 0.0))
+            cooldown = float(self.params.get("t_cool_s", 0.0))
             last = self._last_migration.get(plan.session_id, -math.inf)
             if self.now - last < cooldown:
                 log.cooldown_violations += 1
@@ -367,7 +377,7 @@ class Replay:
     def _transfer_failed(self, plan: TransferPlan) -> None:
         if plan.kind is TransferKind.MIGRATE_SESSION:
             self.migrations.failed += 1
-        self.policy.on_transfer(plan, False, self.now)
+        self.scheduler.transfer_done(plan, False, self.now)
 
     def _on_transfer_done(self, record: Transfer) -> None:
         now = self.now
@@ -383,7 +393,7 @@ class Replay:
             dst.cache.unlock_prefix(hashes, record.source_blocks, now)
             self._drain(plan.target)
         self._drain(plan.source)
-        self.policy.on_transfer(plan, True, now)
+        self.scheduler.transfer_done(plan, True, now)
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -469,7 +479,7 @@ class Replay:
             first_token_at=req.first_token_at,
             finished_at=now,
         )
-        for plan in self.policy.on_finish(done, now, self.rng):
+        for plan in self.scheduler.finish(done, now):
             self._start_transfer(plan, None)
         self._release_dependents(req.call)
 
@@ -480,15 +490,15 @@ class Replay:
     def _drain(self, slot: int) -> None:
         """Apply the engine's cache events to the policy's index (vLLM KV-event semantics)."""
         events = self.engines[slot].cache.drain_events()
-        index = self.cluster.index
+        scheduler = self.scheduler
         for hashes, parent in events.stored:
-            index.store(slot, hashes, parent)
+            scheduler.blocks_stored(slot, hashes, parent)
         if events.removed:
-            index.remove(slot, events.removed)
+            scheduler.blocks_removed(slot, events.removed)
 
     def _report(self, slot: int) -> None:
         engine = self.engines[slot]
-        self.cluster.load.report(slot, engine.report())
+        self.scheduler.report_load(slot, engine.report())
         self.hotspot.set(self.now, slot, float(engine.pending_tokens))
 
 
