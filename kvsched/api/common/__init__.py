@@ -1,0 +1,1 @@
+"""Generated from protos/ by scripts/protos; never edited by hand."""
