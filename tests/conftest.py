@@ -12,6 +12,8 @@ from kvsched.core.decision import RequestInfo
 from kvsched.core.load import LoadReport
 from kvsched.sim.traces.model import Trace, TraceCall
 
+pytest_plugins = ["tests.fixtures.etcd", "tests.fixtures.otlp"]
+
 REPO = Path(__file__).resolve().parent.parent
 SLICES = REPO / "data" / "traces"
 SHARED = REPO.parent / "shared"

@@ -1,0 +1,1 @@
+"""Networked services of kvsched: the Conductor, the engine agents and what they share."""

@@ -1,0 +1,1 @@
+"""The only place that imports gRPC servers, etcd, OpenTelemetry and settings."""
