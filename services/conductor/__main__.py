@@ -1,0 +1,43 @@
+"""`python -m services.conductor` (or `kvsched conductor`): run one Conductor until SIGINT or
+SIGTERM, then shut down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from services.common.telemetry import TelemetrySettings, setup_tracing
+from services.conductor.app import Conductor
+from services.conductor.settings import parse
+
+
+async def serve(argv: Sequence[str] | None = None) -> None:
+    settings = parse(argv)
+    provider = setup_tracing(TelemetrySettings.from_env("kvsched-conductor"), set_global=True)
+    conductor = Conductor(settings, tracer_provider=provider)
+    await conductor.start()
+    print(
+        f"conductor {settings.conductor_id} grpc={conductor.url} http={conductor.http_url}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await conductor.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(serve(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

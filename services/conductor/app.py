@@ -1,0 +1,228 @@
+"""One Conductor process: state, etcd replica, election, write-behind, gRPC and HTTP servers.
+
+Lifecycle: `start()` loads the state from etcd (warm), binds the servers, then follows etcd
+and campaigns. Only the elected leader serves writes (`serving`); a standby answers reads and
+stays warm from the watch. Losing the lease makes the process a standby again, rebuilt from
+etcd so nothing it had not persisted survives. `stop()` resigns first so a standby takes over
+at once, flushes, and lets in-flight RPCs finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
+from services.common.store import EtcdStore, Store
+from services.common.telemetry import (
+    TelemetrySettings,
+    get_tracer,
+    server_interceptor,
+    setup_tracing,
+    shutdown_tracing,
+)
+from services.conductor import keys, replica
+from services.conductor.election import Election, LeaderInfo
+from services.conductor.http import AdminHttp
+from services.conductor.keys import InstanceRecord
+from services.conductor.metrics import ConductorMetrics
+from services.conductor.persist import Persister
+from services.conductor.service import ConductorServicer
+from services.conductor.settings import ConductorSettings
+from services.conductor.state import ConductorState
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name
+
+
+class Conductor:
+    """A Conductor; `clock` is injectable (the parity test drives it)."""
+
+    def __init__(
+        self,
+        settings: ConductorSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+        tracer_provider: TracerProvider | None = None,
+        store: Store | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.store: Store = store or EtcdStore(settings.etcd)
+        self.state = self._new_state()
+        self.serving = False
+        self.metrics = ConductorMetrics(self)
+        self.tracer_provider = tracer_provider or setup_tracing(
+            TelemetrySettings("kvsched-conductor", settings.otlp_endpoint)
+        )
+        self._own_provider = tracer_provider is None
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.http = AdminHttp(self)
+        self.election: Election = Election(self.store, LeaderInfo("", "", ""), 1)
+        self.persister: Persister
+        self._tasks: list[asyncio.Task[None]] = []
+        self._follow: asyncio.Task[None] | None = None
+        # Answer queues of the open placement streams (ended when leadership is lost).
+        self.open_streams: set[asyncio.Queue[Any]] = set()
+
+    def _new_state(self) -> ConductorState:
+        s = self.settings
+        return ConductorState(
+            s.cluster_config(),
+            s.policy,
+            s.seed,
+            self_id=s.conductor_id,
+            max_prompt_tokens=s.max_prompt_tokens,
+            persist_blocks=s.persist_blocks,
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        await self.store.connect()
+        revision = await replica.load(self.store, self.state)
+        self.persister = Persister(self.store, self.state, s.persist_interval_s)
+        port = await self._start_grpc()
+        host = (s.advertise or s.listen).rpartition(":")[0]
+        http_port = await self.http.start(s.http_listen)
+        http_host = s.http_listen.rpartition(":")[0]
+        self.settings = replace(
+            s, advertise=f"{host}:{port}", http_listen=f"{http_host}:{http_port}"
+        )
+        info = LeaderInfo(s.conductor_id, self.settings.url, self.settings.http_url)
+        self.election = Election(self.store, info, s.leader_ttl_s)
+        self._follow = asyncio.create_task(self._follow_from(revision))
+        self._tasks = [
+            asyncio.create_task(self.election.run(self._on_elected, self._on_lost)),
+            asyncio.create_task(self.persister.run()),
+        ]
+        log.info("Conductor %s listening on %s (http %s)", s.conductor_id, self.url, self.http_url)
+
+    @property
+    def url(self) -> str:
+        return self.settings.url
+
+    @property
+    def http_url(self) -> str:
+        return self.settings.http_url
+
+    async def _start_grpc(self) -> int:
+        s = self.settings
+        tracer = get_tracer(self.tracer_provider)
+        server = grpc.aio.server(
+            interceptors=[server_interceptor(tracer)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
+        )
+        pb_grpc.add_ConductorServiceServicer_to_server(ConductorServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        if s.tls is not None:
+            port = server.add_secure_port(s.listen, _server_credentials(s))
+        else:
+            port = server.add_insecure_port(s.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {s.listen}")
+        await server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server = server
+        return port
+
+    async def _follow_from(self, revision: int) -> None:
+        await replica.follow(self.store, self.state, self.election, revision)
+
+    async def _on_elected(self) -> None:
+        """Catch up on what the watch may not have applied yet, then serve."""
+        await self._reconcile()
+        recorded = await self.store.get(keys.POLICY.encode())
+        if recorded is None:
+            await self.store.put(keys.POLICY.encode(), self.state.scheduler.spec.encode())
+        self.serving = True
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("Conductor %s leads", self.settings.conductor_id)
+
+    async def _reconcile(self) -> None:
+        state, store = self.state, self.store
+        instances = await store.get_prefix(keys.INSTANCES.encode())
+        live = set()
+        for kv in instances:
+            record = InstanceRecord.decode(kv.value)
+            live.add(record.spec.instance_id)
+            old = state.instances.get(record.spec.instance_id)
+            state.add_instance(record, old.next_sequence if old else 0)
+        for gone in set(state.instances) - live:
+            state.remove_instance(gone)
+        for kv in await store.get_prefix(keys.CURSORS.encode()):
+            inst = state.instances.get(keys.tail(kv.key.decode(), keys.CURSORS))
+            if inst is not None:
+                inst.next_sequence = int(kv.value)
+        for kv in await store.get_prefix(keys.SESSIONS.encode()):
+            state.restore_session(keys.tail(kv.key.decode(), keys.SESSIONS), kv.value)
+        policy = await store.get(keys.POLICY.encode())
+        if policy is not None and policy.value.decode() != state.scheduler.spec:
+            state.set_policy(policy.value.decode())
+
+    async def _on_lost(self) -> None:
+        """Stop serving and rebuild from etcd: unpersisted writes of the lost term are gone."""
+        self.serving = False
+        for answers in self.open_streams:
+            if answers.full():  # a busy stream: its reader ends it after the queued answers
+                asyncio.get_running_loop().create_task(answers.put(None))
+            else:
+                answers.put_nowait(None)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._follow is not None:
+            self._follow.cancel()
+        self.state = self._new_state()
+        revision = await replica.load(self.store, self.state)
+        self.persister.state = self.state
+        self._follow = asyncio.create_task(self._follow_from(revision))
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Resign, flush, drain RPCs, close."""
+        self.serving = False
+        with contextlib.suppress(Exception):
+            await self.persister.flush()
+        with contextlib.suppress(Exception):
+            await self.election.resign()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.http.stop()
+        tasks = [*self._tasks, *([self._follow] if self._follow else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.store.close()
+        if self._own_provider:
+            await asyncio.to_thread(shutdown_tracing, self.tracer_provider)
+
+
+def _server_credentials(s: ConductorSettings) -> grpc.ServerCredentials:
+    assert s.tls is not None
+    with open(s.tls.key_file, "rb") as f:
+        key = f.read()
+    with open(s.tls.cert_file, "rb") as f:
+        cert = f.read()
+    ca = None
+    if s.tls.client_ca_file:
+        with open(s.tls.client_ca_file, "rb") as f:
+            ca = f.read()
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )

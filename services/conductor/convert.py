@@ -1,0 +1,225 @@
+"""Protobuf messages to and from core values, with the boundary checks (unspecified enums,
+missing fields) that raise `RequestError` before anything changes."""
+
+from __future__ import annotations
+
+import math
+
+from google.protobuf.duration_pb2 import Duration
+
+from kvsched.api.common.v1 import common_pb2 as common
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.cluster import Role
+from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.index import Tier
+from kvsched.core.load import LoadReport
+from kvsched.core.sessions import NO_HOST, Session
+from services.conductor.keys import InstanceSpec
+from services.conductor.state import (
+    ClearedEvent,
+    ConductorState,
+    KvEvent,
+    RemovedEvent,
+    RequestError,
+    StoredEvent,
+)
+
+ROLES: dict[int, Role] = {
+    common.ROLE_BOTH: Role.BOTH,
+    common.ROLE_PREFILL: Role.PREFILL,
+    common.ROLE_DECODE: Role.DECODE,
+}
+ROLE_VALUES: dict[Role, common.Role.ValueType] = {
+    Role.BOTH: common.ROLE_BOTH,
+    Role.PREFILL: common.ROLE_PREFILL,
+    Role.DECODE: common.ROLE_DECODE,
+}
+TIERS: dict[int, Tier] = {
+    common.TIER_GPU: Tier.GPU,
+    common.TIER_CPU: Tier.CPU,
+    common.TIER_DISK: Tier.DISK,
+}
+KINDS = {
+    TransferKind.FETCH_PREFIX: common.TRANSFER_KIND_FETCH_PREFIX,
+    TransferKind.MIGRATE_SESSION: common.TRANSFER_KIND_MIGRATE_SESSION,
+    TransferKind.REPLICATE_PREFIX: common.TRANSFER_KIND_REPLICATE_PREFIX,
+    TransferKind.HANDOFF: common.TRANSFER_KIND_HANDOFF,
+}
+
+
+def duration(seconds: float) -> Duration:
+    d = Duration()
+    if math.isfinite(seconds):
+        d.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
+    return d
+
+
+def seconds(d: Duration) -> float:
+    return float(d.seconds) + d.nanos * 1e-9
+
+
+def role(value: int) -> Role:
+    found = ROLES.get(value)
+    if found is None:
+        raise RequestError(
+            "invalid", f"role must be ROLE_BOTH, ROLE_PREFILL or ROLE_DECODE, got {value}"
+        )
+    return found
+
+
+def tier(value: int) -> Tier:
+    found = TIERS.get(value)
+    if found is None:
+        raise RequestError("invalid", f"tier must be TIER_GPU, TIER_CPU or TIER_DISK, got {value}")
+    return found
+
+
+def instance_spec(msg: pb.InstanceSpec) -> InstanceSpec:
+    if not msg.instance_id:
+        raise RequestError("invalid", "spec.instance_id is required")
+    if len(msg.instance_id) > 256:
+        raise RequestError("invalid", "spec.instance_id is longer than 256 characters")
+    return InstanceSpec(
+        instance_id=msg.instance_id,
+        url=msg.url,
+        node=msg.node,
+        role=role(msg.role),
+        model=msg.model,
+        messenger_url=msg.messenger_url,
+    )
+
+
+def load_report(msg: common.LoadReport) -> LoadReport:
+    return LoadReport(
+        pending_prefill_tokens=msg.pending_prefill_tokens,
+        pending_prefill_s=seconds(msg.pending_prefill),
+        waiting=msg.waiting,
+        running=msg.running,
+        decode_tokens=msg.decode_tokens,
+        free_blocks=msg.free_blocks,
+    )
+
+
+def load_message(state: ConductorState, slot: int) -> common.LoadReport:
+    load = state.cluster.load
+    return common.LoadReport(
+        pending_prefill_tokens=int(load.pending_prefill_tokens[slot]),
+        pending_prefill=duration(float(load.pending_prefill_s[slot])),
+        waiting=int(load.waiting[slot]),
+        running=int(load.running[slot]),
+        decode_tokens=int(load.decode_tokens[slot]),
+        free_blocks=max(int(load.free_blocks[slot]), 0),
+    )
+
+
+def kv_events(batch: pb.KvEventBatch) -> list[KvEvent]:
+    """Decode a batch's events; raises RequestError on an unset event or enum."""
+    out: list[KvEvent] = []
+    for i, event in enumerate(batch.events):
+        kind = event.WhichOneof("event")
+        if kind == "blocks_stored":
+            s = event.blocks_stored
+            parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
+            out.append(StoredEvent(tuple(s.block_hashes), parent, tier(s.tier)))
+        elif kind == "blocks_removed":
+            r = event.blocks_removed
+            out.append(RemovedEvent(tuple(r.block_hashes), tier(r.tier)))
+        elif kind == "all_blocks_cleared":
+            out.append(ClearedEvent())
+        elif kind == "load":
+            out.append(load_report(event.load))
+        else:
+            raise RequestError("invalid", f"event {i} of the batch has no event set")
+    return out
+
+
+def transfer_message(state: ConductorState, plan: TransferPlan) -> common.TransferPlan:
+    return common.TransferPlan(
+        transfer_id=plan.transfer_id,
+        kind=KINDS[plan.kind],
+        source_instance_id=state.id_of(plan.source),
+        target_instance_id=state.id_of(plan.target),
+        block_hashes=plan.block_hashes,
+        skip_blocks=plan.skip_blocks,
+        tokens=plan.tokens,
+        bytes=plan.nbytes,
+        estimated_duration=duration(plan.est_seconds),
+        on_critical_path=plan.on_critical_path,
+        session_id=plan.session_id or "",
+        request_id="" if plan.request_id is None else str(plan.request_id),
+    )
+
+
+def decision_message(
+    state: ConductorState, decision: Decision, *, explain: bool = False
+) -> pb.Decision:
+    inst = state.instances.get(state.id_of(decision.instance))
+    dec = state.instances.get(state.id_of(decision.decode_instance))
+    msg = pb.Decision(
+        request_id=str(decision.request_id),
+        instance_id=state.id_of(decision.instance) if decision.instance >= 0 else "",
+        instance_url=inst.spec.url if inst else "",
+        decode_instance_id=state.id_of(decision.decode_instance)
+        if decision.decode_instance >= 0
+        else "",
+        decode_instance_url=dec.spec.url if dec else "",
+        cached_tokens=max(decision.cached_tokens, 0),
+        fetched_tokens=max(decision.fetched_tokens, 0),
+        estimated_ttft=duration(decision.estimated_ttft_s),
+        rule=decision.rule,
+        policy=state.scheduler.policy.name,
+        transfers=[transfer_message(state, t) for t in decision.transfers],
+    )
+    if explain:
+        for row in decision.explain():
+            slot = int(row.pop("instance"))
+            chosen = bool(row.pop("chosen"))
+            terms = {k: float(v) for k, v in row.items() if math.isfinite(float(v))}
+            msg.candidates.append(
+                pb.CandidateCost(instance_id=state.id_of(slot), terms=terms, chosen=chosen)
+            )
+    return msg
+
+
+def rejection_message(decision: Decision) -> pb.Rejection:
+    return pb.Rejection(
+        request_id=str(decision.request_id),
+        rule=decision.rule,
+        retry_after=duration(decision.retry_after_s),
+        estimated_ttft=duration(decision.estimated_ttft_s),
+    )
+
+
+def session_message(state: ConductorState, session: Session) -> pb.Session:
+    return pb.Session(
+        session_id=session.session_id,
+        host_instance_id=state.id_of(session.host) if session.host != NO_HOST else "",
+        turns=session.turns,
+        migrations=session.migrations,
+        context_tokens=session.context_tokens,
+        moving_to_instance_id=state.id_of(session.pending_target)
+        if session.pending_target != NO_HOST
+        else "",
+    )
+
+
+def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatus:
+    inst = state.instances[instance_id]
+    spec, slot = inst.spec, inst.slot
+    return pb.InstanceStatus(
+        spec=pb.InstanceSpec(
+            instance_id=spec.instance_id,
+            url=spec.url,
+            node=spec.node,
+            role=ROLE_VALUES[spec.role],
+            model=spec.model,
+            messenger_url=spec.messenger_url,
+        ),
+        slot=slot,
+        lease_id=inst.record.lease_id,
+        load=load_message(state, slot),
+        in_flight=int(state.cluster.load.in_flight[slot]),
+        gpu_blocks=state.cluster.index.block_count(slot),
+        next_event_sequence=inst.next_sequence,
+        sessions_bound=state.cluster.sessions.bound_on(slot),
+    )

@@ -1,0 +1,112 @@
+"""Leader election through one etcd key bound to the leader's lease.
+
+The leader keeps its lease alive every third of its time to live; if a keep-alive fails it
+steps down at once. Standbys wait for the key to go (the replica's watch wakes them) and
+campaign; whoever creates the key leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+from services.common.store import Store, StoreUnavailable
+from services.conductor import keys
+
+log = logging.getLogger(__name__)
+_LEADER = keys.LEADER.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    """Who leads and where."""
+
+    id: str
+    url: str
+    http_url: str
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def decode(value: bytes) -> LeaderInfo:
+        body = json.loads(value)
+        return LeaderInfo(str(body["id"]), str(body["url"]), str(body["http_url"]))
+
+
+class Election:
+    """Campaigns for `self_info` and tracks the current leader."""
+
+    def __init__(self, store: Store, self_info: LeaderInfo, ttl_s: int) -> None:
+        self.store = store
+        self.self_info = self_info
+        self.ttl_s = max(int(ttl_s), 1)
+        self.leader: LeaderInfo | None = None
+        self.is_leader = False
+        self.changed = asyncio.Event()  # set when the leader key may have changed
+        self._lease = 0
+
+    def observe(self, value: bytes | None) -> None:
+        """The leader key was written (or deleted: None); called by the replica's watch."""
+        self.leader = LeaderInfo.decode(value) if value else None
+        self.changed.set()
+
+    async def run(
+        self,
+        on_elected: Callable[[], Awaitable[None]],
+        on_lost: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Campaign, lead, step down, campaign again; until cancelled."""
+        while True:
+            try:
+                if await self._campaign():
+                    await on_elected()
+                    await self._lead()
+                    self.is_leader = False
+                    await on_lost()
+                else:
+                    await self._wait_for_change()
+            except StoreUnavailable as exc:
+                if self.is_leader:
+                    self.is_leader = False
+                    await on_lost()
+                log.warning("election: %s", exc)
+                await self._wait_for_change()
+
+    async def _campaign(self) -> bool:
+        lease = await self.store.grant_lease(self.ttl_s)
+        if await self.store.create(_LEADER, self.self_info.encode(), lease.id):
+            self._lease = lease.id
+            self.leader = self.self_info
+            self.is_leader = True
+            log.info("elected leader: %s", self.self_info.id)
+            return True
+        await self.store.revoke_lease(lease.id)
+        current = await self.store.get(_LEADER)
+        self.leader = LeaderInfo.decode(current.value) if current else None
+        return False
+
+    async def _lead(self) -> None:
+        """Keep the lease alive until it cannot be."""
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            remaining = await self.store.keep_alive(self._lease)
+            if remaining <= 0:
+                log.warning("leader lease lapsed; stepping down")
+                return
+
+    async def _wait_for_change(self) -> None:
+        self.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), self.ttl_s / 2)
+
+    async def resign(self) -> None:
+        """Give up leadership now (graceful shutdown): standbys take over at once."""
+        if self.is_leader:
+            self.is_leader = False
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.revoke_lease(self._lease)

@@ -1,0 +1,108 @@
+"""Prometheus metrics of one Conductor (its own registry, so several can share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from services.conductor.app import Conductor
+
+_LATENCY_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3, 0.1,
+)  # fmt: skip
+
+
+class ConductorMetrics:
+    """Counters and histograms updated on the request path; gauges read at scrape time."""
+
+    def __init__(self, conductor: Conductor) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decision_seconds = Histogram(
+            "kvsched_conductor_decision_seconds",
+            "Time to decide one placement, policy and bookkeeping included.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.decisions = Counter(
+            "kvsched_conductor_decisions", "Placement requests by outcome.", ["outcome"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvsched_conductor_prompt_tokens", "Prompt tokens placed.", registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvsched_conductor_expected_cached_tokens",
+            "Prompt tokens expected to hit the chosen instance's cache (hit rate = this over "
+            "prompt tokens).",
+            registry=r,
+        )
+        self.reported_cached_tokens = Counter(
+            "kvsched_conductor_reported_cached_tokens",
+            "Cached prompt tokens reported by finished requests.",
+            registry=r,
+        )
+        self.event_batches = Counter(
+            "kvsched_conductor_kv_event_batches",
+            "KV event batches by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.event_lag = Histogram(
+            "kvsched_conductor_kv_event_lag_seconds",
+            "Time from a KV event batch being cut to it being applied.",
+            registry=r,
+            buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        )
+        r.register(_StateCollector(conductor))
+
+
+class _StateCollector(Collector):
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        c = self.conductor
+        state = c.state
+        load = state.cluster.load
+        yield GaugeMetricFamily(
+            "kvsched_conductor_is_leader", "1 on the leader.", value=float(c.election.is_leader)
+        )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_index_blocks",
+            "Blocks in the global index.",
+            value=float(len(state.cluster.index)),
+        )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_sessions",
+            "Sessions known.",
+            value=float(len(state.cluster.sessions)),
+        )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_migrations", "Session migrations decided.", value=state.migrations
+        )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_rejections",
+            "Requests rejected by admission.",
+            value=state.rejections,
+        )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_persist_pending", "Writes waiting for etcd.", value=len(state.outbox)
+        )
+        per = {
+            "pending_prefill_tokens": load.pending_prefill_tokens,
+            "in_flight": load.in_flight,
+            "running": load.running,
+            "free_blocks": load.free_blocks,
+        }
+        for name, values in per.items():
+            g = GaugeMetricFamily(
+                f"kvsched_conductor_instance_{name}", f"Per-instance {name}.", labels=["instance"]
+            )
+            for iid, inst in state.instances.items():
+                g.add_metric([iid], float(values[inst.slot]))
+            yield g

@@ -1,0 +1,71 @@
+"""Write-behind persistence: the state's outbox goes to etcd in batched transactions, off
+the placement path. A caller that needs a write durable (a session binding) awaits `sync()`,
+which joins the next batch (group commit) instead of writing on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from services.common.store import Delete, Op, Put, Store, StoreUnavailable
+from services.conductor.state import ConductorState
+
+log = logging.getLogger(__name__)
+
+
+class Persister:
+    """Drains `state.outbox` into the store every `interval_s`, or at once when asked."""
+
+    def __init__(self, store: Store, state: ConductorState, interval_s: float = 0.05) -> None:
+        self.store = store
+        self.state = state
+        self.interval_s = interval_s
+        self.ops_written = 0
+        self.batches = 0
+        self.failures = 0
+        self._wake = asyncio.Event()
+        self._next: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def sync(self) -> None:
+        """Return once everything queued so far is in etcd (raises StoreUnavailable)."""
+        fut = self._next
+        self._wake.set()
+        await asyncio.shield(fut)
+
+    async def run(self) -> None:
+        """Flush until cancelled; a failed flush puts its writes back and retries."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        fut, self._next = self._next, asyncio.get_running_loop().create_future()
+        outbox = self.state.outbox
+        if not len(outbox):
+            fut.set_result(None)
+            return
+        writes, durable = outbox.take()
+        ops: list[Op] = [
+            Put(k.encode(), v, lease) if v is not None else Delete(k.encode())
+            for k, v, lease in writes
+        ]
+        try:
+            await self.store.commit(ops)
+        except StoreUnavailable as exc:
+            self.failures += 1
+            log.warning("persisting %d writes failed (%s); will retry", len(ops), exc)
+            for key, value, lease in writes:  # newer writes to the same key win
+                if key not in outbox.writes:
+                    outbox.writes[key] = (value, lease)
+            outbox.durable |= durable
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters may have gone
+            self._wake.set()
+            await asyncio.sleep(self.interval_s)  # back off before the retry
+            return
+        self.ops_written += len(ops)
+        self.batches += 1
+        fut.set_result(None)

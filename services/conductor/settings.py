@@ -1,0 +1,136 @@
+"""Conductor settings: command-line flags, each with an environment variable default
+(`KVSCHED_CONDUCTOR_<FLAG>`), etcd from `KVSCHED_ETCD_*`, tracing from `OTEL_*`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvsched.core.cluster import ClusterConfig, SloConfig
+from kvsched.core.latency import DEFAULT_LATENCY
+from services.common.store import EtcdSettings
+
+ENV = "KVSCHED_CONDUCTOR_"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """Server TLS; with `client_ca_file` set, clients must present a certificate (mTLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorSettings:
+    """Everything a Conductor process is configured with."""
+
+    conductor_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    listen: str = "127.0.0.1:50051"
+    http_listen: str = "127.0.0.1:8081"
+    advertise: str = ""  # address clients reach (defaults to `listen`)
+    policy: str = "elastic"
+    seed: int = 0
+    max_instances: int = 64
+    block_size: int = 16
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    latency_profile: str = DEFAULT_LATENCY
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    max_prompt_tokens: int = 131_072
+    leader_ttl_s: int = 3
+    instance_ttl_s: int = 10
+    persist_interval_s: float = 0.05
+    persist_blocks: bool = True
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    tls: TlsFiles | None = None
+    otlp_endpoint: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.advertise or self.listen
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_listen}"
+
+    def cluster_config(self) -> ClusterConfig:
+        return ClusterConfig(
+            n_instances=self.max_instances,
+            latency_profile=self.latency_profile,
+            model=self.model,
+            block_size=self.block_size,
+            slo=SloConfig(self.ttft_slo_s, self.tpot_slo_s),
+        )
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
+    env = ENV + name.upper().replace("-", "_")
+    value = os.environ.get(env, default)
+    kind = type(default) if default is not None else str
+    if kind is bool:
+        parser.add_argument(
+            f"--{name}",
+            default=str(value).lower() in {"1", "true", "yes"},
+            type=_bool,
+            help=f"{help_text} (env {env})",
+        )
+    else:
+        parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
+
+
+def _bool(text: str) -> bool:
+    return text.lower() in {"1", "true", "yes", "on"}
+
+
+def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
+    d = ConductorSettings(conductor_id="")
+    p = argparse.ArgumentParser(prog="kvsched conductor", description="Run a Conductor.")
+    _flag(p, "id", "", "this Conductor's id (default host-pid)")
+    _flag(p, "listen", d.listen, "gRPC listen address")
+    _flag(p, "http-listen", d.http_listen, "HTTP admin listen address")
+    _flag(p, "advertise", d.advertise, "gRPC address clients reach (default: --listen)")
+    _flag(p, "policy", d.policy, "placement policy spec, used when etcd records none")
+    _flag(p, "seed", d.seed, "seed of the policy's random source")
+    _flag(p, "max-instances", d.max_instances, "instance slots")
+    _flag(p, "block-size", d.block_size, "tokens per KV block")
+    _flag(p, "model", d.model, "served model (sizes KV transfers)")
+    _flag(p, "latency-profile", d.latency_profile, "latency model profile")
+    _flag(p, "ttft-slo", d.ttft_slo_s, "time-to-first-token objective, seconds")
+    _flag(p, "tpot-slo", d.tpot_slo_s, "time-per-output-token objective, seconds")
+    _flag(p, "max-prompt-tokens", d.max_prompt_tokens, "longest prompt accepted")
+    _flag(p, "leader-ttl", d.leader_ttl_s, "leader lease, seconds")
+    _flag(p, "instance-ttl", d.instance_ttl_s, "default instance lease, seconds")
+    _flag(p, "persist-interval", d.persist_interval_s, "write-behind flush period, seconds")
+    _flag(p, "persist-blocks", d.persist_blocks, "persist block metadata for warm restarts")
+    _flag(p, "tls-cert", "", "server certificate (PEM) to serve TLS")
+    _flag(p, "tls-key", "", "server private key (PEM)")
+    _flag(p, "tls-client-ca", "", "CA (PEM) that client certificates must chain to (mTLS)")
+    a = p.parse_args(argv)
+    tls = TlsFiles(a.tls_cert, a.tls_key, a.tls_client_ca or None) if a.tls_cert else None
+    return ConductorSettings(
+        conductor_id=a.id or ConductorSettings().conductor_id,
+        listen=a.listen,
+        http_listen=a.http_listen,
+        advertise=a.advertise,
+        policy=a.policy,
+        seed=a.seed,
+        max_instances=a.max_instances,
+        block_size=a.block_size,
+        model=a.model,
+        latency_profile=a.latency_profile,
+        ttft_slo_s=a.ttft_slo,
+        tpot_slo_s=a.tpot_slo,
+        max_prompt_tokens=a.max_prompt_tokens,
+        leader_ttl_s=a.leader_ttl,
+        instance_ttl_s=a.instance_ttl,
+        persist_interval_s=a.persist_interval,
+        persist_blocks=a.persist_blocks,
+        etcd=EtcdSettings.from_env(),
+        tls=tls,
+        otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+    )
