@@ -152,18 +152,15 @@ class PrefixIndex:
                 result[slot] = lo + 1
             alive, pos = nxt, lo + 1
         if tier is Tier.GPU:
-            claims = self._pending.get(hashes[0])
-            if claims:
-                second = hashes[1] if n > 1 else None
-                for claim in claims:
-                    chain = claim.chain
-                    # Most claims part right after a shared first block: settle those inline.
-                    if len(chain) < 2 or second is None or chain[1] != second:
-                        length = 1
-                    else:
-                        length = common_prefix(chain, hashes)
-                    if length > result.get(claim.slot, 0):
-                        result[claim.slot] = length
+            for claim in self._pending.get(hashes[0], ()):
+                chain, slot = claim.chain, claim.slot
+                best = result.get(slot, 0)
+                # Equal hashes at `best` mean equal prefixes up to it: a claim that parts
+                # from the prompt there cannot beat `best`. One lookup settles most claims
+                # (those sharing a system prompt with many others on the same slot).
+                if best >= len(chain) or best >= n or chain[best] != hashes[best]:
+                    continue
+                result[slot] = common_prefix(chain, hashes)
         return result
 
     # ---- writes ------------------------------------------------------------------------

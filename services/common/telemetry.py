@@ -42,7 +42,7 @@ from opentelemetry.propagators.textmap import Getter, Setter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -143,7 +143,8 @@ def setup_tracing(settings: TelemetrySettings, *, set_global: bool = False) -> T
     root = ALWAYS_ON if settings.sample_ratio >= 1.0 else TraceIdRatioBased(settings.sample_ratio)
     provider = TracerProvider(
         resource=Resource.create({SERVICE_NAME: settings.service_name}),
-        sampler=ParentBased(root),
+        # With nowhere to send spans, record none (spans still carry the caller's context).
+        sampler=ParentBased(root) if settings.otlp_endpoint else ALWAYS_OFF,
     )
     if settings.otlp_endpoint:
         exporter = OTLPSpanExporter(

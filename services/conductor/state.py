@@ -318,7 +318,8 @@ class ConductorState:
 
     def place(self, req: RequestInfo, now: float) -> tuple[Decision, bool]:
         """Place `req` (or return the decision already made for its id). Returns the decision
-        and whether a session binding changed (the caller makes that durable first)."""
+        and whether a session binding that the policy follows changed (the caller makes that
+        durable before answering)."""
         key = str(req.request_id)
         seen = self._decisions.get(key)
         if seen is not None:
@@ -336,7 +337,7 @@ class ConductorState:
             self.rejections += 1
             return decision, False
         decision = self._name_transfers(decision)
-        self._decisions[key] = decision
+        self._decisions[key] = replace(decision, terms={}, candidates=None)  # slim: a window
         if len(self._decisions) > RECENT_DECISIONS:
             self._decisions.popitem(last=False)
         rebound = False
@@ -345,6 +346,7 @@ class ConductorState:
             rebound = after is not None and after.host != host_before
             if rebound and host_before != NO_HOST:
                 self.migrations += 1
+            rebound = rebound and self.scheduler.policy.affinity
             self._persist_session(req.session_id, durable=rebound)
         return decision, rebound
 

@@ -16,6 +16,7 @@ class Sticky(Policy):
     only if the instance died). Requests without a session go to the least loaded."""
 
     name = "sticky"
+    affinity = True
 
     def decide(self, view: View, now: float, rng: Random) -> Decision:
         session = self.session(view)

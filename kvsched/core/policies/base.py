@@ -49,6 +49,9 @@ class Policy(ABC):
 
     name: ClassVar[str]
     defaults: ClassVar[Mapping[str, ParamValue]] = {}
+    # Whether placements follow session bindings (the Conductor then makes a changed binding
+    # durable before it answers; for other policies a binding is only bookkeeping).
+    affinity: ClassVar[bool] = False
 
     def __init__(self, cluster: ClusterState, params: Mapping[str, ParamValue] | None = None):
         unknown = set(params or {}) - set(self.defaults)

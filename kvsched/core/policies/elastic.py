@@ -45,6 +45,7 @@ class Elastic(Policy):
     """See the module docstring for the rules and their switches."""
 
     name = "elastic"
+    affinity = True
     defaults = {
         "t_hot_tokens": 8192.0,  # EAR's trigger, used when `ttft_target` is off
         "t_cool_s": 30.0,
