@@ -10,7 +10,8 @@ from google.protobuf.duration_pb2 import Duration
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
-from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.decision import Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.hashing import BlockHasher
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.core.sessions import NO_HOST, Session
@@ -223,3 +224,18 @@ def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatu
         next_event_sequence=inst.next_sequence,
         sessions_bound=state.cluster.sessions.bound_on(slot),
     )
+
+
+def explain_request(state: ConductorState, request: pb.ExplainRequest) -> RequestInfo:
+    """The placement request an Explain describes; raises RequestError."""
+    if request.block_hashes and request.token_ids:
+        raise RequestError("invalid", "give block_hashes or token_ids, not both")
+    bs = state.config.block_size
+    hashes: list[int] = list(request.block_hashes)
+    if request.token_ids:
+        hasher = BlockHasher(bs, state.config.hash_seed)
+        hashes = hasher.hash_tokens(request.token_ids)
+    prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
+    if not hashes:
+        raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")
+    return state.request_info("explain", prompt, request.output_tokens, hashes, request.session_id)

@@ -11,7 +11,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.conductor import convert
-from services.conductor.service import ConductorServicer
 from services.conductor.state import RequestError
 
 if TYPE_CHECKING:
@@ -134,9 +133,8 @@ class AdminHttp:
             )
         except (ValueError, TypeError, json.JSONDecodeError) as exc:
             return _error(400, f"bad explain request: {exc}")
-        servicer = ConductorServicer(self.c)
         try:
-            req = servicer.explain_request(msg)
+            req = convert.explain_request(self.c.state, msg)
             decision = self.c.state.explain(req, self.c.clock())
         except RequestError as exc:
             return _error(_STATUS[exc.kind], str(exc))

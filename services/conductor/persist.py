@@ -47,7 +47,7 @@ class Persister:
         if not len(outbox):
             fut.set_result(None)
             return
-        writes, durable = outbox.take()
+        writes = outbox.take()
         ops: list[Op] = [
             Put(k.encode(), v, lease) if v is not None else Delete(k.encode())
             for k, v, lease in writes
@@ -60,7 +60,6 @@ class Persister:
             for key, value, lease in writes:  # newer writes to the same key win
                 if key not in outbox.writes:
                     outbox.writes[key] = (value, lease)
-            outbox.durable |= durable
             fut.set_exception(exc)
             fut.exception()  # retrieved: waiters may have gone
             self._wake.set()

@@ -19,7 +19,6 @@ from opentelemetry import trace
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.decision import Decision, RequestInfo
-from kvsched.core.hashing import BlockHasher
 from kvsched.core.policies import POLICIES
 from services.common.store import StoreError, StoreUnavailable
 from services.conductor import convert, keys
@@ -423,29 +422,10 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
 
     async def Explain(self, request: pb.ExplainRequest, context: Context) -> pb.ExplainResponse:
         try:
-            req = self.explain_request(request)
+            req = convert.explain_request(self.state, request)
             decision = self.state.explain(req, self.c.clock())
         except RequestError as exc:
             await abort(context, exc)
-        return self.explain_response(decision)
-
-    def explain_request(self, request: pb.ExplainRequest) -> RequestInfo:
-        """The placement request an Explain describes; raises RequestError."""
-        if request.block_hashes and request.token_ids:
-            raise RequestError("invalid", "give block_hashes or token_ids, not both")
-        bs = self.state.config.block_size
-        hashes: list[int] = list(request.block_hashes)
-        if request.token_ids:
-            hasher = BlockHasher(bs, self.state.config.hash_seed)
-            hashes = hasher.hash_tokens(request.token_ids)
-        prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
-        if not hashes:
-            raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")
-        return self.state.request_info(
-            "explain", prompt, request.output_tokens, hashes, request.session_id
-        )
-
-    def explain_response(self, decision: Decision) -> pb.ExplainResponse:
         return pb.ExplainResponse(
             decision=convert.decision_message(self.state, decision, explain=True),
             rejected=decision.rejected,

@@ -66,21 +66,17 @@ class Outbox:
     kept. `None` means delete."""
 
     writes: OrderedDict[str, tuple[bytes | None, int]] = field(default_factory=OrderedDict)
-    durable: set[str] = field(default_factory=set)  # keys a caller waits for
 
-    def put(self, key: str, value: bytes, lease: int = 0, *, durable: bool = False) -> None:
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
         self.writes[key] = (value, lease)
-        if durable:
-            self.durable.add(key)
 
     def delete(self, key: str) -> None:
         self.writes[key] = (None, 0)
 
-    def take(self) -> tuple[list[tuple[str, bytes | None, int]], set[str]]:
+    def take(self) -> list[tuple[str, bytes | None, int]]:
         batch = [(k, v, lease) for k, (v, lease) in self.writes.items()]
-        durable, self.durable = self.durable, set()
         self.writes.clear()
-        return batch, durable
+        return batch
 
     def __len__(self) -> int:
         return len(self.writes)
@@ -347,7 +343,7 @@ class ConductorState:
             if rebound and host_before != NO_HOST:
                 self.migrations += 1
             rebound = rebound and self.scheduler.policy.affinity
-            self._persist_session(req.session_id, durable=rebound)
+            self._persist_session(req.session_id)
         return decision, rebound
 
     def _name_transfers(self, decision: Decision) -> Decision:
@@ -428,7 +424,7 @@ class ConductorState:
         moved = self.scheduler.transfer_done(plan, ok, now)
         if moved and plan.session_id:
             self.migrations += 1
-            self._persist_session(plan.session_id, durable=True)
+            self._persist_session(plan.session_id)
         return moved
 
     # ---- sessions ----------------------------------------------------------------------
@@ -439,12 +435,12 @@ class ConductorState:
             raise RequestError("not_found", f"unknown session {session_id!r}")
         return s
 
-    def _persist_session(self, session_id: str, *, durable: bool = False) -> None:
+    def _persist_session(self, session_id: str) -> None:
         s = self.cluster.sessions.get(session_id)
         if s is None:
             return
         host = self.id_of(s.host) if s.host != NO_HOST else None
-        self.outbox.put(keys.session_key(session_id), keys.encode_session(s, host), durable=durable)
+        self.outbox.put(keys.session_key(session_id), keys.encode_session(s, host))
 
     def restore_session(self, session_id: str, value: bytes) -> None:
         """Put back a session saved in etcd; its host binds only if that instance is here."""
