@@ -179,8 +179,14 @@ class ConductorState:
         self.by_slot[inst.slot] = None
         unbound = self.cluster.sessions.bound_on(inst.slot)
         self.cluster.remove_instance(inst.slot)
-        for plan_id in [t for t, p in self._transfers.items() if inst.slot in (p.source, p.target)]:
+        slot = inst.slot
+        # Orders and remembered decisions naming the slot would name its next holder.
+        for plan_id in [t for t, p in self._transfers.items() if slot in (p.source, p.target)]:
             del self._transfers[plan_id]
+        for rid in [
+            r for r, d in self._decisions.items() if slot in (d.instance, d.decode_instance)
+        ]:
+            del self._decisions[rid]
         return unbound
 
     def slot_of(self, instance_id: str) -> int | None:
