@@ -650,7 +650,10 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
                 now=op.now,
             )
             b = op.report
-            state.apply_events(b.instance_id, b.sequence, False, convert.kv_events(b))
+            # Reports of one instance sent on different streams may be logged out of order:
+            # the replay applies them in log order, so it numbers them itself.
+            seq = state.instances[b.instance_id].next_sequence
+            state.apply_events(b.instance_id, seq, False, convert.kv_events(b))
             res.base_work_s += clock() - t
     for res in results.values():
         if res.base_latencies:

@@ -11,9 +11,9 @@ O(instances × L).
 
 Speculative entries record a placement the moment it is decided, before the engine's events
 arrive, so the next request sharing the prefix does not herd elsewhere. They are kept as whole
-chains (one record per placement, O(1) to add) grouped by their first block, and `match`
-extends an instance's GPU match by the longest live chain placed there; they expire after
-their time-to-live, by which point the engine's own events describe the blocks.
+chains in a radix tree (`claims.py`), and `match` extends an instance's GPU match by its
+longest common prefix with any live chain placed there; they expire after their time-to-live,
+by which point the engine's own events describe the blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+
+from kvsched.core.claims import ClaimTree, common_prefix
 
 
 class Tier(IntEnum):
@@ -45,7 +47,7 @@ class IndexCounters:
 
 
 @dataclass(frozen=True, slots=True)
-class _Pending:
+class _Claim:
     """A placement's speculative claim: `slot` will hold `chain` until `expires_at`."""
 
     expires_at: float
@@ -61,29 +63,6 @@ def iter_bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two chains of chained hashes (equal at i ⇒ equal
-    before i): gallop from the start, where chains usually part, then bisect."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
-        return 0
-    if a[n - 1] == b[n - 1]:
-        return n
-    lo, step = 1, 1  # a[:lo] == b[:lo]
-    hi = n - 1  # a[hi] != b[hi]
-    while lo + step < hi and a[lo + step] == b[lo + step]:
-        lo += step + 1
-        step <<= 1
-    hi = min(hi, lo + step)
-    while lo < hi:  # a[:lo] == b[:lo]; a[hi] != b[hi]
-        mid = (lo + hi) >> 1
-        if a[mid] == b[mid]:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 class PrefixIndex:
     """Block holdings per (instance slot, tier); see the module docstring for the invariants."""
 
@@ -95,8 +74,8 @@ class PrefixIndex:
         self._counts: tuple[list[int], ...] = tuple([0] * n_slots for _ in Tier)
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, list[int]] = {}
-        self._pending: dict[int, deque[_Pending]] = {}  # first block -> claims, oldest first
-        self._pending_queue: deque[_Pending] = deque()
+        self._claims = ClaimTree()
+        self._pending_queue: deque[_Claim] = deque()  # oldest first
         self._pending_blocks = [0] * n_slots
         self.counters = IndexCounters()
 
@@ -152,15 +131,7 @@ class PrefixIndex:
                 result[slot] = lo + 1
             alive, pos = nxt, lo + 1
         if tier is Tier.GPU:
-            for claim in self._pending.get(hashes[0], ()):
-                chain, slot = claim.chain, claim.slot
-                best = result.get(slot, 0)
-                # Equal hashes at `best` mean equal prefixes up to it: a claim that parts
-                # from the prompt there cannot beat `best`. One lookup settles most claims
-                # (those sharing a system prompt with many others on the same slot).
-                if best >= len(chain) or best >= n or chain[best] != hashes[best]:
-                    continue
-                result[slot] = common_prefix(chain, hashes)
+            self._claims.match(hashes, result)
         return result
 
     # ---- writes ------------------------------------------------------------------------
@@ -245,22 +216,19 @@ class PrefixIndex:
             for h in mine:
                 self._unset(masks, h, masks[h] & ~bit)
             self._counts[tier][slot] = 0
-        for first, claims in list(self._pending.items()):
-            kept = deque(c for c in claims if c.slot != slot)
-            if kept:
-                self._pending[first] = kept
-            else:
-                del self._pending[first]
+        for claim in self._pending_queue:
+            if claim.slot == slot:
+                self._claims.remove(slot, claim.chain)
         self._pending_queue = deque(c for c in self._pending_queue if c.slot != slot)
         self._pending_blocks[slot] = 0
 
     def speculate(self, slot: int, hashes: Sequence[int], expires_at: float) -> None:
         """Claim that `slot` will hold the chain `hashes` (starting at the root) until
-        `expires_at`. O(1): the chain is kept whole, not block by block."""
+        `expires_at`. The chain is kept whole, not block by block."""
         if not hashes:
             return
-        claim = _Pending(expires_at, slot, tuple(hashes))
-        self._pending.setdefault(hashes[0], deque()).append(claim)
+        claim = _Claim(expires_at, slot, tuple(hashes))
+        self._claims.add(slot, claim.chain)
         self._pending_queue.append(claim)
         self._pending_blocks[slot] += len(claim.chain)
         self.counters.speculative_added += 1
@@ -272,13 +240,7 @@ class PrefixIndex:
         while queue and queue[0].expires_at <= now:
             claim = queue.popleft()
             self._pending_blocks[claim.slot] -= len(claim.chain)
-            claims = self._pending[claim.chain[0]]
-            if claims[0] is claim:
-                claims.popleft()
-            else:  # a shorter time-to-live overtook it: find it
-                claims.remove(claim)
-            if not claims:
-                del self._pending[claim.chain[0]]
+            self._claims.remove(claim.slot, claim.chain)
             self.counters.speculative_expired += 1
 
     # ---- internals ---------------------------------------------------------------------
@@ -347,9 +309,17 @@ class PrefixIndex:
         for parent, kids in self._children.items():
             for kid in kids:
                 assert self._parent.get(kid) == parent, "children map out of step"
-        grouped = sorted(id(c) for claims in self._pending.values() for c in claims)
-        assert grouped == sorted(id(c) for c in self._pending_queue), "pending claims out of step"
+        self._check_claims()
         pending = [0] * self.n_slots
         for claim in self._pending_queue:
             pending[claim.slot] += len(claim.chain)
         assert pending == self._pending_blocks, "pending block counts out of step"
+
+    def _check_claims(self) -> None:
+        """The claim tree holds exactly the live claims: recount each edge's claims."""
+        for path, slots in self._claims.claims_through().items():
+            counted: dict[int, int] = {}
+            for claim in self._pending_queue:
+                if common_prefix(claim.chain, path) == len(path):
+                    counted[claim.slot] = counted.get(claim.slot, 0) + 1
+            assert counted == slots, "claim tree out of step with the live claims"
