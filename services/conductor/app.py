@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
-from services.common.store import EtcdStore, Store
+from services.common.store import EtcdStore, Store, StoreError
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,
@@ -145,7 +145,23 @@ class Conductor:
         return port
 
     async def _follow_from(self, revision: int) -> None:
-        await replica.follow(self.store, self.state, self.election, revision)
+        """Follow etcd; when the watch breaks (etcd restarted, history compacted), catch up
+        and follow again: the leader re-reads instances and sessions, a standby rebuilds."""
+        while True:
+            try:
+                await replica.follow(self.store, self.state, self.election, revision)
+                return
+            except StoreError as exc:
+                log.warning("etcd watch broke (%s); catching up", exc)
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(StoreError):
+                if self.serving:
+                    revision = await self.store.revision()
+                    await self._reconcile()
+                else:
+                    state = self._new_state()
+                    revision = await replica.load(self.store, state)
+                    self.state = self.persister.state = state
 
     async def _on_elected(self) -> None:
         """Catch up on what the watch may not have applied yet, then serve."""
@@ -189,9 +205,9 @@ class Conductor:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._follow is not None:
             self._follow.cancel()
-        self.state = self._new_state()
-        revision = await replica.load(self.store, self.state)
-        self.persister.state = self.state
+        state = self._new_state()
+        revision = await replica.load(self.store, state)  # on failure: keep the old, unserved
+        self.state = self.persister.state = state
         self._follow = asyncio.create_task(self._follow_from(revision))
 
     async def stop(self, grace_s: float = 2.0) -> None:

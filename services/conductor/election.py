@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
-from services.common.store import Store, StoreUnavailable
+from services.common.store import Store, StoreError
 from services.conductor import keys
 
 log = logging.getLogger(__name__)
@@ -66,16 +66,21 @@ class Election:
                 if await self._campaign():
                     await on_elected()
                     await self._lead()
-                    self.is_leader = False
-                    await on_lost()
+                    await self._step_down(on_lost)
                 else:
                     await self._wait_for_change()
-            except StoreUnavailable as exc:
-                if self.is_leader:
-                    self.is_leader = False
-                    await on_lost()
+            except StoreError as exc:
                 log.warning("election: %s", exc)
+                if self.is_leader:
+                    await self._step_down(on_lost)
                 await self._wait_for_change()
+
+    async def _step_down(self, on_lost: Callable[[], Awaitable[None]]) -> None:
+        self.is_leader = False
+        try:
+            await on_lost()
+        except StoreError as exc:  # etcd is away: campaign again when it is back
+            log.warning("stepping down: %s", exc)
 
     async def _campaign(self) -> bool:
         lease = await self.store.grant_lease(self.ttl_s)
@@ -108,5 +113,5 @@ class Election:
         """Give up leadership now (graceful shutdown): standbys take over at once."""
         if self.is_leader:
             self.is_leader = False
-            with contextlib.suppress(StoreUnavailable):
+            with contextlib.suppress(StoreError):
                 await self.store.revoke_lease(self._lease)

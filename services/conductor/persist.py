@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 
-from services.common.store import Delete, Op, Put, Store, StoreUnavailable
+from services.common.store import Delete, Op, Put, Store, StoreError
 from services.conductor.state import ConductorState
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class Persister:
         self._next: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def sync(self) -> None:
-        """Return once everything queued so far is in etcd (raises StoreUnavailable)."""
+        """Return once everything queued so far is in etcd (raises StoreError)."""
         fut = self._next
         self._wake.set()
         await asyncio.shield(fut)
@@ -54,7 +54,7 @@ class Persister:
         ]
         try:
             await self.store.commit(ops)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             self.failures += 1
             log.warning("persisting %d writes failed (%s); will retry", len(ops), exc)
             for key, value, lease in writes:  # newer writes to the same key win

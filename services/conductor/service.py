@@ -20,7 +20,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.decision import Decision, RequestInfo
 from kvsched.core.policies import POLICIES
-from services.common.store import StoreError, StoreUnavailable
+from services.common.store import StoreError
 from services.conductor import convert, keys
 from services.conductor.keys import InstanceRecord
 from services.conductor.state import ConductorState, RequestError
@@ -118,7 +118,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         """Wait for the session binding just made to reach etcd."""
         try:
             await self.c.persister.sync()
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             if context is None:
                 raise
             await context.abort(
@@ -167,7 +167,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             remaining = await self.c.store.keep_alive(inst.record.lease_id)
         except RequestError as exc:
             await abort(context, exc)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd is unavailable: {exc}")
         if remaining <= 0:
             self.state.remove_instance(request.instance_id)
@@ -188,7 +188,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             await self.c.store.revoke_lease(inst.record.lease_id)  # its keys go with it
         except RequestError as exc:
             await abort(context, exc)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd is unavailable: {exc}")
         unbound = self.state.remove_instance(request.instance_id)
         return pb.DeregisterInstanceResponse(sessions_unbound=unbound)
@@ -314,7 +314,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         async def after_sync(answer: pb.ScheduleStreamResponse) -> None:
             try:
                 await self._durable(None)
-            except StoreUnavailable as exc:
+            except StoreError as exc:
                 error = pb.StreamError(code=grpc.StatusCode.UNAVAILABLE.value[0], message=str(exc))
                 answer = pb.ScheduleStreamResponse(request_id=answer.request_id, error=error)
             await answers.put(answer)
@@ -415,7 +415,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             await abort(context, exc)
         try:
             await self.c.store.put(keys.POLICY.encode(), spec.encode())
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             self.state.set_policy(previous)  # not recorded: not changed
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd did not take the policy: {exc}")
         return pb.SetPolicyResponse(previous_spec=previous, spec=spec)

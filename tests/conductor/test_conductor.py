@@ -805,3 +805,28 @@ async def test_leader_that_lost_its_lease_serves_from_the_rebuilt_state(
             return len(kvs) == len(hashes)
 
         await wait_for(persisted, 2.0, message="the new blocks reach etcd")
+
+
+async def test_losing_etcd_gives_clear_errors_and_the_conductor_keeps_answering(
+    start_conductor: Start, etcd: EtcdServer
+) -> None:
+    c = await start_conductor(policy="sticky")
+    async with client(c.url) as s:
+        await register(s, 0)
+        await register(s, 1)
+        etcd.kill()
+        # Writes that need etcd fail with a status a person can act on; depending on how soon
+        # the leader notices its lease cannot be kept alive, the answer is UNAVAILABLE (etcd
+        # did not take the binding) or FAILED_PRECONDITION (it stepped down).
+        expected = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION}
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.Schedule(sched("needs-etcd", chain(7, 2), session="new-session"))
+        assert info.value.code() in expected, info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.RegisterInstance(pb.RegisterInstanceRequest(spec=instance(2)))
+        assert info.value.code() in expected, info.value.details()
+        # It steps down (its lease cannot be renewed) and keeps answering reads.
+        await wait_for(lambda: not c.serving, 5.0, message="the leader steps down")
+        leader = await s.GetLeader(pb.GetLeaderRequest())
+        assert not leader.is_leader
+        assert set(await listed(s)) == {IID[0], IID[1]}

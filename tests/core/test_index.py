@@ -7,7 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsched.core.index import PrefixIndex, Tier, common_prefix
+from kvsched.core.claims import common_prefix
+from kvsched.core.index import PrefixIndex, Tier
 
 # A fixed forest of chains: 3 roots, every node has up to 2 children, depth ≤ 8.
 _rng = random.Random(7)
