@@ -5,7 +5,7 @@ The simulator and the live Conductor both call `build_cluster`, so they run iden
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -95,8 +95,11 @@ class ClusterState:
             mask = self._role_masks[key] = np.array([r in roles for r in self.roles], dtype=bool)
         return np.logical_and(mask, self.alive)
 
-    def add_instance(self, slot: int, role: Role) -> None:
-        """An instance joined (or came back) in `slot` with `role`: it starts empty and idle."""
+    def add_instance(self, slot: int, role: Role, node: int | None = None) -> None:
+        """An instance joined (or came back) in `slot` with `role`, on `node` (None: where the
+        topology put the slot): it starts empty and idle."""
+        if node is not None and self.cost.topology.node_of[slot] != node:
+            self.cost = replace(self.cost, topology=self.cost.topology.on_node(slot, node))
         if self.roles[slot] is not role:
             self.roles = (*self.roles[:slot], role, *self.roles[slot + 1 :])
             self._role_masks.clear()

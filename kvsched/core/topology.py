@@ -65,6 +65,11 @@ class Topology:
         cfg = config or TopologyConfig()
         return cls(cfg, tuple(i // cfg.instances_per_node for i in range(n_instances)))
 
+    def on_node(self, slot: int, node: int) -> Topology:
+        """The same topology with instance `slot` placed on `node`."""
+        node_of = (*self.node_of[:slot], node, *self.node_of[slot + 1 :])
+        return Topology(self.config, node_of)
+
     def distance(self, a: int, b: int) -> int:
         """0 same node, 1 same rack, 2 same spine, 3 across clusters (a ≠ b expected)."""
         cfg = self.config

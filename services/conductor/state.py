@@ -120,6 +120,7 @@ class ConductorState:
         self.persist_blocks = persist_blocks
         self.instances: dict[str, Instance] = {}
         self.by_slot: list[str | None] = [None] * config.n_instances
+        self._nodes: dict[str, int] = {}
         self.outbox = Outbox()
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -165,7 +166,9 @@ class ConductorState:
         holder = self.by_slot[record.slot]
         if holder is not None:
             self.remove_instance(holder)
-        self.cluster.add_instance(record.slot, record.spec.role)
+        # Nodes are numbered as they first appear; racks group consecutive numbers.
+        node = self._nodes.setdefault(record.spec.node, len(self._nodes))
+        self.cluster.add_instance(record.slot, record.spec.role, node)
         inst = self.instances[record.spec.instance_id] = Instance(record, next_sequence)
         self.by_slot[record.slot] = record.spec.instance_id
         return inst

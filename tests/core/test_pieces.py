@@ -7,11 +7,12 @@ import math
 import pytest
 
 from kvsched.core import admission
-from kvsched.core.cluster import SloConfig
+from kvsched.core.cluster import Role, SloConfig
 from kvsched.core.decision import TransferKind
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.residency import ResidentSessions
 from kvsched.core.sessions import SessionTable
+from kvsched.core.topology import SAME_NODE
 from kvsched.core.transfers import plan_copy
 from tests.conftest import make_cluster
 
@@ -91,3 +92,12 @@ def test_topology_distances_and_costs() -> None:
     assert topo.transfer_s(0, 0, 10**9) == 0.0
     near, far = topo.transfer_s(0, 1, 10**9), topo.transfer_s(0, 8, 10**9)
     assert 0 < near < far
+
+
+def test_an_instance_joining_on_another_node_moves_in_the_topology() -> None:
+    cluster = make_cluster(4)  # four slots on one node by default
+    same_node = cluster.cost.transfer_s(0, 3, 16_384)
+    cluster.add_instance(3, Role.BOTH, node=9)
+    assert cluster.cost.topology.distance(0, 3) != SAME_NODE
+    assert cluster.cost.transfer_s(0, 3, 16_384) > same_node
+    assert cluster.cost.transfer_s(0, 1, 16_384) == same_node  # the others did not move
