@@ -25,7 +25,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
-from services.common.store import EtcdStore, Store, StoreError
+from services.common.etcd import EtcdStore
+from services.common.store import Store, StoreError
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,

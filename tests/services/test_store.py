@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 from aetcd import rpc
 
+from services.common.etcd import MAX_TXN_OPS, EtcdStore, plan_transactions, prefix_range_end
 from services.common.store import (
-    MAX_TXN_OPS,
     Delete,
     DeletePrefix,
     EtcdSettings,
-    EtcdStore,
     KeyValue,
     LeaseNotFound,
     Op,
@@ -26,8 +25,6 @@ from services.common.store import (
     StoreError,
     StoreUnavailable,
     WatchEvent,
-    plan_transactions,
-    prefix_range_end,
 )
 from tests.fixtures import wait_for
 from tests.fixtures.etcd import EtcdServer, free_port, make_tls, start_etcd
