@@ -30,14 +30,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while lo + step < hi and a[lo + step] == b[lo + step]:
         lo += step + 1
         step <<= 1
-    hi = min(hi, lo + step)
-    while lo < hi:  # a[:lo] == b[:lo]; a[hi] != b[hi]
-        mid = (lo + hi) >> 1
-        if a[mid] == b[mid]:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return _first_difference(a, b, lo, min(hi, lo + step))
 
 
 def _agree_until(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
@@ -45,7 +38,11 @@ def _agree_until(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
     One lookup when they agree to the end (the common case along a shared path)."""
     if a[hi - 1] == b[hi - 1]:
         return hi
-    hi -= 1  # a[hi] != b[hi]
+    return _first_difference(a, b, lo, hi - 1)
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
+    """Bisect for the first differing position, given a[:lo] == b[:lo] and a[hi] != b[hi]."""
     while lo < hi:
         mid = (lo + hi) >> 1
         if a[mid] == b[mid]:

@@ -486,8 +486,18 @@ class _ClientTracing:
         )
         return span, new_details
 
-    def _end_streaming_when_done(self, span: Span, call: grpc.aio.Call) -> None:
+    async def _streaming(
+        self, continuation: Callable[[_CallDetails, Any], Any], details: _CallDetails, arg: Any
+    ) -> Any:
+        """Start a streaming call in a CLIENT span that ends when the call does."""
+        span, details = self._start(details)
+        try:
+            call = await cast(Awaitable[Any], continuation(details, arg))
+        except BaseException as exc:
+            _end_client_exc(span, exc)
+            raise
         call.add_done_callback(lambda done: _spawn_end(span, done))
+        return call
 
 
 def _end_client_exc(span: Span, exc: BaseException) -> None:
@@ -548,14 +558,7 @@ class _UnaryStreamTracing(_ClientTracing, _UnaryStreamBase):
         client_call_details: _CallDetails,
         request: Any,
     ) -> Any:
-        span, details = self._start(client_call_details)
-        try:
-            call = await cast(Awaitable[Any], continuation(details, request))
-        except BaseException as exc:
-            _end_client_exc(span, exc)
-            raise
-        self._end_streaming_when_done(span, call)
-        return call
+        return await self._streaming(continuation, client_call_details, request)
 
 
 class _StreamUnaryTracing(_ClientTracing, _StreamUnaryBase):
@@ -567,14 +570,7 @@ class _StreamUnaryTracing(_ClientTracing, _StreamUnaryBase):
     ) -> Any:
         # Not awaited here: with the ``call.write`` API the caller's writes wait for this
         # interceptor to return, so the span is ended from the call's done callback.
-        span, details = self._start(client_call_details)
-        try:
-            call = await cast(Awaitable[Any], continuation(details, request_iterator))
-        except BaseException as exc:
-            _end_client_exc(span, exc)
-            raise
-        self._end_streaming_when_done(span, call)
-        return call
+        return await self._streaming(continuation, client_call_details, request_iterator)
 
 
 class _StreamStreamTracing(_ClientTracing, _StreamStreamBase):
@@ -584,14 +580,7 @@ class _StreamStreamTracing(_ClientTracing, _StreamStreamBase):
         client_call_details: _CallDetails,
         request_iterator: AsyncIterable[Any] | Iterable[Any],
     ) -> Any:
-        span, details = self._start(client_call_details)
-        try:
-            call = await cast(Awaitable[Any], continuation(details, request_iterator))
-        except BaseException as exc:
-            _end_client_exc(span, exc)
-            raise
-        self._end_streaming_when_done(span, call)
-        return call
+        return await self._streaming(continuation, client_call_details, request_iterator)
 
 
 def client_interceptors(tracer: Tracer) -> list[grpc.aio.ClientInterceptor]:
