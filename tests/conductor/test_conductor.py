@@ -18,6 +18,7 @@ from google.protobuf.duration_pb2 import Duration
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from clients.python import ConductorClient, Rejected
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.index import Tier
@@ -830,3 +831,30 @@ async def test_losing_etcd_gives_clear_errors_and_the_conductor_keeps_answering(
         leader = await s.GetLeader(pb.GetLeaderRequest())
         assert not leader.is_leader
         assert set(await listed(s)) == {IID[0], IID[1]}
+
+
+async def test_an_overloaded_cluster_rejects_with_a_retry_delay(start_conductor: Start) -> None:
+    c = await start_conductor(policy="elastic")
+    async with client(c.url) as s:
+        for i in range(2):
+            await register(s, i)
+            busy = common.LoadReport(
+                pending_prefill_tokens=200_000, pending_prefill=Duration(seconds=10), waiting=40
+            )
+            await s.PublishKvEvents(publish(IID[i], 0, pb.KvEvent(load=busy)))
+        before = dict(await listed(s))
+        err = await refused(
+            s.Schedule(sched("late", chain(3, 4))), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        retry_ms = int(trailer(err, "retry-after-ms") or 0)
+        assert 7_000 <= retry_ms <= 10_000  # about the excess over the 2 s objective
+        assert "SLO" in (err.details() or "")
+        assert dict(await listed(s)) == before  # nothing charged
+    async with ConductorClient([c.url], deadline_s=2.0) as py:
+        with pytest.raises(Rejected) as rejected:
+            await py.schedule(sched("late-again", chain(3, 4)))
+        assert rejected.value.retry_after_s == pytest.approx(retry_ms / 1000, rel=0.05)
+        async with py.placement_stream() as stream:
+            with pytest.raises(Rejected) as on_stream:
+                await stream.schedule(sched("late-on-stream", chain(3, 4)))
+        assert on_stream.value.retry_after_s == pytest.approx(retry_ms / 1000, rel=0.05)
