@@ -1,5 +1,5 @@
-"""vLLM KV-event decoding: the real frames of vLLM 0.11 (arrays) and 0.33 (maps), and damaged
-input that must be counted and skipped, never crash the relay."""
+"""vLLM KV events: decoding the real frames of vLLM 0.11 (arrays) and 0.33 (maps) and damaged
+input (counted and skipped, never a crash); encoding that reproduces vLLM's bytes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.messenger.events import (
+from services.common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,7 +21,9 @@ from services.messenger.events import (
     Event,
     Limits,
     MalformedFrames,
+    Shape,
     decode_frames,
+    encode_frames,
 )
 
 VECTORS = json.loads(
@@ -196,3 +198,28 @@ _VALUES = st.recursive(
 def test_arbitrary_events_are_decoded_or_skipped(events: list[Any]) -> None:
     batch = decode_frames(message(events))
     assert len(batch.events) + batch.skipped == len(events)
+
+
+@pytest.mark.parametrize("vector", VECTORS, ids=lambda v: f"{v['vllm_version']}-{v['name']}")
+def test_encoding_reproduces_vllms_bytes(vector: dict[str, Any]) -> None:
+    frames = frames_of(vector)
+    batch = decode_frames(frames)
+    shape: Shape = "map" if vector["event_shape"] == "map" else "array"
+    events, rank = batch.events, batch.dp_rank
+    assert encode_frames(batch.topic, batch.seq, batch.ts, events, rank, shape=shape) == frames
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**64 - 1), min_size=1, max_size=8))
+def test_encoded_events_decode_to_themselves(hashes: list[int]) -> None:
+    events: list[Event] = [
+        BlockStored(tuple(hashes), hashes[0], tuple(range(16 * len(hashes))), 16, "GPU"),
+        BlockRemoved(tuple(hashes[:1]), "GPU", group_idx=2),
+        AllBlocksCleared(),
+    ]
+    for shape in ("map", "array"):
+        batch = decode_frames(encode_frames(b"kv", 9, 3.25, events, 1, shape=shape))
+        assert batch.seq == 9 and batch.dp_rank == 1 and batch.skipped == 0
+        if shape == "map":
+            assert batch.events == tuple(events)
+        else:  # vLLM 0.11's arrays had no group index
+            assert batch.events == (events[0], BlockRemoved(tuple(hashes[:1]), "GPU"), events[2])

@@ -1,4 +1,5 @@
-"""Decoding vLLM's KV-event frames, every shape vLLM has sent.
+"""vLLM's KV-event wire format: decoding every shape vLLM has sent, and encoding the two
+current ones (what the simulated engine publishes).
 
 A ZMQ message is three frames: `[topic, seq (8 bytes, big-endian), msgpack payload]`. The
 payload is a batch `[ts, events, dp_rank]` (older vLLM: `[ts, events]`; some versions: a map
@@ -10,14 +11,15 @@ u64 integers, possibly above the signed 64-bit range, or raw digests (bytes).
 Decoding never trusts the sender: a message that is not a well-formed batch raises
 `MalformedFrames` (the relay counts it and moves on); an event of an unknown type, of the
 wrong shape or over the size limits is skipped and counted in the batch; unknown fields are
-ignored. Pure: no sockets here.
+ignored. Encoding reproduces vLLM's bytes exactly (msgspec's field order, defaults left out
+of maps). Pure: no sockets here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 
@@ -49,7 +51,9 @@ class BlockStored:
     block_size: int
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: Any = None  # per-block extra hash inputs (LoRA name, cache salt, ...), opaque
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
     session_id: str | None = None
 
 
@@ -185,7 +189,9 @@ def _event(raw: Any, lim: Limits) -> Event | None:
             block_size=block_size,
             medium=_optional(data.get("medium"), str),
             lora_name=_optional(data.get("lora_name"), str),
+            extra_keys=data.get("extra_keys"),
             group_idx=_optional(data.get("group_idx"), int),
+            kv_cache_spec_kind=_optional(data.get("kv_cache_spec_kind"), str),
             session_id=_optional(data.get("session_id"), str),
         )
     if kind == "BlockRemoved":
@@ -227,3 +233,87 @@ def _optional(value: Any, kind: type) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- encoding ------------------------------------------------------------------------------
+
+Shape = Literal["map", "array"]
+
+
+def encode_frames(
+    topic: bytes,
+    seq: int,
+    ts: float,
+    events: Sequence[Event],
+    dp_rank: int | None = 0,
+    *,
+    shape: Shape = "map",
+) -> list[bytes]:
+    """The three frames vLLM sends for `events`: maps as vLLM ≥ 0.33 does (fields at their
+    default left out), or tagged arrays as vLLM 0.11 did (fields it did not have yet dropped)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [
+        packer.pack_array_header(2 if dp_rank is None else 3),
+        packer.pack(float(ts)),
+        packer.pack_array_header(len(events)),
+    ]
+    for event in events:
+        if shape == "array":
+            parts.append(packer.pack(_event_array(event)))
+            continue
+        fields = _event_map(event)
+        if isinstance(event, BlockStored):
+            # msgspec sizes a struct's map header for all its fields: BlockStored has more
+            # than 15, so its header is always a map16 even when few fields are written.
+            parts.append(b"\xde" + len(fields).to_bytes(2, "big"))
+            parts.extend(packer.pack(k) + packer.pack(v) for k, v in fields.items())
+        else:
+            parts.append(packer.pack(fields))
+    if dp_rank is not None:
+        parts.append(packer.pack(dp_rank))
+    return [topic, seq.to_bytes(8, "big"), b"".join(parts)]
+
+
+def _event_map(event: Event) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": event.medium,
+            "lora_name": event.lora_name,
+        }
+        optional = (
+            ("extra_keys", event.extra_keys),
+            ("group_idx", event.group_idx),
+            ("kv_cache_spec_kind", event.kv_cache_spec_kind),
+            ("session_id", event.session_id),
+        )
+        out.update((k, v) for k, v in optional if v is not None)
+        return out
+    if isinstance(event, BlockRemoved):
+        out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes)}
+        out["medium"] = event.medium
+        if event.group_idx is not None:
+            out["group_idx"] = event.group_idx
+        return out
+    return {"type": "AllBlocksCleared"}
+
+
+def _event_array(event: Event) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return [
+            "BlockStored",
+            list(event.block_hashes),
+            event.parent_block_hash,
+            list(event.token_ids),
+            event.block_size,
+            None,  # lora_id
+            event.medium,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
+    return ["AllBlocksCleared"]
