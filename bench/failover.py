@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import percentile
 from clients.python import ConductorClient
-from tests.conductor.conftest import ConductorProcess, instance
+from tests.conductor.conftest import ConductorProcess, instance, leader_of
 from tests.conductor.test_failover import request
 from tests.fixtures.etcd import start_etcd
 from tests.fixtures.poll import wait_for
@@ -38,7 +38,9 @@ async def one_failover() -> float:
             async with ConductorClient(
                 addresses, deadline_s=1.0, retries=40, max_backoff_s=0.1
             ) as client:
-                leader = await wait_for(client.leader, 15.0, message="a leader is elected")
+                leader = await wait_for(
+                    lambda: leader_of(client), 15.0, message="a leader is elected"
+                )
                 for i in range(4):
                     await client.register_instance(instance(i), lease_ttl_s=60)
                 async with client.placement_stream() as stream:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from clients.python import ConductorClient, Unavailable
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from services.conductor.app import Conductor
@@ -79,6 +80,15 @@ def instance(i: int, role: int = 1) -> pb.InstanceSpec:
         node=f"node-{i // 2}",
         role=role,  # type: ignore[arg-type]
     )
+
+
+async def leader_of(client: ConductorClient) -> str | None:
+    """The leader's address, or None while there is none (a process still starting, an
+    election running): for polling."""
+    try:
+        return await client.leader()
+    except Unavailable:
+        return None
 
 
 class ConductorProcess:

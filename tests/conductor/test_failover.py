@@ -12,7 +12,7 @@ import pytest
 
 from clients.python import ConductorClient
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from tests.conductor.conftest import ConductorProcess, instance
+from tests.conductor.conftest import ConductorProcess, instance, leader_of
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.poll import wait_for
 
@@ -47,7 +47,7 @@ async def test_standby_takes_over_within_two_seconds_and_keeps_bindings(
 ) -> None:
     addresses = [p.url for p in conductors]
     async with ConductorClient(addresses, deadline_s=1.0, retries=40, max_backoff_s=0.1) as client:
-        leader_url = await wait_for(client.leader, 15.0, message="a leader is elected")
+        leader_url = await wait_for(lambda: leader_of(client), 15.0, message="a leader is elected")
         for i in range(4):
             spec = instance(i)
             await client.register_instance(spec, lease_ttl_s=60)

@@ -10,14 +10,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from clients.python import ConductorClient, Unavailable
+from clients.python import ConductorClient
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.etcd import EtcdStore
 from services.conductor import keys
 from services.conductor.app import SERVICE_NAME, Conductor
 from services.conductor.settings import TlsFiles
-from tests.conductor.conftest import ConductorProcess, instance
+from tests.conductor.conftest import ConductorProcess, instance, leader_of
 from tests.fixtures.etcd import EtcdServer, make_tls
 from tests.fixtures.poll import wait_for
 
@@ -31,7 +31,7 @@ async def test_a_conductor_killed_with_sigkill_comes_back_warm(
     hashes = [(7 << 40) + i for i in range(6)]
     try:
         async with ConductorClient([first.url], deadline_s=1.0) as client:
-            await wait_for(client.leader, 15.0, message="the first Conductor leads")
+            await wait_for(lambda: leader_of(client), 15.0, message="the first Conductor leads")
             for i in range(2):
                 await client.register_instance(instance(i), lease_ttl_s=60)
             iid = instance(0).instance_id
@@ -61,7 +61,7 @@ async def test_a_conductor_killed_with_sigkill_comes_back_warm(
     try:
         async with ConductorClient([second.url], deadline_s=1.0) as client:
             # The dead one's leader key lives on until its lease lapses.
-            await wait_for(lambda: _leader(client), 15.0, message="the new Conductor leads")
+            await wait_for(lambda: leader_of(client), 15.0, message="the new Conductor leads")
             listed = {i.spec.instance_id: i for i in await client.list_instances()}
             assert set(listed) == {instance(0).instance_id, instance(1).instance_id}
             assert listed[iid].gpu_blocks == len(hashes)
@@ -71,13 +71,6 @@ async def test_a_conductor_killed_with_sigkill_comes_back_warm(
             assert (await client.get_policy()).spec == "sticky"  # etcd's, not the flag's
     finally:
         second.stop()
-
-
-async def _leader(client: ConductorClient) -> str | None:
-    try:
-        return await client.leader()
-    except Unavailable:
-        return None
 
 
 async def _count(etcd: EtcdServer, prefix: bytes, n: int) -> bool:
