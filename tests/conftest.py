@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from kvsched.core.cluster import ClusterConfig, ClusterState, Role, SloConfig, build_cluster
 from kvsched.core.decision import RequestInfo
@@ -13,6 +14,12 @@ from kvsched.core.load import LoadReport
 from kvsched.sim.traces.model import Trace, TraceCall
 
 pytest_plugins = ["tests.fixtures.etcd", "tests.fixtures.otlp"]
+
+# Property tests draw the same examples on every run, so a green main stays green; explore
+# new ones with `pytest --hypothesis-profile=explore` (and keep what they find as tests).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", max_examples=2000)
+settings.load_profile("repeatable")
 
 REPO = Path(__file__).resolve().parent.parent
 SLICES = REPO / "data" / "traces"

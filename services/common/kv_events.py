@@ -104,7 +104,13 @@ def decode_frames(frames: Sequence[bytes], limits: Limits | None = None) -> Even
         # msgpack bounds every length by the payload's size, which is capped above; the
         # per-event limits below decide what is skipped.
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
         raise MalformedFrames(f"payload is not msgpack: {exc}") from None
     ts, events, dp_rank = _batch_fields(batch)
     if len(events) > lim.max_events:

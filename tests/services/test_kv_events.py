@@ -223,3 +223,8 @@ def test_encoded_events_decode_to_themselves(hashes: list[int]) -> None:
             assert batch.events == tuple(events)
         else:  # vLLM 0.11's arrays had no group index
             assert batch.events == (events[0], BlockRemoved(tuple(hashes[:1]), "GPU"), events[2])
+
+
+def test_a_map_keyed_by_a_list_is_malformed_not_a_crash() -> None:
+    with pytest.raises(MalformedFrames, match="not msgpack"):
+        decode_frames([b"t", b"\x00" * 8, b"\x81\x90\x00"])  # {[]: 0}
