@@ -633,22 +633,8 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
             res.agree += res.answers.get(req.request_id) == mine
         else:
             assert op.report is not None
-            f = op.finish
             t = clock()
-            state.finish(
-                f.request_id,
-                session_id=f.session_id,
-                instance_id=f.instance_id,
-                decode_instance_id=f.decode_instance_id,
-                prompt_tokens=f.prompt_tokens,
-                output_tokens=f.output_tokens,
-                cached_tokens=f.cached_tokens,
-                hashes=f.block_hashes,
-                ttft_s=convert.seconds(f.time_to_first_token),
-                e2e_s=convert.seconds(f.end_to_end),
-                ok=f.ok,
-                now=op.now,
-            )
+            convert.finish(state, op.finish, op.now)
             b = op.report
             # Reports of one instance sent on different streams may be logged out of order:
             # the replay applies them in log order, so it numbers them itself.

@@ -239,3 +239,23 @@ def explain_request(state: ConductorState, request: pb.ExplainRequest) -> Reques
     if not hashes:
         raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")
     return state.request_info("explain", prompt, request.output_tokens, hashes, request.session_id)
+
+
+def finish(state: ConductorState, request: pb.FinishRequest, now: float) -> list[TransferPlan]:
+    """Record the completion a FinishRequest reports; raises RequestError."""
+    return list(
+        state.finish(
+            request.request_id,
+            session_id=request.session_id,
+            instance_id=request.instance_id,
+            decode_instance_id=request.decode_instance_id,
+            prompt_tokens=request.prompt_tokens,
+            output_tokens=request.output_tokens,
+            cached_tokens=request.cached_tokens,
+            hashes=request.block_hashes,
+            ttft_s=seconds(request.time_to_first_token),
+            e2e_s=seconds(request.end_to_end),
+            ok=request.ok,
+            now=now,
+        )
+    )

@@ -347,20 +347,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             reader.cancel()
 
     def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
-        plans = self.state.finish(
-            request.request_id,
-            session_id=request.session_id,
-            instance_id=request.instance_id,
-            decode_instance_id=request.decode_instance_id,
-            prompt_tokens=request.prompt_tokens,
-            output_tokens=request.output_tokens,
-            cached_tokens=request.cached_tokens,
-            hashes=request.block_hashes,
-            ttft_s=convert.seconds(request.time_to_first_token),
-            e2e_s=convert.seconds(request.end_to_end),
-            ok=request.ok,
-            now=self.c.clock(),
-        )
+        plans = convert.finish(self.state, request, self.c.clock())
         self.c.metrics.reported_cached_tokens.inc(request.cached_tokens)
         return pb.FinishResponse(transfers=[convert.transfer_message(self.state, p) for p in plans])
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -22,6 +22,9 @@ from services.conductor.app import Conductor
 from services.conductor.settings import ConductorSettings
 from tests.fixtures.etcd import EtcdServer, free_port, start_etcd
 from tests.fixtures.poll import wait_for
+
+if TYPE_CHECKING:
+    from kvsched.api.conductor.v1.conductor_service_pb2_grpc import ConductorServiceAsyncStub
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,9 +71,15 @@ async def start_conductor(
 
 
 @contextlib.asynccontextmanager
-async def stub(url: str) -> AsyncIterator[pb_grpc.ConductorServiceStub]:
+async def stub(url: str) -> AsyncIterator[ConductorServiceAsyncStub]:
+    """A Conductor stub on a real loopback channel (typed as the asyncio stub it is)."""
     async with grpc.aio.insecure_channel(url) as channel:
         yield pb_grpc.ConductorServiceStub(channel)
+
+
+def chain(prefix: int, n: int) -> list[int]:
+    """`n` distinct block hashes sharing nothing with other prefixes."""
+    return [prefix * 1_000_000 + i + 1 for i in range(n)]
 
 
 def instance(i: int, role: int = 1) -> pb.InstanceSpec:

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
@@ -30,7 +30,7 @@ from services.common.telemetry import (
 )
 from services.conductor import keys
 from services.conductor.app import Conductor
-from tests.conductor.conftest import instance, settings, stub
+from tests.conductor.conftest import chain, instance, settings, stub
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.otlp import OtlpReceiver
 from tests.fixtures.poll import wait_for
@@ -44,18 +44,6 @@ LONG_LEASE = Duration(seconds=30)  # outlives any test: only the lease-expiry te
 
 
 # ---- helpers ---------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def client(url: str) -> AsyncIterator[ConductorServiceAsyncStub]:
-    """The conftest's stub, typed as the asyncio stub it is."""
-    async with stub(url) as s:
-        yield cast("ConductorServiceAsyncStub", s)
-
-
-def chain(prefix: int, n: int) -> list[int]:
-    """`n` distinct block hashes sharing nothing with other prefixes."""
-    return [prefix * 1_000_000 + i + 1 for i in range(n)]
 
 
 def stored(
@@ -131,7 +119,7 @@ async def test_register_lists_instances_with_distinct_slots_and_keys_in_etcd(
     start_conductor: Start,
 ) -> None:
     c = await start_conductor()
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         statuses = [await register(s, i) for i in range(3)]
         assert len({st.slot for st in statuses}) == 3
         assert all(st.spec.role == common.ROLE_BOTH for st in statuses)
@@ -170,7 +158,7 @@ async def test_lapsed_lease_removes_instance_blocks_and_session_binding(
 ) -> None:
     c = await start_conductor()
     short = Duration(seconds=1)
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         doomed = await register(s, 0, ttl=short)
         kept = await register(s, 1, ttl=short)
 
@@ -218,7 +206,7 @@ async def test_lapsed_lease_removes_instance_blocks_and_session_binding(
 async def test_kv_events_sequence_resume_and_resync(start_conductor: Start) -> None:
     c = await start_conductor()
     index = c.state.cluster.index
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         await register(s, 0)
         target = await register(s, 1)
         iid, slot = IID[1], target.slot
@@ -295,7 +283,7 @@ async def test_bad_input_is_refused_with_the_right_code_and_changes_nothing(
 ) -> None:
     c = await start_conductor()
     state = c.state
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         # No instance registered yet: placement is unavailable.
         await refused(s.Schedule(sched("r0", chain(1, 2))), grpc.StatusCode.UNAVAILABLE)
         assert len(state.cluster.sessions) == 0
@@ -388,7 +376,7 @@ async def test_standby_refuses_writes_naming_the_leader_and_serves_reads(
 ) -> None:
     c1 = await start_conductor(conductor_id="c1")
     c2 = await start_conductor(conductor_id="c2", lead=False)
-    async with client(c1.url) as s1, client(c2.url) as s2:
+    async with stub(c1.url) as s1, stub(c2.url) as s2:
 
         async def knows_leader() -> bool:
             reply = await s2.GetLeader(pb.GetLeaderRequest())
@@ -464,7 +452,7 @@ async def test_standby_refuses_writes_naming_the_leader_and_serves_reads(
 async def test_set_policy_is_recorded_followed_and_used(start_conductor: Start) -> None:
     c1 = await start_conductor(conductor_id="c1")
     c2 = await start_conductor(conductor_id="c2", lead=False)
-    async with client(c1.url) as s:
+    async with stub(c1.url) as s:
         await register(s, 0)
         await register(s, 1)
         before = await s.Schedule(sched("r0", chain(1, 2)))
@@ -486,7 +474,7 @@ async def test_set_policy_is_recorded_followed_and_used(start_conductor: Start) 
             placed = await s.Schedule(sched(f"r{i + 1}", chain(i + 2, 2)))
             assert placed.decision.policy == "least_loaded"
             assert placed.decision.rule == "fewest pending prefill tokens"
-    async with client(c2.url) as s2:
+    async with stub(c2.url) as s2:
         assert (await s2.GetPolicy(pb.GetPolicyRequest())).spec == "least_loaded"
 
 
@@ -497,7 +485,7 @@ async def test_schedule_retry_gets_the_same_decision_and_charges_once(
     start_conductor: Start,
 ) -> None:
     c = await start_conductor()
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         for i in range(3):
             await register(s, i)
         request = sched("same", chain(1, 4), session="sess")
@@ -527,7 +515,7 @@ async def test_schedule_retry_gets_the_same_decision_and_charges_once(
 
 async def test_new_leader_warm_starts_from_etcd(start_conductor: Start) -> None:
     c1 = await start_conductor(conductor_id="c1")
-    async with client(c1.url) as s:
+    async with stub(c1.url) as s:
         slots = {IID[i]: (await register(s, i)).slot for i in range(3)}
         sequences = {}
         for n, iid in enumerate(IID[:3]):
@@ -558,7 +546,7 @@ async def test_new_leader_warm_starts_from_etcd(start_conductor: Start) -> None:
     c2 = await start_conductor(conductor_id="c2")
     assert c2.serving
     state = c2.state
-    async with client(c2.url) as s:
+    async with stub(c2.url) as s:
         leader = await s.GetLeader(pb.GetLeaderRequest())
         assert leader.is_leader and leader.leader_id == "c2"
         shown = await listed(s)
@@ -588,7 +576,7 @@ async def test_schedule_stream_answers_every_item_and_survives_an_error(
     start_conductor: Start,
 ) -> None:
     c = await start_conductor()
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         for i in range(2):
             await register(s, i)
         call = s.ScheduleStream()  # type: ignore[call-arg]  # the write/read API
@@ -651,7 +639,7 @@ async def test_schedule_stream_answers_every_item_and_survives_an_error(
 async def test_explain_shows_every_candidate_and_changes_nothing(start_conductor: Start) -> None:
     c = await start_conductor()
     state = c.state
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         for i in range(3):
             await register(s, i)
         hashes = chain(1, 6)
@@ -712,7 +700,7 @@ async def test_schedule_span_reaches_the_collector_with_decision_attributes(
     try:
         await c.start()
         await wait_for(lambda: c.serving, 5.0, message="conductor leads")
-        async with client(c.url) as s:
+        async with stub(c.url) as s:
             await register(s, 0)
             await register(s, 1)
             hashes = chain(1, 4)
@@ -755,7 +743,7 @@ async def test_schedule_span_reaches_the_collector_with_decision_attributes(
 async def test_reregistering_keeps_the_instances_blocks_and_cursor(start_conductor: Start) -> None:
     c1 = await start_conductor(conductor_id="c1")
     c2 = await start_conductor(conductor_id="c2", lead=False)
-    async with client(c1.url) as s:
+    async with stub(c1.url) as s:
         first = await register(s, 0, ttl=Duration(seconds=1))
         hashes = chain(1, 3)
         await s.PublishKvEvents(publish(IID[0], 0, stored(hashes)))
@@ -786,7 +774,7 @@ async def test_leader_that_lost_its_lease_serves_from_the_rebuilt_state(
     start_conductor: Start,
 ) -> None:
     c = await start_conductor()
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         await register(s, 0)
         old_state = c.state
         leader = await c.store.get(keys.LEADER.encode())
@@ -812,7 +800,7 @@ async def test_losing_etcd_gives_clear_errors_and_the_conductor_keeps_answering(
     start_conductor: Start, etcd: EtcdServer
 ) -> None:
     c = await start_conductor(policy="sticky")
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         await register(s, 0)
         await register(s, 1)
         etcd.kill()
@@ -835,7 +823,7 @@ async def test_losing_etcd_gives_clear_errors_and_the_conductor_keeps_answering(
 
 async def test_an_overloaded_cluster_rejects_with_a_retry_delay(start_conductor: Start) -> None:
     c = await start_conductor(policy="elastic")
-    async with client(c.url) as s:
+    async with stub(c.url) as s:
         for i in range(2):
             await register(s, i)
             busy = common.LoadReport(

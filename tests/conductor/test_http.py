@@ -3,9 +3,8 @@ real etcd): leader, node stats, sessions, explain and Prometheus metrics."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from google.protobuf.duration_pb2 import Duration
@@ -15,7 +14,7 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.hashing import BlockHasher
 from services.conductor.app import Conductor
-from tests.conductor.conftest import instance, stub
+from tests.conductor.conftest import chain, instance, stub
 from tests.fixtures.poll import wait_for
 
 if TYPE_CHECKING:
@@ -24,16 +23,6 @@ if TYPE_CHECKING:
 Start = Callable[..., Awaitable[Conductor]]
 BS = 16
 IID = [instance(i).instance_id for i in range(8)]
-
-
-@contextlib.asynccontextmanager
-async def client(url: str) -> AsyncIterator[ConductorServiceAsyncStub]:
-    async with stub(url) as s:
-        yield cast("ConductorServiceAsyncStub", s)
-
-
-def chain(prefix: int, n: int) -> list[int]:
-    return [prefix * 1_000_000 + i + 1 for i in range(n)]
 
 
 async def register(s: ConductorServiceAsyncStub, i: int) -> pb.InstanceStatus:
@@ -105,7 +94,7 @@ async def test_leader_endpoint_on_leader_and_standby(start_conductor: Start) -> 
 
 async def test_node_stats_list_instances_with_their_load(start_conductor: Start) -> None:
     c = await start_conductor()
-    async with client(c.url) as s, aiohttp.ClientSession() as http:
+    async with stub(c.url) as s, aiohttp.ClientSession() as http:
         _, empty = await get(http, f"{c.http_url}/api/nodes/stats")
         assert empty["instances"] == [] and empty["policy"] == "cache_aware"
         slots = [(await register(s, i)).slot for i in range(2)]
@@ -145,7 +134,7 @@ async def test_node_stats_list_instances_with_their_load(start_conductor: Start)
 
 async def test_session_endpoint_known_and_unknown(start_conductor: Start) -> None:
     c = await start_conductor()
-    async with client(c.url) as s, aiohttp.ClientSession() as http:
+    async with stub(c.url) as s, aiohttp.ClientSession() as http:
         await register(s, 0)
         placed = await s.Schedule(sched("r1", chain(1, 2), session="chat-1"))
         status, body = await get(http, f"{c.http_url}/api/sessions/chat-1")
@@ -171,7 +160,7 @@ async def test_explain_by_query_hashes_and_prompt(start_conductor: Start) -> Non
     prompt_hashes = BlockHasher(BS, 0).hash_tokens(list(text.encode()))
     assert len(prompt_hashes) == len(text.encode()) // BS
     hashes = chain(1, 5)
-    async with client(c.url) as s, aiohttp.ClientSession() as http:
+    async with stub(c.url) as s, aiohttp.ClientSession() as http:
         for i in range(3):
             await register(s, i)
         await publish(s, IID[1], 0, stored(hashes))
@@ -206,7 +195,7 @@ async def test_explain_by_query_hashes_and_prompt(start_conductor: Start) -> Non
 
 async def test_explain_refuses_malformed_requests(start_conductor: Start) -> None:
     c = await start_conductor()
-    async with client(c.url) as s, aiohttp.ClientSession() as http:
+    async with stub(c.url) as s, aiohttp.ClientSession() as http:
         url = f"{c.http_url}/api/explain"
         # No instance yet: nothing to explain against.
         status, body = await post(http, url, json={"block_hashes": [1, 2]})
@@ -235,7 +224,7 @@ async def test_metrics_expose_decision_histogram_and_instance_gauges(
     start_conductor: Start,
 ) -> None:
     c = await start_conductor()
-    async with client(c.url) as s, aiohttp.ClientSession() as http:
+    async with stub(c.url) as s, aiohttp.ClientSession() as http:
         for i in range(2):
             await register(s, i)
         for n in range(5):
