@@ -1,29 +1,42 @@
-"""The `kvsched` command: services (`conductor`; more to come) and the simulator (`replay`)."""
+"""The `kvsched` command: the services, a local cluster, and the simulator (`replay`)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-USAGE = """usage: kvsched {replay,conductor} ...
+# subcommand -> (module whose `main(argv) -> int` runs it, one-line help)
+COMMANDS = {
+    "replay": ("kvsched.sim.cli", "replay a trace through one or more policies (simulator)"),
+    "up": ("services.launcher.__main__", "run a whole local cluster on loopback"),
+    "bench": ("services.loadgen.__main__", "replay a trace through live Routers"),
+    "conductor": ("services.conductor.__main__", "run a Conductor (gRPC + HTTP admin)"),
+    "router": ("services.router.__main__", "run a Router (OpenAI-compatible HTTP)"),
+    "messenger": ("services.messenger.__main__", "run a node's Messenger"),
+    "engine": ("services.engine.__main__", "run a simulated vLLM-compatible engine"),
+}
 
-  replay      replay a trace through one or more policies (simulator)
-  conductor   run a Conductor (gRPC + HTTP admin; flags: kvsched conductor --help)
-"""
+
+def usage() -> str:
+    lines = [f"usage: kvsched {{{','.join(COMMANDS)}}} ...", ""]
+    lines += [f"  {name:<10}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "`kvsched COMMAND --help` lists a command's flags."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "conductor":
-        from services.conductor.__main__ import main as conductor  # noqa: PLC0415
-
-        return conductor(args[1:])
-    if args and args[0] in {"-h", "--help"}:
-        print(USAGE, end="")
+    if not args or args[0] in {"-h", "--help"}:
+        print(usage(), end="")
         return 0
-    from kvsched.sim.cli import main as simulator  # noqa: PLC0415
-
-    return simulator(args)
+    if args[0] not in COMMANDS:
+        print(usage(), end="", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[args[0]][0])
+    entry: Callable[[list[str]], int] = module.main
+    # The simulator's own parser has the `replay` subcommand; the services take flags only.
+    return entry(args if args[0] == "replay" else args[1:])
 
 
 if __name__ == "__main__":

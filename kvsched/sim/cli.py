@@ -25,15 +25,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsched", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay a trace through one or more policies")
-    rp.add_argument(
-        "--trace", required=True, type=Path, help="trace file (.jsonl, .jsonl.xz, .csv)"
-    )
-    rp.add_argument("--trace-format", choices=sorted(DEFAULT_MODE), help="default: detected")
+    add_trace_arguments(rp)
     rp.add_argument("--policies", default="all", help="'all' or NAME[:k=v,...][,NAME...]")
     rp.add_argument("--instances", type=int, default=8)
-    rp.add_argument("--seed", type=int, default=0)
-    rp.add_argument("--load", type=float, default=1.0, help="arrival-rate multiplier")
-    cap = rp.add_mutually_exclusive_group()
+    rp.add_argument("--out", type=Path, help="directory for report.json, table.md and figures")
+    rp.add_argument(
+        "--sweep",
+        metavar="L1,L2,...",
+        help="also replay at these loads; goodput = highest load with SLO attainment >= 90%%",
+    )
+    rp.add_argument("--no-figures", action="store_true")
+    rp.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """Which trace, which part of it and how to replay it: shared by `kvsched replay` and the
+    live load generator (`kvsched bench`), so both replay the same calls the same way."""
+    p.add_argument("--trace", required=True, type=Path, help="trace file (.jsonl, .jsonl.xz, .csv)")
+    p.add_argument("--trace-format", choices=sorted(DEFAULT_MODE), help="default: detected")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load", type=float, default=1.0, help="arrival-rate multiplier")
+    cap = p.add_mutually_exclusive_group()
     cap.add_argument("--max-requests", type=int, help="replay only the first N calls")
     cap.add_argument("--max-sessions", type=int, help="replay only the first N sessions/groups")
     cap.add_argument(
@@ -41,38 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A:B",
         help="weka: replay agentic traces A..B-1 (in file order), e.g. a held-out half",
     )
-    rp.add_argument("--out", type=Path, help="directory for report.json, table.md and figures")
-    rp.add_argument("--mode", choices=("open", "closed"), help="default: closed for weka")
-    rp.add_argument(
-        "--token-scale", type=float, help="multiply prompt lengths (default per format)"
-    )
-    rp.add_argument(
+    p.add_argument("--mode", choices=("open", "closed"), help="default: closed for weka")
+    p.add_argument("--token-scale", type=float, help="multiply prompt lengths (default per format)")
+    p.add_argument(
         "--shared-prefix",
         type=Path,
         metavar="META_JSON",
         help="weka: model the shared Claude Code system prefix (trace meta JSON)",
     )
-    rp.add_argument(
+    p.add_argument(
         "--max-gap", type=float, metavar="S", help="closed loop: cap think/idle gaps at S seconds"
     )
-    rp.add_argument(
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
         metavar="K",
         help="closed loop: replay every agentic trace K times as distinct users",
     )
-    rp.add_argument("--ttft-slo", type=float, default=SloConfig().ttft_s, help="seconds")
-    rp.add_argument("--tpot-slo", type=float, default=SloConfig().tpot_s, help="seconds")
-    rp.add_argument(
-        "--sweep",
-        metavar="L1,L2,...",
-        help="also replay at these loads; goodput = highest load with SLO attainment >= 90%%",
-    )
-    rp.add_argument("--warmup", type=float, default=0.05, help="share of the trace excluded")
-    rp.add_argument("--no-figures", action="store_true")
-    rp.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
+    p.add_argument("--ttft-slo", type=float, default=SloConfig().ttft_s, help="seconds")
+    p.add_argument("--tpot-slo", type=float, default=SloConfig().tpot_s, help="seconds")
+    p.add_argument("--warmup", type=float, default=0.05, help="share of the trace excluded")
 
 
 def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:

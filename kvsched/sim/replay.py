@@ -13,7 +13,7 @@ import heapq
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind, StepOutcome
 from kvsched.sim.meters import GapHistogram, HotspotMeter
 from kvsched.sim.network import Network
 from kvsched.sim.prepare import PreparedTrace
+from kvsched.sim.traces.model import TraceCall
 
 _ARRIVE, _STEP, _WAKE, _XFER_DONE = 0, 1, 2, 3
 
@@ -179,32 +180,13 @@ class Replay:
             for call in self.calls:
                 self._push((call.timestamp_s - t0) / load, _ARRIVE, call.index)
             return
-        starts = self._draw_group_starts(load)
+        starts = draw_group_starts(self.calls, self.cluster.n, load, self.config.seed)
+        self.group_start = starts
         for call in self.calls:
             if call.after < 0:
                 self._push(starts[call.group] + call.start_offset_s, _ARRIVE, call.index)
             else:
                 self._dependents.setdefault(call.after, []).append(call.index)
-
-    def _draw_group_starts(self, load: float) -> dict[str, float]:
-        """Poisson group starts: load 1.0 keeps on average one group per instance active when
-        groups run at their recorded speed."""
-        spans: dict[str, float] = {}
-        order: list[str] = []
-        for call in self.calls:
-            end = call.timestamp_s + call.recorded_service_s
-            if call.group not in spans:
-                order.append(call.group)
-                spans[call.group] = 0.0
-            spans[call.group] = max(spans[call.group], end)
-        mean_span = max(sum(spans.values()) / max(len(spans), 1), 1.0)
-        rate = load * self.cluster.n / mean_span
-        arrivals = random.Random(f"group-starts:{self.config.seed}")
-        t = 0.0
-        for group in order:
-            self.group_start[group] = t
-            t += arrivals.expovariate(rate)
-        return self.group_start
 
     # ---- event loop --------------------------------------------------------------------
 
@@ -500,6 +482,31 @@ class Replay:
         engine = self.engines[slot]
         self.scheduler.report_load(slot, engine.report())
         self.hotspot.set(self.now, slot, float(engine.pending_tokens))
+
+
+def draw_group_starts(
+    calls: Sequence[TraceCall], n_instances: int, load: float, seed: int
+) -> dict[str, float]:
+    """Closed loop: Poisson start times of the groups (whole agentic traces), in first-call
+    order; load 1.0 keeps on average one group per instance active when groups run at their
+    recorded speed. The live load generator draws the same starts."""
+    spans: dict[str, float] = {}
+    order: list[str] = []
+    for call in calls:
+        end = call.timestamp_s + call.recorded_service_s
+        if call.group not in spans:
+            order.append(call.group)
+            spans[call.group] = 0.0
+        spans[call.group] = max(spans[call.group], end)
+    mean_span = max(sum(spans.values()) / max(len(spans), 1), 1.0)
+    rate = load * n_instances / mean_span
+    arrivals = random.Random(f"group-starts:{seed}")
+    starts: dict[str, float] = {}
+    t = 0.0
+    for group in order:
+        starts[group] = t
+        t += arrivals.expovariate(rate)
+    return starts
 
 
 def run_replay(
