@@ -171,8 +171,12 @@ class Engine:
 
     # ---- stepping ----------------------------------------------------------------------
 
-    def plan(self, now: float) -> float | None:
-        """Choose the next step starting at `now`; returns its end time, None when idle."""
+    def plan(self, now: float, max_passes: int | None = None) -> float | None:
+        """Choose the next step starting at `now`; returns its end time, None when idle.
+
+        `max_passes` caps a decode macro-step at that many passes (the live engine streams
+        every few passes instead of jumping to the next completion); None, the simulator's
+        setting, lets it run to the next completion."""
         assert self.step is None, "plan() while a step runs"
         if self.handoffs:
             self._admit_handoffs(now)
@@ -204,6 +208,8 @@ class Engine:
             return end
         if batch:
             k = self._finish_heap[0][0] - self.tick
+            if max_passes is not None:
+                k = min(k, max(max_passes, 1))
             end = now + self.latency.decode_steps(batch, self.decode_ctx, k)
             self.step = _Step(now, end, k, [], batch, self.decode_ctx)
             return end
@@ -246,6 +252,34 @@ class Engine:
         for job, take in step.chunks:
             self._progress(job, take, now, out)
         return out
+
+    def abort(self, job: Job, now: float) -> bool:
+        """Drop `job` wherever it is (queued, prefilling or decoding): its pending prefill
+        leaves the load, its held blocks are unlocked (they stay cached) and its private pages
+        go back to the free pool. Only between steps, since a running step counts the job in
+        its batch. False when the job is not here (finished, or never submitted)."""
+        assert self.step is None, "abort() while a step runs"
+        if job in self.decoding:
+            self.decoding.discard(job)
+            self.decode_ctx -= job.prompt + job.output - (job.finish_tick - self.tick)
+            self._finish_heap = [e for e in self._finish_heap if e[2] is not job]
+            heapq.heapify(self._finish_heap)
+        elif job in self.prefilling or job in self.waiting:
+            if job in self.prefilling:
+                self.prefilling.remove(job)
+            else:
+                self.waiting.remove(job)
+            self.pending_tokens -= job.prompt - job.computed
+            self.pending_s -= job.est_prefill_s
+            job.est_prefill_s = 0.0
+            if not self.pending_tokens:
+                self.pending_s = 0.0
+        elif job in self.handoffs:
+            self.handoffs.remove(job)
+        else:
+            return False
+        self._release(job, now)
+        return True
 
     # ---- internals ---------------------------------------------------------------------
 

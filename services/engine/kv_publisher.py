@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections import deque
 from collections.abc import Sequence
 
@@ -44,7 +43,7 @@ class KvEventPublisher:
         self.shape: Shape = shape
         self.dp_rank = dp_rank
         self._buffer: deque[tuple[int, list[bytes]]] = deque(maxlen=buffer_steps)
-        self._seq = itertools.count()
+        self.next_seq = 0  # sequence number of the next batch
         self._serving: asyncio.Task[None] | None = None
 
     @property
@@ -64,7 +63,8 @@ class KvEventPublisher:
 
     async def publish(self, events: Sequence[Event], ts: float) -> int:
         """Send one batch; returns its sequence number."""
-        seq = next(self._seq)
+        seq = self.next_seq
+        self.next_seq += 1
         frames = encode_frames(self.topic, seq, ts, events, self.dp_rank, shape=self.shape)
         self._buffer.append((seq, frames))
         await self._pub.send_multipart(frames)

@@ -113,8 +113,8 @@ def test_prefill_budget_leaves_a_token_for_each_running_decode() -> None:
     passes: list[tuple[int, int]] = []
     plan = eng.plan
 
-    def planned(now: float) -> float | None:
-        end = plan(now)
+    def planned(now: float, max_passes: int | None = None) -> float | None:
+        end = plan(now, max_passes)
         if eng.step is not None and eng.step.chunks:
             passes.append((sum(take for _, take in eng.step.chunks), eng.step.decode_seqs))
         return end

@@ -1,0 +1,165 @@
+"""Simulated-engine settings: command-line flags, each with an environment variable default
+(`KVSCHED_ENGINE_<FLAG>`), tracing from `OTEL_*`.
+
+The engine model is configured exactly as the simulator configures its instances (a
+`ClusterConfig` through `build_cluster`, see `services.engine.model`), so `--model-config`,
+`--latency-profile`, `--block-size`, `--chunk-tokens` and `--max-running` mean what they mean
+in a replay, and the defaults are the simulator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import get_args
+
+from kvsched.core.cluster import ClusterConfig
+from kvsched.core.latency import DEFAULT_LATENCY
+from services.common.kv_events import Shape
+from services.common.openai_api import DEFAULT_MODEL
+
+ENV = "KVSCHED_ENGINE_"
+KV_TOPIC = "kv-events"
+_SIM = ClusterConfig(n_instances=1)  # the simulator's engine defaults
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Everything one simulated engine process is configured with."""
+
+    instance_id: str = field(default_factory=_default_instance_id)
+    listen: str = "127.0.0.1:8100"
+    model: str = DEFAULT_MODEL  # the served name (what `model` in a request must say)
+    tokenizer: str | None = None  # tokenizer.json; None: the shipped one
+    block_size: int = _SIM.block_size
+    model_config: str = _SIM.model  # architecture (KV bytes, layers, context length)
+    latency_profile: str = _SIM.latency_profile
+    capacity_blocks: int = 0  # 0: from the latency profile's measured KV capacity
+    max_model_len: int = 0  # 0: the model config's
+    chunk_tokens: int = _SIM.chunk_tokens
+    max_running: int = _SIM.max_running
+    time_scale: float = 1.0  # wall seconds per simulated second (0.1: ten times faster)
+    stream_interval: int = 1  # decode passes per step, i.e. tokens per streamed chunk
+    kv_events: str = "tcp://127.0.0.1:*"  # ZMQ PUB endpoint (`*` port: any free one)
+    kv_replay: str | None = None  # ZMQ ROUTER endpoint answering replay requests
+    event_shape: Shape = "map"
+    engine_hash_seed: int = field(default_factory=lambda: secrets.randbits(64))
+    seed: int = 0
+    shutdown_grace_s: float = 5.0  # SIGTERM: how long running streams may still finish
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("--time-scale must be positive")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be at least 1")
+        if self.event_shape not in get_args(Shape):
+            raise ValueError(f"--event-shape must be one of {get_args(Shape)}")
+        if self.capacity_blocks < 0 or self.max_model_len < 0:
+            raise ValueError("--capacity-blocks and --max-model-len must not be negative")
+
+    def cluster_config(self) -> ClusterConfig:
+        """The one-instance cluster the simulator would build for this engine."""
+        return ClusterConfig(
+            n_instances=1,
+            latency_profile=self.latency_profile,
+            model=self.model_config,
+            block_size=self.block_size,
+            chunk_tokens=self.chunk_tokens,
+            max_running=self.max_running,
+            kv_capacity_tokens=self.capacity_blocks * self.block_size,
+        )
+
+
+def latency_profile_for_gpu(gpu: str, model: str) -> str:
+    """The shipped latency profile measured on `gpu` (case-insensitive prefix of its GPU
+    name, e.g. `h100`), preferring one measured for `model`."""
+    base = resources.files("kvsched").joinpath("data", "latency")
+    found: list[tuple[bool, str]] = []
+    for entry in sorted(base.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".json"):
+            continue
+        raw = json.loads(entry.read_text(encoding="utf-8"))
+        if str(raw.get("gpu", "")).lower().startswith(gpu.lower()):
+            found.append((raw.get("model") != model, entry.name.removesuffix(".json")))
+    if not found:
+        raise ValueError(f"no shipped latency profile was measured on a GPU named {gpu!r}")
+    return min(found)[1]
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
+    env = ENV + name.upper().replace("-", "_")
+    value = os.environ.get(env, default)
+    kind = type(default) if default is not None else str
+    parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
+
+
+def parse(argv: Sequence[str] | None = None) -> EngineSettings:
+    d = EngineSettings(instance_id="", engine_hash_seed=0)
+    p = argparse.ArgumentParser(
+        prog="kvsched engine", description="Run a simulated vLLM-compatible engine."
+    )
+    _flag(p, "listen", d.listen, "HTTP listen address (port 0: any free one)")
+    _flag(p, "instance-id", "", "this engine's instance id (default host-pid)")
+    _flag(p, "model", d.model, "served model name")
+    _flag(p, "tokenizer", "", "tokenizer.json (default: the shipped demo tokenizer)")
+    _flag(p, "block-size", d.block_size, "tokens per KV block")
+    _flag(p, "model-config", d.model_config, "model architecture (KV size, context length)")
+    _flag(p, "latency-profile", "", f"latency model profile (default {DEFAULT_LATENCY})")
+    _flag(p, "gpu", "", "pick the shipped latency profile measured on this GPU (e.g. a100)")
+    _flag(p, "capacity-blocks", d.capacity_blocks, "KV capacity in blocks (0: from the GPU)")
+    _flag(p, "max-model-len", d.max_model_len, "context length (0: the model config's)")
+    _flag(p, "chunk-tokens", d.chunk_tokens, "token budget of one forward pass")
+    _flag(p, "max-running", d.max_running, "most requests admitted at once")
+    _flag(p, "time-scale", d.time_scale, "wall seconds per simulated second (0.1: 10x faster)")
+    _flag(p, "stream-interval", d.stream_interval, "decode passes (tokens) per streamed chunk")
+    _flag(p, "kv-events", d.kv_events, "ZMQ endpoint publishing KV events")
+    _flag(p, "kv-replay", "", "ZMQ endpoint answering KV-event replay requests (default off)")
+    _flag(p, "event-shape", d.event_shape, "KV event encoding: map (vLLM >= 0.33) or array")
+    _flag(p, "engine-hash-seed", -1, "seed of the engine's block hashes (default: random)")
+    _flag(p, "seed", d.seed, "seed of the engine's output text")
+    _flag(p, "shutdown-grace", d.shutdown_grace_s, "seconds streams may finish on SIGTERM")
+    a = p.parse_args(argv)
+    profile = a.latency_profile
+    if a.gpu:
+        by_gpu = latency_profile_for_gpu(a.gpu, a.model_config)
+        if profile and profile != by_gpu:
+            p.error(f"--latency-profile {profile} contradicts --gpu {a.gpu} ({by_gpu})")
+        profile = by_gpu
+    try:
+        return EngineSettings(
+            instance_id=a.instance_id or _default_instance_id(),
+            listen=a.listen,
+            model=a.model,
+            tokenizer=a.tokenizer or None,
+            block_size=a.block_size,
+            model_config=a.model_config,
+            latency_profile=profile or DEFAULT_LATENCY,
+            capacity_blocks=a.capacity_blocks,
+            max_model_len=a.max_model_len,
+            chunk_tokens=a.chunk_tokens,
+            max_running=a.max_running,
+            time_scale=a.time_scale,
+            stream_interval=a.stream_interval,
+            kv_events=a.kv_events,
+            kv_replay=a.kv_replay or None,
+            event_shape=a.event_shape,
+            engine_hash_seed=(
+                a.engine_hash_seed if a.engine_hash_seed >= 0 else secrets.randbits(64)
+            ),
+            seed=a.seed,
+            shutdown_grace_s=a.shutdown_grace,
+            otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
