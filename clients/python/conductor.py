@@ -260,6 +260,13 @@ class ConductorClient:
         async with self._lock():
             return await self._discover()
 
+    async def leader_stub(self, *, fresh: bool = False) -> tuple[str, _Stub]:
+        """The leader's address and a stub on this client's channel to it (same credentials
+        and interceptors), for calls the client does not wrap, such as the KV event stream.
+        `fresh` asks who leads first (after the believed leader failed). Raises `Unavailable`."""
+        address = await (self.leader() if fresh else self._ensure_leader())
+        return address, self._stub(address)
+
     async def _ensure_leader(self) -> str:
         if self._leader is not None:
             return self._leader

@@ -1,11 +1,19 @@
 """Subscribing to one engine's KV events: decode every message, notice gaps by sequence
 number, fill them from the engine's replay socket, and say so when they cannot be filled (the
-instance then needs a full resync). Malformed messages are counted and skipped."""
+instance then needs a full resync). Malformed messages are counted and skipped. A sequence
+number that goes back means the engine restarted (its numbering starts again): that is
+reported like a gap that cannot be filled.
+
+A gap shows only when a later batch arrives, so a lost last batch (or the first ones,
+published while the SUB socket was still joining) would stay unnoticed while the engine is
+idle. With a replay socket, an idle subscriber therefore asks it every `tail_probe_s` for
+what follows its last batch: usually nothing."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import zmq
@@ -18,10 +26,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 @dataclass(frozen=True, slots=True)
 class Resync:
-    """Batches after `last_seq` and before `next_seq` are lost for good."""
+    """Batches after `last_seq` and before `next_seq` are lost for good (`restarted`: the
+    engine's numbering started again at `next_seq`)."""
 
     last_seq: int
     next_seq: int
+    restarted: bool = False
 
 
 class KvEventSubscriber:
@@ -35,32 +45,86 @@ class KvEventSubscriber:
         topic: bytes = b"",
         limits: Limits | None = None,
         replay_timeout_s: float = 1.0,
+        tail_probe_s: float = 0.25,
     ) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._monitor: zmq.asyncio.Socket | None = self._sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         self._sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.limits = limits
         self.replay_timeout_s = replay_timeout_s
+        self.tail_probe_s = tail_probe_s
         self.malformed = 0  # messages that were not KV-event batches
         self.skipped_events = 0  # events dropped inside good batches
         self.duplicates = 0
         self.replayed = 0  # batches recovered from the replay socket
         self.resyncs = 0  # gaps that could not be filled
-        self.last_seq: int | None = None
+        self.restarts = 0  # sequence numbers that went back
+        self.tail_probes = 0  # replay requests made while idle
+        self.last_seq: int | None = None  # batches up to it are delivered or covered
+        self._received: int | None = None  # the last sequence number the SUB socket gave
 
-    async def batches(self) -> AsyncIterator[EventBatch | Resync]:
+    def skip_to(self, next_seq: int) -> None:
+        """Batches before `next_seq` are covered elsewhere (a snapshot of the engine): drop
+        them when they come, and fill a gap only from `next_seq` on."""
+        if self.last_seq is None or self.last_seq < next_seq - 1:
+            self.last_seq = next_seq - 1
+
+    async def joined(self, timeout_s: float) -> bool:
+        """Wait until the SUB socket has connected to the publisher (then its subscription is
+        on the way: batches published from a moment later reach it); False on timeout."""
+        monitor = self._monitor
+        if monitor is None:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await monitor.recv_multipart()
+        except TimeoutError:
+            return False
+        self._stop_monitor()
+        return True
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close()
+            self._monitor = None
+
+    async def batches(self) -> AsyncGenerator[EventBatch | Resync, None]:
         """Batches in sequence order, with a `Resync` where some are lost for good."""
         while True:
+            last = self.last_seq
+            probe_ms = round(self.tail_probe_s * 1000)
+            if (
+                last is not None
+                and self.replay_endpoint is not None
+                and not await self._sub.poll(probe_ms)
+            ):
+                self.tail_probes += 1
+                async for item in self._fill(last + 1, None):
+                    yield item
+                continue
             frames = await self._sub.recv_multipart()
             batch = self._decode(frames)
             if batch is None:
                 continue
+            # PUB/SUB neither reorders nor repeats: a number at or below the last one the
+            # socket gave means the publisher started again.
+            received, self._received = self._received, batch.seq
+            if received is not None and batch.seq <= received:
+                self.restarts += 1
+                self.last_seq = batch.seq
+                yield Resync(received, batch.seq, restarted=True)
+                yield batch
+                continue
             last = self.last_seq
             if last is not None and batch.seq <= last:
-                self.duplicates += 1
+                self.duplicates += 1  # covered by a snapshot, or replayed already
                 continue
             if last is not None and batch.seq > last + 1:
                 async for item in self._fill(last + 1, batch.seq):
@@ -77,25 +141,30 @@ class KvEventSubscriber:
         self.skipped_events += batch.skipped
         return batch
 
-    async def _fill(self, start: int, upto: int) -> AsyncIterator[EventBatch | Resync]:
-        """Ask the replay socket for [start, upto); yield what comes back in order."""
+    async def _fill(self, start: int, upto: int | None) -> AsyncIterator[EventBatch | Resync]:
+        """Ask the replay socket for [start, upto) (or everything from `start`: `upto` None);
+        yield what comes back in order, and a `Resync` for what it cannot give."""
         expected = start
         if self.replay_endpoint is not None:
-            async for frames in self._replay(start):
-                seq = int.from_bytes(frames[1], "big")
-                if seq != expected or seq >= upto:
-                    continue  # older, newer, or past an evicted hole: handled below
-                batch = self._decode(frames)
-                if batch is None:
-                    break
-                self.replayed += 1
-                self.last_seq, expected = seq, seq + 1
-                yield batch
-        if expected < upto:
+            async with contextlib.aclosing(self._replay(start)) as replayed:
+                async for frames in replayed:
+                    seq = int.from_bytes(frames[1], "big")
+                    if seq < expected or (upto is not None and seq >= upto):
+                        continue  # older or newer than asked for
+                    if seq > expected:  # a hole: the replay buffer lost it too
+                        upto = seq if upto is None else upto
+                        break
+                    batch = self._decode(frames)
+                    if batch is None:
+                        break
+                    self.replayed += 1
+                    self.last_seq, expected = seq, seq + 1
+                    yield batch
+        if upto is not None and expected < upto:
             self.resyncs += 1
             yield Resync(expected - 1, upto)
 
-    async def _replay(self, start: int) -> AsyncIterator[list[bytes]]:
+    async def _replay(self, start: int) -> AsyncGenerator[list[bytes], None]:
         """The replayed messages as [topic, seq, payload], until the end marker or timeout."""
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
@@ -115,4 +184,5 @@ class KvEventSubscriber:
             dealer.close()
 
     def close(self) -> None:
+        self._stop_monitor()
         self._sub.close()

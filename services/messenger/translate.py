@@ -11,20 +11,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.hashing import BlockHasher
+from kvsched.core.hashing import BlockHasher, salt_bytes
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 
 _TIERS = {"GPU": common.TIER_GPU, "CPU": common.TIER_CPU, "DISK": common.TIER_DISK}
 
 SaltOf = Callable[[BlockStored], bytes]
+_Blocks = TypeVar("_Blocks", pb.BlocksStored, pb.BlocksRemoved)
+# Blocks one Conductor event may name: far below the Conductor's limit (its longest prompt in
+# blocks, 8192 by default), small enough to keep every message modest.
+MAX_BLOCKS = 512
 
 
 def no_salt(event: BlockStored) -> bytes:
     """Tenant salt of a chain started by `event`: none (a single-tenant engine)."""
     return b""
+
+
+def cache_salt(event: BlockStored) -> bytes:
+    """Tenant salt of a chain started by `event`, as vLLM carries a request's `cache_salt`:
+    in the extra keys of the chain's first block, `extra_keys = [(lora_name?, ..., salt),
+    None, ...]`, the last string of the first block's tuple. A LoRA name, when the event
+    names one, comes first in that tuple and is not a salt. Anything else (no extra keys,
+    another shape): no salt. The Router hashes prompts with the same bytes (UTF-8)."""
+    keys = event.extra_keys
+    if not isinstance(keys, list | tuple) or not keys:
+        return b""
+    first = keys[0]
+    if not isinstance(first, list | tuple):
+        return b""
+    strings = [k for k in first if isinstance(k, str)]
+    if strings and event.lora_name is not None and strings[0] == event.lora_name:
+        strings = strings[1:]
+    return salt_bytes(strings[-1]) if strings else b""
 
 
 @dataclass(slots=True)
@@ -37,29 +60,54 @@ class TranslateCounters:
 
 
 class EventTranslator:
-    """One engine's hash map; `translate` turns its events into Conductor events."""
+    """One engine's hash map; `translate` turns its events into Conductor events.
 
-    def __init__(self, hasher: BlockHasher, salt_of: SaltOf = no_salt) -> None:
+    An event naming more than `max_blocks` blocks is split (a stored chain into pieces that
+    continue one another), so no event exceeds what the Conductor accepts in one."""
+
+    def __init__(
+        self, hasher: BlockHasher, salt_of: SaltOf = no_salt, *, max_blocks: int = MAX_BLOCKS
+    ) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
         self.hasher = hasher
         self.salt_of = salt_of
+        self.max_blocks = max_blocks
         self.ours: dict[EngineHash, int] = {}
         self.counters = TranslateCounters()
 
     def translate(self, events: Iterable[Event]) -> list[pb.KvEvent]:
+        """Conductor events for `events`; remembers the stored blocks' hashes (and forgets
+        removed ones) so later events can be mapped."""
         out: list[pb.KvEvent] = []
         for event in events:
             if isinstance(event, BlockStored):
                 stored = self._stored(event)
                 if stored is not None:
-                    out.append(pb.KvEvent(blocks_stored=stored))
+                    out.extend(pb.KvEvent(blocks_stored=part) for part in self._split(stored))
             elif isinstance(event, BlockRemoved):
                 removed = self._removed(event)
                 if removed is not None:
-                    out.append(pb.KvEvent(blocks_removed=removed))
+                    out.extend(pb.KvEvent(blocks_removed=part) for part in self._split(removed))
             elif isinstance(event, AllBlocksCleared):
                 self.ours.clear()
                 out.append(pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared()))
         return out
+
+    def _split(self, message: _Blocks) -> list[_Blocks]:
+        hashes, n = message.block_hashes, self.max_blocks
+        if len(hashes) <= n:
+            return [message]
+        parts: list[_Blocks] = []
+        for start in range(0, len(hashes), n):
+            part = type(message)()
+            part.CopyFrom(message)
+            del part.block_hashes[:]
+            part.block_hashes.extend(hashes[start : start + n])
+            if isinstance(part, pb.BlocksStored) and start:
+                part.parent_block_hash = hashes[start - 1]
+            parts.append(part)
+        return parts
 
     def _stored(self, event: BlockStored) -> pb.BlocksStored | None:
         bs = event.block_size

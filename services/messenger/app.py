@@ -1,0 +1,190 @@
+"""One Messenger process: the gRPC server (MessengerService, health, reflection), the HTTP
+endpoint, the Conductor client with its one KV event stream, and a relay per engine.
+
+Lifecycle: `start()` binds the servers (so each instance registers with the address its
+Messenger really listens on), opens the stream and starts the relays. `stop()` stops the
+relays, deregisters every instance they registered, half-closes the stream after what is
+queued, and closes the servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import replace
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
+
+from clients.python import ConductorClient, Interceptor
+from clients.python.kv_stream import KvEventStream
+from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
+from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
+from services.common.telemetry import (
+    TelemetrySettings,
+    client_interceptors,
+    get_tracer,
+    server_interceptor,
+    setup_tracing,
+    shutdown_tracing,
+)
+from services.messenger.http import MessengerHttp
+from services.messenger.metrics import MessengerMetrics
+from services.messenger.relay import EngineRelay
+from services.messenger.server import MessengerServicer
+from services.messenger.settings import ClientTls, MessengerSettings
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MessengerService"].full_name
+DEREGISTER_TIMEOUT_S = 5.0
+
+
+class Messenger:
+    """A Messenger; `tracer_provider` defaults to one from `settings.otlp_endpoint`."""
+
+    def __init__(
+        self, settings: MessengerSettings, *, tracer_provider: TracerProvider | None = None
+    ) -> None:
+        self.settings = settings
+        self.tracer_provider = tracer_provider or setup_tracing(
+            TelemetrySettings("kvsched-messenger", settings.otlp_endpoint)
+        )
+        self._own_provider = tracer_provider is None
+        self.relays: list[EngineRelay] = []
+        self.stream: KvEventStream | None = None
+        self.client: ConductorClient | None = None
+        self.metrics = MessengerMetrics(lambda: self.relays, lambda: self.stream)
+        self.http = MessengerHttp(self.metrics.registry, lambda: self.relays, lambda: self.stream)
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def url(self) -> str:
+        """The gRPC address instances register as their Messenger's."""
+        return self.settings.url
+
+    @property
+    def http_url(self) -> str:
+        return self.settings.http_url
+
+    def relay(self, instance_id: str) -> EngineRelay | None:
+        """The relay of the engine that is `instance_id`, if any."""
+        return next((r for r in self.relays if r.instance_id == instance_id), None)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        port = await self._start_grpc()
+        http_port = await self.http.start(s.http_listen)
+        host = (s.advertise or s.listen).rpartition(":")[0]
+        http_host = s.http_listen.rpartition(":")[0]
+        self.settings = s = replace(
+            s,
+            advertise=s.advertise or f"{host}:{port}",
+            http_listen=f"{http_host}:{http_port}",
+        )
+        tracer = get_tracer(self.tracer_provider)
+        interceptors: list[Interceptor] = list(client_interceptors(tracer))  # type: ignore[arg-type]
+        self.client = ConductorClient(
+            list(s.conductors), credentials=_credentials(s.tls), interceptors=interceptors
+        )
+        self.stream = KvEventStream(
+            self.client,
+            on_resync=self._on_resync,
+            on_unregistered=self._on_unregistered,
+            on_sent=self.metrics.on_sent,
+            log_batches=s.resend_batches,
+        )
+        self.stream.start()
+        self._session = aiohttp.ClientSession()
+        self.relays = [
+            EngineRelay(url, s, client=self.client, stream=self.stream, http=self._session)
+            for url in s.engines
+        ]
+        self._tasks = [
+            asyncio.create_task(relay.run(), name=f"relay {relay.engine_url}")
+            for relay in self.relays
+        ]
+        log.info(
+            "Messenger of node %s listening on %s (http %s), %d engine(s), Conductor %s",
+            s.node,
+            self.url,
+            self.http_url,
+            len(self.relays),
+            ",".join(s.conductors),
+        )
+
+    def _on_resync(self, instance_id: str) -> None:
+        relay = self.relay(instance_id)
+        if relay is not None:
+            relay.want_resync("resume_point")
+
+    def _on_unregistered(self, instance_id: str) -> None:
+        relay = self.relay(instance_id)
+        if relay is not None:
+            relay.lost_registration()
+
+    async def _start_grpc(self) -> int:
+        tracer = get_tracer(self.tracer_provider)
+        server = grpc.aio.server(
+            interceptors=[server_interceptor(tracer)], options=[("grpc.so_reuseport", 0)]
+        )
+        pb_grpc.add_MessengerServiceServicer_to_server(MessengerServicer(), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(self.settings.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.settings.listen}")
+        await server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self.server = server
+        return port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Deregister every instance, drain the stream, close everything."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Deregistering takes the instances out of routing at once; if the Conductor does not
+        # answer in time, their leases lapse on their own.
+        leaving = asyncio.gather(*(r.leave() for r in self.relays), return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(leaving, DEREGISTER_TIMEOUT_S)
+        if self.stream is not None:
+            await self.stream.close()
+        if self.client is not None:
+            await self.client.close()
+        if self._session is not None:
+            await self._session.close()
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace_s)
+        await self.http.stop()
+        if self._own_provider:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(shutdown_tracing, self.tracer_provider)
+
+
+def _credentials(tls: ClientTls | None) -> grpc.ChannelCredentials | None:
+    if tls is None:
+        return None
+    with open(tls.ca_file, "rb") as f:
+        ca = f.read()
+    key = cert = None
+    if tls.cert_file and tls.key_file:
+        with open(tls.key_file, "rb") as f:
+            key = f.read()
+        with open(tls.cert_file, "rb") as f:
+            cert = f.read()
+    return grpc.ssl_channel_credentials(ca, key, cert)

@@ -1,0 +1,67 @@
+"""The Messenger's HTTP endpoint: `/metrics` (Prometheus) and `/health`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+if TYPE_CHECKING:
+    from clients.python.kv_stream import KvEventStream
+    from services.messenger.relay import EngineRelay
+
+
+class MessengerHttp:
+    """`/health` answers 200 while the process runs, with what it relays in the body;
+    `/metrics` exposes `registry`."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        relays: Callable[[], Sequence[EngineRelay]],
+        stream: Callable[[], KvEventStream | None],
+    ) -> None:
+        self._registry = registry
+        self._relays = relays
+        self._stream = stream
+        self.app = web.Application()
+        self.app.add_routes([web.get("/metrics", self.metrics), web.get("/health", self.health)])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, listen: str) -> int:
+        """Listen on `host:port` (port 0: any free one); returns the port."""
+        host, _, port = listen.rpartition(":")
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, int(port))
+        await site.start()
+        server = site._server  # the bound socket tells the port when 0 was asked for
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else int(port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        stream = self._stream()
+        engines = [
+            {
+                "engine": r.engine_url,
+                "instance_id": r.instance_id,
+                "up": r.up,
+                "registered": r.registered,
+                "events": (
+                    stream.instance_state(r.instance_id) if stream and r.instance_id else None
+                ),
+            }
+            for r in self._relays()
+        ]
+        conductor = None if stream is None else stream.connected_to
+        return web.json_response({"status": "ok", "conductor": conductor, "engines": engines})

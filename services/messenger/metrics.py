@@ -1,0 +1,141 @@
+"""Prometheus metrics of one Messenger (its own registry, so several can share a process).
+Counters updated as batches go out; the relays' and the stream's own counts read at scrape
+time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from clients.python.kv_stream import KvEventStream, SentBatch
+
+if TYPE_CHECKING:
+    from services.messenger.relay import EngineRelay
+
+PREFIX = "kvsched_messenger_"
+
+# Relay counts exposed as one counter each: (count key, metric name, help).
+_RELAY_COUNTERS = (
+    ("malformed_frames", "malformed_frames", "KV-event messages that were not batches."),
+    ("skipped_events", "skipped_events", "Events dropped inside good batches (unknown type, bad "
+     "shape, over the limits)."),
+    ("replayed_batches", "replayed_batches", "Engine batches recovered from the replay socket."),
+    ("unknown_parents", "unknown_parents", "Stored blocks continuing a block never seen."),
+    ("stale_batches", "stale_batches", "Engine batches dropped as already in a snapshot."),
+    ("engine_restarts", "engine_restarts", "Engine event numbering that started again."),
+    ("malformed_answers", "malformed_engine_answers", "Engine HTTP answers off the contract."),
+    ("registrations", "registrations", "Instance registrations with the Conductor."),
+    ("deregistrations", "deregistrations", "Instances taken out of the Conductor."),
+    ("engine_deaths", "engine_deaths", "Times an engine stopped answering."),
+    ("relay_errors", "relay_errors", "Relay failures that made it start over (bugs)."),
+)  # fmt: skip
+_TRANSLATE_DROPS = (("short_tokens", "short_tokens"), ("unknown_removals", "unknown_removal"))
+
+
+class MessengerMetrics:
+    """The Messenger's registry; `on_sent` is the stream's hook."""
+
+    def __init__(
+        self,
+        relays: Callable[[], Sequence[EngineRelay]],
+        stream: Callable[[], KvEventStream | None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._clock = clock
+        self.batches = Counter(
+            PREFIX + "kv_event_batches",
+            "KV event batches handed to the Conductor stream (resent ones included).",
+            ["instance"],
+            registry=r,
+        )
+        self.events = Counter(
+            PREFIX + "kv_events",
+            "KV events (load reports included) handed to the Conductor stream.",
+            ["instance"],
+            registry=r,
+        )
+        self.event_lag = Histogram(
+            PREFIX + "kv_event_lag_seconds",
+            "Time from the engine publishing a batch's oldest event to the Messenger sending it "
+            "(engine clock against ours; first sends only).",
+            registry=r,
+            buckets=(1e-3, 2.5e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        )
+        r.register(_Collector(relays, stream))
+
+    def on_sent(self, sent: SentBatch) -> None:
+        self.batches.labels(sent.instance_id).inc()
+        self.events.labels(sent.instance_id).inc(sent.events)
+        if sent.engine_ts is not None and not sent.resent:
+            self.event_lag.observe(max(self._clock() - sent.engine_ts, 0.0))
+
+
+class _Collector(Collector):
+    def __init__(
+        self,
+        relays: Callable[[], Sequence[EngineRelay]],
+        stream: Callable[[], KvEventStream | None],
+    ) -> None:
+        self._relays = relays
+        self._stream = stream
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        labels = ["engine", "instance"]
+        relays = [(r, [r.engine_url, r.instance_id or ""], r.counts()) for r in self._relays()]
+        for key, name, text in _RELAY_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, text, labels=labels)
+            for _, names, counts in relays:
+                family.add_metric(names, counts[key])
+            yield family
+        drops = CounterMetricFamily(
+            PREFIX + "translate_drops",
+            "Engine events that could not be translated, by reason.",
+            labels=[*labels, "reason"],
+        )
+        resyncs = CounterMetricFamily(
+            PREFIX + "resyncs",
+            "Full resyncs of an instance from its engine's snapshot, by reason.",
+            labels=[*labels, "reason"],
+        )
+        up = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine answers.", labels=labels)
+        registered = GaugeMetricFamily(
+            PREFIX + "engine_registered",
+            "1 while the instance is registered with the Conductor.",
+            labels=labels,
+        )
+        for relay, names, counts in relays:
+            for key, reason in _TRANSLATE_DROPS:
+                drops.add_metric([*names, reason], counts[key])
+            for reason, n in sorted(relay.resyncs.items()):
+                resyncs.add_metric([*names, reason], n)
+            up.add_metric(names, float(relay.up))
+            registered.add_metric(names, float(relay.registered))
+        yield from (drops, resyncs, up, registered)
+        stream = self._stream()
+        if stream is None:
+            return
+        c = stream.counters
+        yield GaugeMetricFamily(
+            PREFIX + "stream_connected",
+            "1 while the KV event stream to the Conductor leader is open.",
+            value=float(stream.connected_to is not None),
+        )
+        for name, text, value in (
+            ("stream_reconnects", "KV event stream calls opened after the first.", c.connects - 1),
+            ("stream_failures", "KV event stream calls that broke or were refused.", c.failures),
+            (
+                "stream_resume_points",
+                "Calls the Conductor ended at a resume point.",
+                c.resume_points,
+            ),
+            ("resent_batches", "Batches sent again after a reconnect or resume point.", c.resent),
+            ("dropped_batches", "Batches dropped while waiting for a resync.", c.dropped),
+        ):
+            yield CounterMetricFamily(PREFIX + name, text, value=max(value, 0))

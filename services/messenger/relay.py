@@ -1,0 +1,417 @@
+"""One engine's relay: keep it registered with the Conductor while it answers, and carry its
+KV events and load there.
+
+A session with the engine goes: read `/kvsched/info`; register the instance (with a lease,
+kept alive every third of its TTL, registered again when the Conductor says the lease
+lapsed); subscribe to its KV events; start with a full resync (the engine's snapshot
+replaces the instance's whole index, events the snapshot already holds are dropped); then
+translate every batch of events into ours and hand them, coalesced, to the Messenger's one
+event stream, together with the engine's load whenever it changes. A gap that the replay
+socket cannot fill, an engine restart, blocks whose parent was never seen, or a resume point
+the stream no longer holds, each lead to another resync. When the engine stops answering
+for `engine_dead_after_s`, the instance is deregistered at once and the engine probed until
+it answers again; then a new session starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable
+from typing import Any
+
+import aiohttp
+
+from clients.python import ConductorClient
+from clients.python.kv_stream import KvEventStream
+from kvsched.api.common.v1 import common_pb2 as common
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.hashing import BlockHasher
+from kvsched.core.load import LoadReport
+from services.common.kv_events import EventBatch
+from services.messenger.batcher import Batcher
+from services.messenger.engine_api import (
+    EngineApi,
+    EngineInfo,
+    EngineMalformed,
+    EngineUnreachable,
+)
+from services.messenger.kv_subscriber import KvEventSubscriber, Resync
+from services.messenger.membership import ROLES, Membership
+from services.messenger.settings import MessengerSettings
+from services.messenger.translate import EventTranslator, cache_salt
+
+log = logging.getLogger(__name__)
+
+
+class SessionEnded(Exception):
+    """The session with the engine is over (it stopped answering, or became another)."""
+
+
+LOAD_REFRESH_POLLS = 10
+
+
+def load_event(load: LoadReport) -> pb.KvEvent:
+    report = common.LoadReport(
+        pending_prefill_tokens=load.pending_prefill_tokens,
+        waiting=load.waiting,
+        running=load.running,
+        decode_tokens=load.decode_tokens,
+        free_blocks=load.free_blocks,
+    )
+    report.pending_prefill.FromNanoseconds(round(load.pending_prefill_s * 1e9))
+    return pb.KvEvent(load=report)
+
+
+class EngineRelay:
+    """The relay of the engine at `engine_url`; `run()` until cancelled, then `leave()`."""
+
+    def __init__(
+        self,
+        engine_url: str,
+        settings: MessengerSettings,
+        *,
+        client: ConductorClient,
+        stream: KvEventStream,
+        http: aiohttp.ClientSession,
+    ) -> None:
+        s = settings
+        self.engine_url = engine_url.rstrip("/")
+        self.settings = s
+        self.api = EngineApi(
+            self.engine_url,
+            http,
+            timeout_s=min(s.engine_timeout_s, s.engine_dead_after_s / 2),
+            snapshot_timeout_s=s.snapshot_timeout_s,
+        )
+        self._client = client
+        self._stream = stream
+        self.info: EngineInfo | None = None
+        self.up = False  # the engine answers
+        self._membership: Membership | None = None  # while the engine answers
+        # What happened, cumulated over sessions (the subscriber's and translator's own
+        # counters are added when they are replaced; see `counts`).
+        self.totals: Counter[str] = Counter()
+        self.resyncs: Counter[str] = Counter()  # by reason
+        self._sub: KvEventSubscriber | None = None
+        self._translator: EventTranslator | None = None
+        self._batcher = Batcher(self._cut, window_s=s.batch_window_s, max_events=s.batch_max_events)
+        self._resync_wanted = asyncio.Event()
+        self._resync_reason = ""
+        self._load: LoadReport | None = None  # the engine's latest
+        self._load_sent: LoadReport | None = None
+        self._floor = 0  # engine batches below it are in the last snapshot
+        self._last_parent_resync = -float("inf")
+
+    @property
+    def instance_id(self) -> str | None:
+        return None if self.info is None else self.info.instance_id
+
+    @property
+    def registered(self) -> bool:
+        return self._membership is not None and self._membership.registered
+
+    # ---- signals from the stream (they must not block) -------------------------------------
+
+    def want_resync(self, reason: str) -> None:
+        """Send the engine's whole state again at the next chance."""
+        if not self._resync_wanted.is_set():
+            self._resync_reason = reason
+        self._resync_wanted.set()
+
+    def lost_registration(self) -> None:
+        """The Conductor no longer knows the instance: register it again."""
+        if self._membership is not None:
+            self._membership.lost()
+
+    # ---- counters --------------------------------------------------------------------------
+
+    def counts(self) -> Counter[str]:
+        """Every counter of the relay (cumulated, live parts included)."""
+        out = Counter(self.totals)
+        out.update(_sub_counts(self._sub))
+        out.update(_translator_counts(self._translator))
+        return out
+
+    def _retire_subscriber(self) -> None:
+        if self._sub is not None:
+            self.totals.update(_sub_counts(self._sub))
+            self._sub.close()
+            self._sub = None
+
+    def _retire_translator(self) -> None:
+        if self._translator is not None:
+            self.totals.update(_translator_counts(self._translator))
+            self._translator = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the engine's sessions one after the other, until cancelled."""
+        while True:
+            info = await self._wait_for_engine()
+            try:
+                await self._session(info)
+            except SessionEnded as exc:
+                log.warning("engine %s (%s): %s", info.instance_id, self.engine_url, exc)
+            except Exception:  # a bug must not end the relay: start over
+                self.totals["relay_errors"] += 1
+                log.exception("relay of %s failed; starting over", self.engine_url)
+                await asyncio.sleep(self.settings.probe_interval_s)
+            finally:
+                self.up = False
+            await self.leave()
+
+    async def leave(self) -> None:
+        """Take the instance out of the Conductor at once (its events stop)."""
+        membership, self._membership = self._membership, None
+        if membership is not None and await membership.leave():
+            self.totals["deregistrations"] += 1
+
+    async def _wait_for_engine(self) -> EngineInfo:
+        """Ask the engine who it is until it answers well."""
+        said = ""
+        while True:
+            try:
+                return await self.api.info()
+            except (EngineUnreachable, EngineMalformed) as exc:
+                if isinstance(exc, EngineMalformed):
+                    self.totals["malformed_answers"] += 1
+                if str(exc) != said:  # say each new reason once, not every probe
+                    said = str(exc)
+                    log.warning("engine %s is not ready: %s", self.engine_url, exc)
+            await asyncio.sleep(self.settings.probe_interval_s)
+
+    async def _session(self, info: EngineInfo) -> None:
+        """Serve one engine session; raises `SessionEnded` when it is over."""
+        self.info = info
+        self.up = True
+        self._load = self._load_sent = None
+        self._floor = 0
+        self._batcher.clear()
+        self._resync_wanted.clear()
+        spec = pb.InstanceSpec(
+            instance_id=info.instance_id,
+            url=self.engine_url,
+            node=self.settings.node,
+            role=ROLES[info.role],
+            model=info.model,
+            messenger_url=self.settings.url,
+        )
+        membership = self._membership = Membership(
+            spec,
+            client=self._client,
+            stream=self._stream,
+            lease_ttl_s=self.settings.instance_ttl_s,
+            on_registered=self._on_registered,
+        )
+        log.info(
+            "engine %s at %s answers (block size %d, KV events at %s)",
+            info.instance_id,
+            self.engine_url,
+            info.block_size,
+            info.kv_events.endpoint,
+        )
+        await _first_failure(
+            self._watch_load(), self._registered(info, membership), self._batcher.run()
+        )
+
+    async def _registered(self, info: EngineInfo, membership: Membership) -> None:
+        """Register, then relay events and keep the lease alive."""
+        await membership.register()
+        await _first_failure(self._relay_events(info), membership.keep_alive())
+
+    def _on_registered(self) -> None:
+        self.totals["registrations"] += 1
+        self.want_resync("registered")
+
+    # ---- load and health -------------------------------------------------------------------
+
+    async def _watch_load(self) -> None:
+        """Read the engine's load; pass it on when it changed, and at least every
+        `LOAD_REFRESH_POLLS` polls: the Conductor charges each placement to the instance until
+        the next report overwrites it, and a request that came and went between two polls
+        changes nothing we see. Raises `SessionEnded` once the engine has not answered for
+        `engine_dead_after_s`."""
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        unchanged = 0
+        while True:
+            try:
+                load = await self.api.load()
+            except EngineUnreachable as exc:
+                if loop.time() - answered >= self.settings.engine_dead_after_s:
+                    self.totals["engine_deaths"] += 1
+                    raise SessionEnded(f"stopped answering ({exc})") from None
+            except EngineMalformed as exc:
+                answered = loop.time()  # it answers, wrongly
+                self.totals["malformed_answers"] += 1
+                log.debug("engine %s: %s", self.engine_url, exc)
+            else:
+                answered = loop.time()
+                self._load = load
+                unchanged = unchanged + 1 if load == self._load_sent else 0
+                if self.registered and (unchanged == 0 or unchanged >= LOAD_REFRESH_POLLS):
+                    unchanged = 0
+                    self._load_sent = load
+                    self._batcher.set_load(load_event(load))
+            await asyncio.sleep(self.settings.load_interval_s)
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def _cut(self, events: list[pb.KvEvent], engine_ts: float | None) -> None:
+        if self.info is not None and self.registered:
+            self._stream.send(self.info.instance_id, events, engine_ts=engine_ts)
+
+    async def _relay_events(self, info: EngineInfo) -> None:
+        kv = info.kv_events
+        sub = KvEventSubscriber(kv.endpoint, kv.replay_endpoint, topic=kv.topic.encode())
+        self._sub = sub
+        # Batches published before the subscription reaches the engine are missed; taking the
+        # first snapshot once the socket is connected keeps that window tiny (and the
+        # subscriber's tail probes close it where the engine can replay).
+        if not await sub.joined(self.settings.engine_dead_after_s):
+            log.warning("KV events of %s: not connected to %s yet", info.instance_id, kv.endpoint)
+        items = sub.batches()
+        pending: asyncio.Future[EventBatch | Resync] | None = None
+        try:
+            while True:
+                if self._resync_wanted.is_set():
+                    await self._resync(info, sub)
+                    continue
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(items))
+                wanted = asyncio.ensure_future(self._resync_wanted.wait())
+                waiting: set[asyncio.Future[Any]] = {pending, wanted}
+                try:
+                    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wanted.cancel()
+                if pending.done():
+                    item, pending = pending.result(), None
+                    await self._handle(item, info)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            with contextlib.suppress(RuntimeError):
+                await items.aclose()
+            self._retire_subscriber()
+            self._retire_translator()
+
+    async def _handle(self, item: EventBatch | Resync, info: EngineInfo) -> None:
+        if isinstance(item, Resync):
+            if item.restarted:
+                await self._check_same_engine(info)
+            self.want_resync("engine_restarted" if item.restarted else "gap")
+            return
+        if item.seq < self._floor or self._translator is None:
+            self.totals["stale_batches"] += 1  # already in the snapshot
+            return
+        translator = self._translator
+        unknown = translator.counters.unknown_parents
+        events = translator.translate(item.events)
+        if translator.counters.unknown_parents > unknown:
+            now = time.monotonic()
+            if now - self._last_parent_resync >= self.settings.resync_min_interval_s:
+                self._last_parent_resync = now
+                self.want_resync("unknown_parent")
+        self._batcher.add(events, item.ts)
+
+    async def _check_same_engine(self, info: EngineInfo) -> None:
+        """After a restart the engine may be another (id, block size, endpoints)."""
+        try:
+            now = await self.api.info()
+        except (EngineUnreachable, EngineMalformed):
+            return  # the load watcher decides whether it is gone
+        if now != info:
+            raise SessionEnded("restarted with another identity or endpoints")
+
+    async def _resync(self, info: EngineInfo, sub: KvEventSubscriber) -> None:
+        """Replace the instance's whole index with the engine's snapshot."""
+        reason = self._resync_reason or "asked"
+        self._resync_wanted.clear()
+        self._resync_reason = ""
+        while True:
+            try:
+                snapshot = await self.api.snapshot()
+                break
+            except EngineUnreachable as exc:  # the load watcher decides whether it is gone
+                log.debug("snapshot of %s: %s", info.instance_id, exc)
+            except EngineMalformed as exc:
+                self.totals["malformed_answers"] += 1
+                log.warning("snapshot of %s refused: %s", info.instance_id, exc)
+            await asyncio.sleep(self.settings.probe_interval_s)
+        if snapshot.block_size != info.block_size:
+            log.warning(
+                "snapshot of %s has block size %d, the engine said %d",
+                info.instance_id,
+                snapshot.block_size,
+                info.block_size,
+            )
+        self._retire_translator()
+        translator = EventTranslator(
+            BlockHasher(info.block_size, self.settings.hash_seed), cache_salt
+        )
+        self._translator = translator
+        events = translator.translate(snapshot.events)
+        if self._load is not None:
+            self._load_sent = self._load
+            events.append(load_event(self._load))
+        self._batcher.clear()
+        sequence = self._stream.send(info.instance_id, events, resync=True)
+        self._floor = snapshot.next_seq
+        sub.skip_to(snapshot.next_seq)
+        self.resyncs[reason] += 1
+        log.info(
+            "resync of %s (%s): %d blocks from engine batch %d, sent as batch %s",
+            info.instance_id,
+            reason,
+            snapshot.blocks,
+            snapshot.next_seq,
+            sequence,
+        )
+
+
+def _sub_counts(sub: KvEventSubscriber | None) -> dict[str, int]:
+    if sub is None:
+        return {}
+    return {
+        "malformed_frames": sub.malformed,
+        "skipped_events": sub.skipped_events,
+        "replayed_batches": sub.replayed,
+        "unrecoverable_gaps": sub.resyncs,
+        "engine_restarts": sub.restarts,
+        "duplicate_batches": sub.duplicates,
+    }
+
+
+def _translator_counts(translator: EventTranslator | None) -> dict[str, int]:
+    if translator is None:
+        return {}
+    c = translator.counters
+    return {
+        "unknown_parents": c.unknown_parents,
+        "short_tokens": c.short_tokens,
+        "unknown_removals": c.unknown_removals,
+    }
+
+
+async def _first_failure(*steps: Awaitable[None]) -> None:
+    """Run the steps together until one ends; cancel the others; raise what it raised."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+    raise SessionEnded("a relay task ended")

@@ -1,0 +1,156 @@
+"""Messenger settings: command-line flags, each with an environment variable default
+(`KVSCHED_MESSENGER_<FLAG>`), tracing from `OTEL_*`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ENV = "KVSCHED_MESSENGER_"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """TLS towards the Conductors: the CA their certificates chain to, and this Messenger's
+    own certificate and key when they ask for one (mTLS)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MessengerSettings:
+    """Everything a Messenger process is configured with."""
+
+    listen: str = "127.0.0.1:50071"
+    http_listen: str = "127.0.0.1:8082"
+    advertise: str = ""  # gRPC address the Conductor and engines reach (default: --listen)
+    conductors: tuple[str, ...] = ("127.0.0.1:50051",)
+    engines: tuple[str, ...] = ()  # base URLs of the engines of this node
+    node: str = field(default_factory=socket.gethostname)
+    instance_ttl_s: float = 10.0  # lease of each registered instance
+    load_interval_s: float = 0.05  # how often each engine's load is read
+    engine_dead_after_s: float = 1.0  # no answer for this long: the engine is gone
+    engine_timeout_s: float = 0.5  # per HTTP request to an engine (snapshots excepted)
+    snapshot_timeout_s: float = 10.0
+    probe_interval_s: float = 0.25  # how often a gone engine is asked whether it is back
+    batch_window_s: float = 0.005  # events wait at most this long to share a batch
+    batch_max_events: int = 256
+    resend_batches: int = 1024  # batches kept per instance to resend after a resume point
+    resync_min_interval_s: float = 1.0  # between resyncs caused by blocks of unknown parents
+    hash_seed: int = 0  # seed of our block hashes (the Conductor's and the Routers')
+    tls: ClientTls | None = None
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        positive = {
+            "--instance-ttl": self.instance_ttl_s,
+            "--load-interval": self.load_interval_s,
+            "--engine-dead-after": self.engine_dead_after_s,
+            "--engine-timeout": self.engine_timeout_s,
+            "--snapshot-timeout": self.snapshot_timeout_s,
+            "--probe-interval": self.probe_interval_s,
+            "--batch-max-events": self.batch_max_events,
+            "--resend-batches": self.resend_batches,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        if self.batch_window_s < 0 or self.resync_min_interval_s < 0:
+            raise ValueError("--batch-window and --resync-min-interval must not be negative")
+        if not self.conductors:
+            raise ValueError("--conductor needs at least one host:port")
+        if not 0 <= self.hash_seed < 1 << 64:
+            raise ValueError("--hash-seed must fit in an unsigned 64-bit integer")
+
+    @property
+    def url(self) -> str:
+        """The gRPC address registered as each instance's `messenger_url`."""
+        return self.advertise or self.listen
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_listen}"
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
+    env = ENV + name.upper().replace("-", "_")
+    value = os.environ.get(env, default)
+    kind = type(default) if default is not None else str
+    parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
+
+
+def _split(values: Sequence[str]) -> tuple[str, ...]:
+    """`a,b` and repeated flags alike, in order, without blanks or repeats."""
+    items = (part.strip() for value in values for part in value.split(","))
+    return tuple(dict.fromkeys(item for item in items if item))
+
+
+def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
+    d = MessengerSettings(node="")
+    p = argparse.ArgumentParser(
+        prog="kvsched messenger",
+        description="Run a Messenger: relay the KV events of this node's engines to the "
+        "Conductor and keep the engines registered.",
+    )
+    _flag(p, "listen", d.listen, "gRPC listen address (port 0: any free one)")
+    _flag(p, "http-listen", d.http_listen, "HTTP listen address for /metrics and /health")
+    _flag(p, "advertise", d.advertise, "gRPC address the Conductor reaches (default: --listen)")
+    _flag(p, "conductor", ",".join(d.conductors), "Conductor address(es), host:port[,host:port]")
+    engine_env = ENV + "ENGINE"
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        help=f"base URL of an engine on this node; repeat or comma-separate (env {engine_env})",
+    )
+    _flag(p, "node", "", "this node's name (default: the host name)")
+    _flag(p, "instance-ttl", d.instance_ttl_s, "lease of each registered instance, seconds")
+    _flag(p, "load-interval", d.load_interval_s, "seconds between reads of an engine's load")
+    _flag(p, "engine-dead-after", d.engine_dead_after_s, "seconds without an answer: gone")
+    _flag(p, "engine-timeout", d.engine_timeout_s, "timeout of one HTTP request to an engine")
+    _flag(p, "snapshot-timeout", d.snapshot_timeout_s, "timeout of a KV snapshot request")
+    _flag(p, "probe-interval", d.probe_interval_s, "seconds between probes of a gone engine")
+    _flag(p, "batch-window", d.batch_window_s, "seconds events may wait to share a batch")
+    _flag(p, "batch-max-events", d.batch_max_events, "events that cut a batch at once")
+    _flag(p, "resend-batches", d.resend_batches, "batches kept per instance for resending")
+    _flag(p, "resync-min-interval", d.resync_min_interval_s, "seconds between parent resyncs")
+    _flag(p, "hash-seed", d.hash_seed, "seed of the block hashes (as the Conductor's)")
+    _flag(p, "tls-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
+    _flag(p, "tls-cert", "", "this Messenger's client certificate (PEM), for mTLS")
+    _flag(p, "tls-key", "", "this Messenger's client private key (PEM), for mTLS")
+    a = p.parse_args(argv)
+    if bool(a.tls_cert) != bool(a.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if a.tls_cert and not a.tls_ca:
+        p.error("--tls-cert needs --tls-ca")
+    tls = ClientTls(a.tls_ca, a.tls_cert or None, a.tls_key or None) if a.tls_ca else None
+    engines = _split(a.engine or [os.environ.get(engine_env, "")])
+    try:
+        return MessengerSettings(
+            listen=a.listen,
+            http_listen=a.http_listen,
+            advertise=a.advertise,
+            conductors=_split([a.conductor]),
+            engines=engines,
+            node=a.node or socket.gethostname(),
+            instance_ttl_s=a.instance_ttl,
+            load_interval_s=a.load_interval,
+            engine_dead_after_s=a.engine_dead_after,
+            engine_timeout_s=a.engine_timeout,
+            snapshot_timeout_s=a.snapshot_timeout,
+            probe_interval_s=a.probe_interval,
+            batch_window_s=a.batch_window,
+            batch_max_events=a.batch_max_events,
+            resend_batches=a.resend_batches,
+            resync_min_interval_s=a.resync_min_interval,
+            hash_seed=a.hash_seed,
+            tls=tls,
+            otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        )
+    except ValueError as exc:
+        p.error(str(exc))

@@ -1,0 +1,47 @@
+"""Messenger flags, with their `KVSCHED_MESSENGER_*` environment defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.messenger.settings import ClientTls, parse
+
+
+def test_flags_and_lists() -> None:
+    s = parse(
+        [
+            "--conductor", "10.0.0.1:50051, 10.0.0.2:50051",
+            "--engine", "http://127.0.0.1:8100,http://127.0.0.1:8101",
+            "--engine", "http://127.0.0.1:8102",
+            "--node", "node-7",
+            "--instance-ttl", "6",
+            "--tls-ca", "ca.pem", "--tls-cert", "me.pem", "--tls-key", "me.key",
+        ]
+    )  # fmt: skip
+    assert s.conductors == ("10.0.0.1:50051", "10.0.0.2:50051")
+    assert s.engines == tuple(f"http://127.0.0.1:{p}" for p in (8100, 8101, 8102))
+    assert (s.node, s.instance_ttl_s, s.load_interval_s) == ("node-7", 6.0, 0.05)
+    assert s.tls == ClientTls("ca.pem", "me.pem", "me.key")
+    assert s.url == s.listen  # registered as each instance's Messenger
+
+
+def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCHED_MESSENGER_ENGINE", "http://a:1,http://b:2")
+    monkeypatch.setenv("KVSCHED_MESSENGER_CONDUCTOR", "c:1")
+    monkeypatch.setenv("KVSCHED_MESSENGER_ENGINE_DEAD_AFTER", "2.5")
+    s = parse([])
+    assert (s.engines, s.conductors, s.engine_dead_after_s) == (
+        ("http://a:1", "http://b:2"),
+        ("c:1",),
+        2.5,
+    )
+    assert parse(["--engine", "http://c:3"]).engines == ("http://c:3",)  # a flag wins
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--load-interval", "0"], ["--tls-cert", "me.pem"], ["--conductor", " , "]],
+)
+def test_bad_values_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(argv)
