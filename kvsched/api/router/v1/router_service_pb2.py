@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&kvsched/router/v1/router_service.proto\x12\x11kvsched.router.v1\"\x18\n\x16GetRouterStatusRequest\"\xa3\x01\n\x17GetRouterStatusResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x18\n\x10\x63onductor_leader\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61llback_active\x18\x03 \x01(\x08\x12\x1a\n\x12\x66\x61llback_decisions\x18\x04 \x01(\x04\x12\x14\n\x0cstreams_open\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"&\n\x12SetDrainingRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"=\n\x13SetDrainingResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cstreams_open\x18\x02 \x01(\r2\xd7\x01\n\rRouterService\x12h\n\x0fGetRouterStatus\x12).kvsched.router.v1.GetRouterStatusRequest\x1a*.kvsched.router.v1.GetRouterStatusResponse\x12\\\n\x0bSetDraining\x12%.kvsched.router.v1.SetDrainingRequest\x1a&.kvsched.router.v1.SetDrainingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&kvsched/router/v1/router_service.proto\x12\x11kvsched.router.v1\"\x18\n\x16GetRouterStatusRequest\"\xbc\x01\n\x17GetRouterStatusResponse\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x18\n\x10\x63onductor_leader\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61llback_active\x18\x03 \x01(\x08\x12\x1a\n\x12\x66\x61llback_decisions\x18\x04 \x01(\x04\x12\x14\n\x0cstreams_open\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x17\n\x0frequests_served\x18\x07 \x01(\x04\"&\n\x12SetDrainingRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"=\n\x13SetDrainingResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cstreams_open\x18\x02 \x01(\r2\xd7\x01\n\rRouterService\x12h\n\x0fGetRouterStatus\x12).kvsched.router.v1.GetRouterStatusRequest\x1a*.kvsched.router.v1.GetRouterStatusResponse\x12\\\n\x0bSetDraining\x12%.kvsched.router.v1.SetDrainingRequest\x1a&.kvsched.router.v1.SetDrainingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETROUTERSTATUSREQUEST']._serialized_start=61
   _globals['_GETROUTERSTATUSREQUEST']._serialized_end=85
   _globals['_GETROUTERSTATUSRESPONSE']._serialized_start=88
-  _globals['_GETROUTERSTATUSRESPONSE']._serialized_end=251
-  _globals['_SETDRAININGREQUEST']._serialized_start=253
-  _globals['_SETDRAININGREQUEST']._serialized_end=291
-  _globals['_SETDRAININGRESPONSE']._serialized_start=293
-  _globals['_SETDRAININGRESPONSE']._serialized_end=354
-  _globals['_ROUTERSERVICE']._serialized_start=357
-  _globals['_ROUTERSERVICE']._serialized_end=572
+  _globals['_GETROUTERSTATUSRESPONSE']._serialized_end=276
+  _globals['_SETDRAININGREQUEST']._serialized_start=278
+  _globals['_SETDRAININGREQUEST']._serialized_end=316
+  _globals['_SETDRAININGRESPONSE']._serialized_start=318
+  _globals['_SETDRAININGRESPONSE']._serialized_end=379
+  _globals['_ROUTERSERVICE']._serialized_start=382
+  _globals['_ROUTERSERVICE']._serialized_end=597
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,7 @@ class GetRouterStatusResponse(_message.Message):
     FALLBACK_DECISIONS_FIELD_NUMBER: _builtins.int
     STREAMS_OPEN_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    REQUESTS_SERVED_FIELD_NUMBER: _builtins.int
     router_id: _builtins.str
     """This Router's identifier."""
     conductor_leader: _builtins.str
@@ -57,6 +58,8 @@ class GetRouterStatusResponse(_message.Message):
     """Response streams currently open."""
     draining: _builtins.bool
     """Whether the Router refuses new requests."""
+    requests_served: _builtins.int
+    """Completion requests answered since start, whatever their status."""
     def __init__(
         self,
         *,
@@ -66,10 +69,11 @@ class GetRouterStatusResponse(_message.Message):
         fallback_decisions: _builtins.int = ...,
         streams_open: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        requests_served: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conductor_leader", b"conductor_leader", "draining", b"draining", "fallback_active", b"fallback_active", "fallback_decisions", b"fallback_decisions", "router_id", b"router_id", "streams_open", b"streams_open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conductor_leader", b"conductor_leader", "draining", b"draining", "fallback_active", b"fallback_active", "fallback_decisions", b"fallback_decisions", "requests_served", b"requests_served", "router_id", b"router_id", "streams_open", b"streams_open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,378 @@
+"""Where a request goes: the Conductor's decision over one long-lived placement stream, or
+the Router's local fallback when the Conductor is slow or unreachable.
+
+Conductor path. Every placement and completion rides one `PlacementStream` per Router (one
+HTTP/2 stream, answers matched by request id). The exception is a request whose trace is
+sampled: a stream's gRPC metadata (and so its `traceparent`) is fixed when the stream opens,
+so a placement on it cannot be the parent of the Conductor's work. A sampled request is
+placed with the unary `Schedule` call instead, inside the caller's `placement` span, so the
+Conductor's server span is its child. Sampling (`OTEL_TRACES_SAMPLER_ARG`) thus also bounds
+how many placements leave the stream; with no trace export nothing is sampled.
+
+Fallback. The Router keeps the last instance list (`ListInstances` every `refresh_s` seconds)
+and decides locally when the placement does not answer within `timeout_s`, when the client
+reports the Conductor unavailable, or at once while the Conductor is known to be down (the
+refresh failed, or placements kept timing out): a session goes to its rendezvous-hash
+instance (highest `xxh3_64(instance_id ‖ session)`; every Router computes the same from the
+same list, so a session stays together across Routers), anything else to the instance with the
+fewest requests in flight from this Router. An instance that refused a connection is skipped
+for `suspect_s` seconds.
+
+A placement the Conductor answers after the fallback already decided is released at once
+(Finish with ok=False on its instance), so the Conductor does not count it in flight forever.
+Completions of fallback placements are not reported: the Conductor never placed them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import random
+import time
+from collections.abc import Callable, Collection, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import xxhash
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from clients.python import ConductorClient, ConductorError, InvalidRequest, Rejected, Unavailable
+from clients.python.conductor import PlacementStream
+from kvsched.api.common.v1 import common_pb2 as common
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from services.common.openai_api import bad_request, rate_limited, unavailable
+from services.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Placements that time out in a row before the Conductor counts as down (the refresh loop
+# brings it back as soon as `ListInstances` answers again).
+DOWN_AFTER_TIMEOUTS: Final = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KnownInstance:
+    """An instance the fallback may pick."""
+
+    instance_id: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementQuery:
+    """What the Conductor needs to place one request."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: Sequence[int]
+    session_id: str  # tenant-scoped ("tenant/session"); empty for none
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request goes, and who decided."""
+
+    request_id: str
+    instance_id: str
+    url: str  # the engine's base URL
+    policy: str  # the Conductor's policy; empty when the fallback decided
+    rule: str
+    expected_cached_tokens: int
+    fallback: str | None = None  # why the local fallback decided; None: the Conductor did
+
+    @property
+    def by_conductor(self) -> bool:
+        return self.fallback is None
+
+
+class Placer:
+    """Placement for one Router: the Conductor stream, the instance list and the fallback."""
+
+    def __init__(
+        self,
+        client: ConductorClient,
+        metrics: RouterMetrics,
+        *,
+        timeout_s: float,
+        refresh_s: float,
+        suspect_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._refresh_s = refresh_s
+        self._suspect_s = suspect_s
+        self._clock = clock
+        self._stream: PlacementStream | None = None
+        self._instances: tuple[KnownInstance, ...] = ()
+        self._suspects: dict[str, float] = {}  # instance id -> skipped until (clock)
+        self._in_flight: dict[str, int] = {}
+        self._rr = 0
+        self._timeouts = 0
+        self._up = True  # optimistic until the first refresh says otherwise
+        self.fallback_decisions = 0
+        self._refresher: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        metrics.conductor_up.set(1)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the placement stream and start refreshing the instance list; waits (briefly)
+        for a first list so the first requests can fall back if they must."""
+        # Opened outside any request and unsampled: a span as long as the stream would hang
+        # off the first request's trace, or make a day-long trace of its own; the placements
+        # worth tracing take the unary path anyway.
+        loop = asyncio.get_running_loop()
+        stream = self._client.placement_stream()
+        self._stream = await loop.create_task(stream.__aenter__(), context=_unsampled_context())
+        first = loop.create_task(self.refresh(), context=_unsampled_context())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(first, max(1.0, 4 * self._timeout_s))
+        self._refresher = loop.create_task(
+            self._refresh_loop(), name="kvsched-router-instances", context=_unsampled_context()
+        )
+
+    async def stop(self) -> None:
+        """Stop refreshing, send the completions still queued, close the stream."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self._client.deadline_s)
+        if self._stream is not None:
+            await self._stream.close()
+
+    # ---- state -----------------------------------------------------------------------
+
+    @property
+    def conductor_up(self) -> bool:
+        return self._up
+
+    @property
+    def conductor_leader(self) -> str:
+        return self._client.current_leader or ""
+
+    @property
+    def instances(self) -> tuple[KnownInstance, ...]:
+        return self._instances
+
+    def _set_up(self, up: bool) -> None:
+        if up != self._up:
+            log.warning("Conductor %s", "reachable again" if up else "unreachable: fallback on")
+        self._up = up
+        if up:
+            self._timeouts = 0
+        self._metrics.conductor_up.set(1 if up else 0)
+
+    async def refresh(self) -> None:
+        """Fetch the instance list once; marks the Conductor up or down."""
+        try:
+            statuses = await self._client.list_instances()
+        except ConductorError as exc:
+            log.debug("instance list refresh failed: %s", exc.code.name)
+            self._set_up(False)
+            return
+        self._instances = tuple(
+            KnownInstance(s.spec.instance_id, s.spec.url.rstrip("/"))
+            for s in statuses
+            # The fallback sends whole requests: decode-only instances cannot take them.
+            if s.spec.role != common.ROLE_DECODE and s.spec.url
+        )
+        self._metrics.instances_known.set(len(self._instances))
+        self._set_up(True)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await asyncio.wait_for(self.refresh(), max(2.0, 2 * self._refresh_s))
+            except TimeoutError:
+                self._set_up(False)
+
+    # ---- in-flight and suspects (fed by the relay) -----------------------------------
+
+    def begin(self, instance_id: str) -> None:
+        self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
+
+    def end(self, instance_id: str) -> None:
+        left = self._in_flight.get(instance_id, 0) - 1
+        if left > 0:
+            self._in_flight[instance_id] = left
+        else:
+            self._in_flight.pop(instance_id, None)
+
+    def suspect(self, instance_id: str) -> None:
+        """`instance_id` refused a connection: the fallback skips it for a while."""
+        if instance_id not in self._suspects:
+            log.warning(
+                "instance %s refused a connection; skipped for %.0f s", instance_id, self._suspect_s
+            )
+        self._suspects[instance_id] = self._clock() + self._suspect_s
+
+    # ---- placement -------------------------------------------------------------------
+
+    async def place(self, query: PlacementQuery, *, traced: bool = False) -> Placement:
+        """The Conductor's decision, or the fallback's. Raises `ApiError`: 429 (rejected, with
+        the Conductor's retry delay), 400 (the Conductor refuses the request as malformed),
+        503 (no instance is known)."""
+        if not self._up:
+            return self.fallback(query, "conductor_down")
+        assert self._stream is not None, "start() first"
+        message = pb.ScheduleRequest(
+            request_id=query.request_id,
+            prompt_tokens=query.prompt_tokens,
+            output_tokens=query.output_tokens,
+            block_hashes=query.block_hashes,
+            session_id=query.session_id,
+        )
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task[pb.Decision]
+        if traced:  # in this context: the gRPC client span nests under the caller's span
+            task = loop.create_task(self._client.schedule(message))
+        else:
+            task = loop.create_task(self._stream.schedule(message), context=contextvars.Context())
+        done, _ = await asyncio.wait((task,), timeout=self._timeout_s)
+        if not done:
+            task.add_done_callback(lambda t: self._release_late(t, query))
+            self._timeouts += 1
+            if self._timeouts >= DOWN_AFTER_TIMEOUTS:
+                self._set_up(False)
+            return self.fallback(query, "timeout")
+        try:
+            decision = task.result()
+        except Rejected as exc:
+            self._timeouts = 0
+            raise rate_limited(
+                f"No instance can serve this request within its latency objective now: "
+                f"{exc.message}",
+                exc.retry_after_s if exc.retry_after_s is not None else 1.0,
+            ) from None
+        except InvalidRequest as exc:
+            raise bad_request(f"The request cannot be placed: {exc.message}") from None
+        except Unavailable:
+            return self.fallback(query, "unavailable")
+        except ConductorError as exc:  # cancelled at shutdown, internal errors
+            log.debug("placement failed (%s); falling back", exc.code.name)
+            return self.fallback(query, "error")
+        self._timeouts = 0
+        return Placement(
+            request_id=query.request_id,
+            instance_id=decision.instance_id,
+            url=decision.instance_url.rstrip("/"),
+            policy=decision.policy,
+            rule=decision.rule,
+            expected_cached_tokens=decision.cached_tokens,
+        )
+
+    def fallback(
+        self, query: PlacementQuery, reason: str, exclude: Collection[str] = ()
+    ) -> Placement:
+        """Decide locally (see the module docstring); raises `ApiError` 503 with no candidate."""
+        now = self._clock()
+        if self._suspects:
+            for iid in [i for i, until in self._suspects.items() if until <= now]:
+                del self._suspects[iid]
+        candidates = [
+            i
+            for i in self._instances
+            if i.instance_id not in self._suspects and i.instance_id not in exclude
+        ]
+        if not candidates:
+            raise unavailable("No inference instance is available; try again shortly.")
+        if query.session_id:
+            chosen = rendezvous(candidates, query.session_id)
+            rule = "fallback_session_hash"
+        else:
+            chosen = self._least_in_flight(candidates)
+            rule = "fallback_least_in_flight"
+        self.fallback_decisions += 1
+        self._metrics.fallback.labels(reason).inc()
+        return Placement(
+            request_id=query.request_id,
+            instance_id=chosen.instance_id,
+            url=chosen.url,
+            policy="",
+            rule=rule,
+            expected_cached_tokens=0,
+            fallback=reason,
+        )
+
+    def _least_in_flight(self, candidates: Sequence[KnownInstance]) -> KnownInstance:
+        # Start the scan at a rotating position so ties (an idle cluster) spread round-robin.
+        n = len(candidates)
+        start = self._rr % n
+        self._rr += 1
+        best = candidates[start]
+        best_load = self._in_flight.get(best.instance_id, 0)
+        for k in range(1, n):
+            inst = candidates[(start + k) % n]
+            load = self._in_flight.get(inst.instance_id, 0)
+            if load < best_load:
+                best, best_load = inst, load
+        return best
+
+    # ---- completions -----------------------------------------------------------------
+
+    def finish(self, request: pb.FinishRequest) -> None:
+        """Report a completion on the stream, in the background (errors are only logged)."""
+        if self._stream is None or not self._up:
+            return  # a Conductor that is down will not take it; it is not worth queueing
+        self._spawn(self._finish(self._stream, request))
+
+    async def _finish(self, stream: PlacementStream, request: pb.FinishRequest) -> None:
+        try:
+            await stream.finish(request)
+        except ConductorError as exc:
+            log.debug("finish of %s not recorded: %s", request.request_id, exc.code.name)
+
+    def _release_late(self, task: asyncio.Task[pb.Decision], query: PlacementQuery) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return  # retrieved: nothing to release
+        decision = task.result()
+        self.finish(
+            pb.FinishRequest(
+                request_id=query.request_id,
+                session_id=query.session_id,
+                instance_id=decision.instance_id,
+                prompt_tokens=query.prompt_tokens,
+                block_hashes=query.block_hashes,
+                ok=False,
+            )
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def rendezvous(candidates: Sequence[KnownInstance], session_id: str) -> KnownInstance:
+    """Highest-random-weight choice: deterministic for a session and an instance set, and
+    removing an instance moves only the sessions it had."""
+    key = b"\x00" + session_id.encode()
+    return max(
+        candidates, key=lambda i: (xxhash.xxh3_64_intdigest(i.instance_id.encode() + key), i.url)
+    )
+
+
+def _unsampled_context() -> contextvars.Context:
+    """A context whose current span is a non-sampled one: the gRPC calls made in it (the
+    placement stream, the instance refresh once a second) make no traces of their own."""
+    span = NonRecordingSpan(
+        SpanContext(
+            trace_id=random.getrandbits(128) or 1,
+            span_id=random.getrandbits(64) or 1,
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.DEFAULT),
+        )
+    )
+    ctx = contextvars.Context()
+    ctx.run(otel_context.attach, trace.set_span_in_context(span))
+    return ctx

@@ -1,0 +1,153 @@
+"""Router settings: command-line flags, each with an environment variable default
+(`KVSCHED_ROUTER_<FLAG>`); tracing from `OTEL_*` (see `services.common.telemetry`).
+
+A Router refuses to start without tenants: either `--api-keys PATH` (see `auth`) or an
+explicit `--no-auth` (one anonymous tenant with an empty salt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.common.openai_api import DEFAULT_MODEL
+
+ENV = "KVSCHED_ROUTER_"
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorTls:
+    """TLS to the Conductors: the CA their certificates chain to, plus this Router's own
+    certificate and key when they ask for one (mTLS)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Everything a Router process is configured with."""
+
+    router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    listen: str = "127.0.0.1:8000"
+    grpc_listen: str = "127.0.0.1:50061"
+    conductors: tuple[str, ...] = ("127.0.0.1:50051",)
+    conductor_tls: ConductorTls | None = None
+    api_keys: str | None = None  # path of the tenants file; None needs `no_auth`
+    no_auth: bool = False
+    tokenizer: str | None = None  # tokenizer.json; None: the shipped demo tokenizer
+    block_size: int = 16
+    model: str = DEFAULT_MODEL
+    max_model_len: int = 131_072
+    placement_timeout_s: float = 0.25
+    instances_refresh_s: float = 1.0
+    upstream_timeout_s: float = 300.0  # longest silence from an engine (headers or bytes)
+    max_connections: int = 4096  # upstream pool size; 0: unlimited
+    backlog: int = 4096  # listen backlog of the HTTP socket
+    suspect_s: float = 5.0  # how long an instance that refused a connection is skipped
+    drain_timeout_s: float = 30.0  # SIGTERM: how long open streams may take to finish
+    tokenizer_threads: int = 4
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.api_keys is None and not self.no_auth:
+            raise ValueError("give --api-keys PATH, or --no-auth to serve without API keys")
+        if self.api_keys is not None and self.no_auth:
+            raise ValueError("--api-keys and --no-auth exclude each other")
+        if not self.conductors:
+            raise ValueError("at least one Conductor address is needed (--conductor)")
+        positive = {
+            "--block-size": self.block_size,
+            "--max-model-len": self.max_model_len,
+            "--placement-timeout": self.placement_timeout_s,
+            "--instances-refresh": self.instances_refresh_s,
+            "--upstream-timeout": self.upstream_timeout_s,
+            "--tokenizer-threads": self.tokenizer_threads,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        if self.max_connections < 0:
+            raise ValueError("--max-connections must be 0 (unlimited) or positive")
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
+    env = ENV + name.upper().replace("-", "_")
+    value = os.environ.get(env, default)
+    kind = type(default) if default is not None else str
+    if kind is bool:
+        parser.add_argument(
+            f"--{name}",
+            default=_bool(str(value)),
+            action="store_true",
+            help=f"{help_text} (env {env})",
+        )
+    else:
+        parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
+
+
+def _bool(text: str) -> bool:
+    return text.lower() in {"1", "true", "yes", "on"}
+
+
+def parse(argv: Sequence[str] | None = None) -> RouterSettings:
+    """Settings from flags and `KVSCHED_ROUTER_*`; exits with a usage error (status 2) on a
+    bad value, like argparse does."""
+    d = RouterSettings(router_id="", no_auth=True)
+    p = argparse.ArgumentParser(
+        prog="kvsched router", description="Run a Router (OpenAI-compatible HTTP front)."
+    )
+    _flag(p, "id", "", "this Router's id (default host-pid)")
+    _flag(p, "listen", d.listen, "HTTP listen address")
+    _flag(p, "grpc-listen", d.grpc_listen, "gRPC admin (RouterService, health) listen address")
+    _flag(p, "conductor", ",".join(d.conductors), "Conductor gRPC addresses, comma-separated")
+    _flag(p, "conductor-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
+    _flag(p, "conductor-cert", "", "client certificate (PEM) for mTLS to the Conductors")
+    _flag(p, "conductor-key", "", "client private key (PEM) for mTLS to the Conductors")
+    _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.keys)")
+    _flag(p, "no-auth", False, "serve without API keys (one anonymous tenant, no salt)")
+    _flag(p, "tokenizer", "", "tokenizer.json of the served model (default: the demo one)")
+    _flag(p, "block-size", d.block_size, "tokens per KV block (as the Conductor's)")
+    _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
+    _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
+    _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before the local fallback")
+    _flag(p, "instances-refresh", d.instances_refresh_s, "instance list refresh period, seconds")
+    _flag(p, "upstream-timeout", d.upstream_timeout_s, "longest engine silence, seconds")
+    _flag(p, "max-connections", d.max_connections, "upstream connection pool size (0: no cap)")
+    _flag(p, "backlog", d.backlog, "listen backlog of the HTTP socket")
+    _flag(p, "drain-timeout", d.drain_timeout_s, "on SIGTERM, seconds open streams may take")
+    _flag(p, "tokenizer-threads", d.tokenizer_threads, "threads that tokenize and hash")
+    a = p.parse_args(argv)
+    tls = None
+    if a.conductor_ca:
+        tls = ConductorTls(a.conductor_ca, a.conductor_cert or None, a.conductor_key or None)
+    elif a.conductor_cert or a.conductor_key:
+        p.error("--conductor-cert/--conductor-key need --conductor-ca")
+    try:
+        return RouterSettings(
+            router_id=a.id or RouterSettings(no_auth=True).router_id,
+            listen=a.listen,
+            grpc_listen=a.grpc_listen,
+            conductors=tuple(c.strip() for c in a.conductor.split(",") if c.strip()),
+            conductor_tls=tls,
+            api_keys=a.api_keys or None,
+            no_auth=a.no_auth,
+            tokenizer=a.tokenizer or None,
+            block_size=a.block_size,
+            model=a.model,
+            max_model_len=a.max_model_len,
+            placement_timeout_s=a.placement_timeout,
+            instances_refresh_s=a.instances_refresh,
+            upstream_timeout_s=a.upstream_timeout,
+            max_connections=a.max_connections,
+            backlog=a.backlog,
+            drain_timeout_s=a.drain_timeout,
+            tokenizer_threads=a.tokenizer_threads,
+            otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        )
+    except ValueError as exc:
+        p.error(str(exc))

@@ -1,0 +1,250 @@
+"""A Router in front of a real Conductor (on a real etcd) and simulated engine processes:
+what clients get, what engines get, what the Conductor hears."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from clients.python import ConductorClient
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.hashing import BlockHasher
+from services.common.openai_api import PromptTokenizer
+from tests.fixtures.poll import wait_for
+from tests.router.conftest import MODEL, Stack, chat, completion
+from tests.router.tap import Tap, parse_http
+
+
+async def nothing_in_flight(url: str) -> bool:
+    async with ConductorClient([url]) as client:
+        return all(i.in_flight == 0 for i in await client.list_instances())
+
+
+async def test_a_stream_reaches_the_client_byte_for_byte_as_the_engine_sent_it(
+    stack: Stack,
+) -> None:
+    (engine,) = await stack.start_engines(1)
+    tap = Tap(engine.port)
+    await tap.start()
+    try:
+        c = await stack.start_conductor()
+        await stack.registry(c.url).add(engine.instance_id, tap.url)
+        router = await stack.start_router(c.url)
+        await wait_for(lambda: router.placer.instances, 5.0, message="the Router knows it")
+        arrivals: list[float] = []
+        received = bytearray()
+        body = chat(max_tokens=24, stream=True)
+        async with stack.http.post(router.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvsched-instance"] == engine.instance_id
+            assert resp.headers["x-kvsched-policy"] == "cache_aware"
+            assert "x-kvsched-fallback" not in resp.headers
+            assert resp.content_type == "text/event-stream"
+            async for chunk in resp.content.iter_any():
+                arrivals.append(time.perf_counter())
+                received += chunk
+        (exchange,) = tap.exchanges
+        (answer,) = parse_http(bytes(exchange.from_engine))
+        assert answer.start_line.startswith("HTTP/1.1 200")
+        assert bytes(received) == answer.body  # not one byte changed
+        assert received.rstrip().endswith(b"data: [DONE]")
+        assert len([e for e in received.split(b"\n\n") if e.startswith(b"data: {")]) >= 24
+        # Relayed as produced: the client had its first bytes before the engine sent its last.
+        assert arrivals[0] < exchange.from_engine_at[-1]
+        await wait_for(lambda: nothing_in_flight(c.url), 5.0, message="the Finish reported")
+    finally:
+        await tap.stop()
+
+
+async def test_the_engine_gets_the_clients_body_with_the_tenant_salt_and_our_headers(
+    stack: Stack, keys_file: tuple[Path, dict[str, str]]
+) -> None:
+    path, keys = keys_file
+    (engine,) = await stack.start_engines(1)
+    tap = Tap(engine.port)
+    await tap.start()
+    try:
+        c = await stack.start_conductor()
+        await stack.registry(c.url).add(engine.instance_id, tap.url)
+        router = await stack.start_router(c.url, no_auth=False, api_keys=str(path))
+        await wait_for(lambda: router.placer.instances, 5.0, message="the Router knows it")
+        raw = (
+            b'{"model": "' + MODEL.encode() + b'", "prompt": "The quick brown fox",'
+            b' "max_tokens": 4, "x_vendor": {"keep": [1, 2.50, "\\u00e9"]}, "logprobs": null}'
+        )
+        status, _, data = await stack.post(
+            router.url + "/v1/completions",
+            raw,
+            **{
+                "Authorization": f"Bearer {keys['acme']}",
+                "Content-Type": "application/json",
+                "x-session-id": "chat-7",
+            },
+        )
+        assert status == 200, data
+        (exchange,) = tap.exchanges
+        (sent,) = parse_http(bytes(exchange.to_engine))
+        assert sent.start_line == "POST /v1/completions HTTP/1.1"
+        salt = json.loads(path.read_text())["tenants"]["acme"]["salt"]
+        # Every byte the client sent, then the tenant's salt.
+        assert sent.body.startswith(raw[:-1]) and json.loads(sent.body)["cache_salt"] == salt
+        assert sent.headers["x-session-id"] == "acme/chat-7"
+        assert sent.headers["traceparent"].startswith("00-")
+        assert "authorization" not in sent.headers  # the client's key stays with the Router
+        (engine_answer,) = parse_http(bytes(exchange.from_engine))
+        assert engine_answer.body == data  # non-streaming: unchanged too
+        # The Conductor knows the session under the tenant's scope.
+        async with ConductorClient([c.url]) as client:
+            session = await client.get_session("acme/chat-7")
+        assert session.host_instance_id == engine.instance_id
+        # A client's own salt joins the tenant's, never replaces it.
+        status, _, _ = await stack.post(
+            router.url + "/v1/completions",
+            completion(cache_salt="mine"),
+            Authorization=f"Bearer {keys['globex']}",
+        )
+        assert status == 200
+        (_, resent) = parse_http(bytes(tap.exchanges[-1].to_engine))[-2:]
+        globex = json.loads(path.read_text())["tenants"]["globex"]["salt"]
+        assert json.loads(resent.body)["cache_salt"] == f"{globex}:mine"
+    finally:
+        await tap.stop()
+
+
+async def test_non_streaming_chat_usage_in_streams_models_and_metrics(stack: Stack) -> None:
+    c, engines, router = await stack.up(2)
+    status, headers, data = await stack.post(router.url + "/v1/completions", completion())
+    assert status == 200, data
+    assert headers["x-kvsched-instance"] in {e.instance_id for e in engines}
+    assert json.loads(data)["usage"]["completion_tokens"] == 8
+    status, _, data = await stack.post(router.url + "/v1/chat/completions", chat())
+    assert status == 200 and json.loads(data)["object"] == "chat.completion"
+    body = chat(stream=True, stream_options={"include_usage": True})
+    status, _, data = await stack.post(router.url + "/v1/chat/completions", body)
+    assert status == 200 and data.rstrip().endswith(b"data: [DONE]")
+    events = [json.loads(e[6:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    status, _, data = await stack.post(router.url + "/v1/completions", completion(stream=True))
+    assert status == 200 and data.rstrip().endswith(b"data: [DONE]")
+    await wait_for(lambda: nothing_in_flight(c.url), 5.0, message="the Finishes reported")
+    async with stack.http.get(router.url + "/v1/models") as resp:
+        models = await resp.json()
+    assert MODEL in [m["id"] for m in models["data"]]
+    async with stack.http.get(router.url + "/health") as resp:
+        assert resp.status == 200 and (await resp.json())["conductor"] == "up"
+    text = await stack.metrics(router)
+    assert 'kvsched_router_requests_total{route="/v1/completions",status="200"} 2.0' in text
+    assert "kvsched_router_ttft_seconds_count 2.0" in text  # the two streams
+    assert "kvsched_router_overhead_seconds_count 4.0" in text
+    assert "kvsched_router_conductor_up 1.0" in text
+    assert "kvsched_router_streams_open 0.0" in text
+
+
+async def test_a_session_stays_on_one_instance_through_two_routers(stack: Stack) -> None:
+    c, _, first = await stack.up(3, policy="sticky")
+    second = await stack.start_router(c.url, router_id="r2")
+    await wait_for(lambda: len(second.placer.instances) == 3, 5.0, message="all known")
+    routers = (first, second)
+    for session in ("s-a", "s-b", "s-c"):
+        hosts = set()
+        for turn in range(4):
+            status, headers, data = await stack.post(
+                routers[turn % 2].url + "/v1/chat/completions",
+                chat(f"turn {turn}"),
+                **{"x-session-id": session},
+            )
+            assert status == 200, data
+            hosts.add(headers["x-kvsched-instance"])
+        assert len(hosts) == 1, (session, hosts)
+    # The body's `user` names a session too.
+    hosts = set()
+    for router in routers:
+        status, headers, _ = await stack.post(router.url + "/v1/completions", completion(user="u9"))
+        hosts.add(headers["x-kvsched-instance"])
+    assert len(hosts) == 1
+    async with ConductorClient([c.url]) as client:
+        assert (await client.get_session("anonymous/u9")).host_instance_id in hosts
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_finish_reports_what_the_engine_counted(stack: Stack, include_usage: bool) -> None:
+    _, _, router = await stack.up(1, policy="sticky")
+    reported = spy_on_finish(router.placer)
+    prompt = "Count to ten, slowly. " * 8
+    body = completion(prompt, max_tokens=12, stream=True)
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    status, _, _ = await stack.post(router.url + "/v1/completions", body, **{"x-session-id": "s"})
+    assert status == 200
+    (done,) = reported
+    assert done.ok and done.output_tokens == 12 and done.session_id == "anonymous/s"
+    ids = PromptTokenizer().encode(prompt)
+    assert done.prompt_tokens == len(ids)
+    assert list(done.block_hashes) == BlockHasher(16).hash_tokens(ids)  # anonymous: no salt
+    assert 0 < done.time_to_first_token.ToNanoseconds() <= done.end_to_end.ToNanoseconds()
+
+
+def spy_on_finish(placer: object) -> list[pb.FinishRequest]:
+    """Record every FinishRequest the Router sends (they are still sent)."""
+    reported: list[pb.FinishRequest] = []
+    finish = placer.finish  # type: ignore[attr-defined]
+
+    def spy(request: pb.FinishRequest) -> None:
+        reported.append(request)
+        finish(request)
+
+    placer.finish = spy  # type: ignore[attr-defined]
+    return reported
+
+
+async def test_a_client_that_leaves_mid_stream_ends_the_engines_work(stack: Stack) -> None:
+    _, (engine,), router = await stack.up(1, engine_flags={"time_scale": 1.0})
+    reported = spy_on_finish(router.placer)
+    body = completion(max_tokens=400, stream=True)  # several seconds at GPU speed
+    async with stack.http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readany()
+        resp.close()  # the client hangs up
+    await wait_for(lambda: router.streams_open == 0, 5.0, message="the stream closed")
+    await wait_for(lambda: reported, 5.0, message="the Finish reported")
+    assert not reported[0].ok
+
+    async def engine_idle() -> bool:
+        async with stack.http.get(engine.url + "/metrics") as resp:
+            text = await resp.text()
+        running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+        return bool(running) and float(running[0].split()[-1]) == 0.0
+
+    await wait_for(engine_idle, 3.0, message="the engine stopped generating")
+
+
+async def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(stack: Stack) -> None:
+    _, (engine,), router = await stack.up(1, engine_flags={"time_scale": 1.0})
+    reported = spy_on_finish(router.placer)
+    body = completion(max_tokens=400, stream=True)
+    async with stack.http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        first = await resp.content.readany()
+        engine.process.kill()
+        rest = await resp.read()
+    events = (first + rest).rstrip().split(b"\n\n")
+    assert json.loads(events[-1][6:])["error"]["code"] == 502
+    assert b"data: [DONE]" not in events
+    await wait_for(lambda: reported, 5.0, message="the Finish reported")
+    assert not reported[0].ok
+    assert 'kvsched_router_upstream_errors_total{kind="broken"} 1.0' in await stack.metrics(router)
+
+
+async def test_odd_session_ids_stay_one_session(stack: Stack) -> None:
+    _, _, router = await stack.up(2, policy="sticky")
+    hosts = set()
+    for turn in range(3):
+        status, headers, data = await stack.post(
+            router.url + "/v1/completions", completion(f"turn {turn}", user="a b\r\nx: é")
+        )
+        assert status == 200, data
+        hosts.add(headers["x-kvsched-instance"])
+    assert len(hosts) == 1
