@@ -73,7 +73,8 @@ from services.conductor import convert
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
 from services.conductor.state import ConductorState
-from tests.fixtures.etcd import EtcdServer, free_port, start_etcd
+from services.launcher.ports import free_port
+from tests.fixtures.etcd import EtcdServer, start_etcd
 
 if TYPE_CHECKING:
     from kvsched.api.conductor.v1.conductor_service_pb2_grpc import ConductorServiceAsyncStub

@@ -91,6 +91,10 @@ class PrefixIndex:
         count = self._counts[tier][slot]
         return count + self._pending_blocks[slot] if tier is Tier.GPU else count
 
+    def reported_count(self, slot: int, tier: Tier = Tier.GPU) -> int:
+        """Blocks `slot` holds in `tier` by its own events alone (no speculative claims)."""
+        return self._counts[tier][slot]
+
     def pending_count(self) -> int:
         """Speculative placements still live."""
         return len(self._pending_queue)

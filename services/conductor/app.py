@@ -55,12 +55,13 @@ class Conductor:
         self,
         settings: ConductorSettings,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         tracer_provider: TracerProvider | None = None,
         store: Store | None = None,
     ) -> None:
         self.settings = settings
-        self.clock = clock
+        # Policy time runs as the engines' does: scaled when they run faster than a GPU would.
+        self.clock = clock or (lambda: time.time() / settings.time_scale)
         self.store: Store = store or EtcdStore(settings.etcd)
         self.state = self._new_state()
         self.serving = False

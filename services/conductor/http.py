@@ -70,6 +70,7 @@ class AdminHttp:
                     "role": inst.spec.role.value,
                     "slot": inst.slot,
                     "gpu_blocks": status.gpu_blocks,
+                    "reported_gpu_blocks": state.cluster.index.reported_count(inst.slot),
                     "in_flight": status.in_flight,
                     "pending_prefill_tokens": status.load.pending_prefill_tokens,
                     "running": status.load.running,

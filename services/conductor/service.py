@@ -20,7 +20,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.decision import Decision, RequestInfo
 from kvsched.core.policies import POLICIES
-from services.common.store import StoreError
+from services.common.store import Lease, StoreError
 from services.conductor import convert, keys
 from services.conductor.keys import InstanceRecord
 from services.conductor.state import ConductorState, RequestError
@@ -51,6 +51,9 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
 
     def __init__(self, conductor: Conductor) -> None:
         self.c = conductor
+        # Registrations pick a slot, then await etcd: one at a time, or two could pick the
+        # same free slot and the second would evict the first.
+        self._registering = asyncio.Lock()
 
     @property
     def state(self) -> ConductorState:
@@ -131,6 +134,15 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         self, request: pb.RegisterInstanceRequest, context: Context
     ) -> pb.RegisterInstanceResponse:
         await self._require_leader(context)
+        async with self._registering:
+            lease = await self._register(request, context)
+        return pb.RegisterInstanceResponse(
+            instance=convert.instance_status(self.state, request.spec.instance_id),
+            lease_ttl=convert.duration(lease.ttl_s),
+        )
+
+    async def _register(self, request: pb.RegisterInstanceRequest, context: Context) -> Lease:
+        """Give the instance a slot and a lease, record it in etcd, then in the state."""
         try:
             spec = convert.instance_spec(request.spec)
             slot = self.state.free_slot(spec.instance_id)
@@ -153,10 +165,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             with contextlib.suppress(StoreError):
                 await self.c.persister.sync()  # moved before the old lease takes them away
                 await store.revoke_lease(old_lease)
-        return pb.RegisterInstanceResponse(
-            instance=convert.instance_status(self.state, spec.instance_id),
-            lease_ttl=convert.duration(lease.ttl_s),
-        )
+        return lease
 
     async def KeepAliveInstance(
         self, request: pb.KeepAliveInstanceRequest, context: Context

@@ -46,6 +46,7 @@ class ConductorSettings:
     instance_ttl_s: int = 10
     persist_interval_s: float = 0.05
     persist_blocks: bool = True
+    time_scale: float = 1.0  # wall seconds per policy second (engines running faster than real)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
     tls: TlsFiles | None = None
     otlp_endpoint: str | None = None
@@ -107,10 +108,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "instance-ttl", d.instance_ttl_s, "default instance lease, seconds")
     _flag(p, "persist-interval", d.persist_interval_s, "write-behind flush period, seconds")
     _flag(p, "persist-blocks", d.persist_blocks, "persist block metadata for warm restarts")
+    _flag(p, "time-scale", d.time_scale, "wall seconds per policy second, as the engines run")
     _flag(p, "tls-cert", "", "server certificate (PEM) to serve TLS")
     _flag(p, "tls-key", "", "server private key (PEM)")
     _flag(p, "tls-client-ca", "", "CA (PEM) that client certificates must chain to (mTLS)")
     a = p.parse_args(argv)
+    if a.time_scale <= 0:
+        p.error("--time-scale must be positive")
     tls = TlsFiles(a.tls_cert, a.tls_key, a.tls_client_ca or None) if a.tls_cert else None
     return ConductorSettings(
         conductor_id=a.id or ConductorSettings().conductor_id,
@@ -130,6 +134,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         instance_ttl_s=a.instance_ttl,
         persist_interval_s=a.persist_interval,
         persist_blocks=a.persist_blocks,
+        time_scale=a.time_scale,
         etcd=EtcdSettings.from_env(),
         tls=tls,
         otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,

@@ -20,7 +20,8 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from services.conductor.app import Conductor
 from services.conductor.settings import ConductorSettings
-from tests.fixtures.etcd import EtcdServer, free_port, start_etcd
+from services.launcher.ports import free_port
+from tests.fixtures.etcd import EtcdServer, start_etcd
 from tests.fixtures.poll import wait_for
 
 if TYPE_CHECKING:

@@ -26,8 +26,9 @@ from services.common.store import (
     StoreUnavailable,
     WatchEvent,
 )
+from services.launcher.ports import free_port
 from tests.fixtures import wait_for
-from tests.fixtures.etcd import EtcdServer, free_port, make_tls, start_etcd
+from tests.fixtures.etcd import EtcdServer, make_tls, start_etcd
 
 SECRET = "s3cr3t-pa55word"
 

@@ -1,0 +1,165 @@
+"""`kvsched up`: start a local cluster, print its endpoints, stop it all on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.launcher.plan import ClusterOptions, ClusterPlan, plan_cluster
+from services.launcher.supervisor import StartError, Supervisor
+
+DEMO_TENANT = "demo"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ClusterOptions()
+    p = argparse.ArgumentParser(prog="kvsched up", description=__doc__)
+    p.add_argument("--conductors", type=int, default=d.conductors, help="Conductors (1 leads)")
+    p.add_argument("--routers", type=int, default=d.routers)
+    p.add_argument("--nodes", type=int, default=d.nodes, help="nodes, one Messenger each")
+    p.add_argument("--engines-per-node", type=int, default=d.engines_per_node)
+    p.add_argument("--policy", default=d.policy, help="placement policy spec, e.g. cache_aware")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="engine wall time per simulated second (0.1: ten times faster than the GPU)",
+    )
+    p.add_argument("--instance-ttl", type=int, default=d.instance_ttl_s, help="lease TTL (s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--api-keys", type=Path, help="Routers' API key file (default: a demo key)")
+    p.add_argument(
+        "--engine-flag",
+        action="append",
+        default=[],
+        help="extra flag for every engine, e.g. --engine-flag=--capacity-blocks=4096",
+    )
+    p.add_argument("--run-dir", type=Path, help="logs and etcd data (default: a temp dir)")
+    p.add_argument("--endpoints-file", type=Path, help="write the endpoints JSON here")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        opts = ClusterOptions(
+            conductors=args.conductors,
+            routers=args.routers,
+            nodes=args.nodes,
+            engines_per_node=args.engines_per_node,
+            policy=args.policy,
+            block_size=args.block_size,
+            time_scale=args.time_scale,
+            instance_ttl_s=args.instance_ttl,
+            seed=args.seed,
+            api_keys=args.api_keys,
+            engine_flags=tuple(args.engine_flag),
+        )
+    except ValueError as exc:
+        print(f"kvsched up: {exc}", file=sys.stderr)
+        return 2
+    keep = args.run_dir is not None
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvsched-up-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return asyncio.run(_up(opts, run_dir, args.endpoints_file, args.quiet))
+    finally:
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _up(opts: ClusterOptions, run_dir: Path, endpoints_file: Path | None, quiet: bool) -> int:
+    def say(text: str) -> None:
+        if not quiet:
+            print(text, flush=True)
+
+    if opts.api_keys is not None:
+        keys_path, api_key = opts.api_keys, ""
+    else:
+        keys_path, api_key = run_dir / "api-keys.json", _demo_keys(run_dir / "api-keys.json")
+    plan = plan_cluster(opts, run_dir, keys_path, api_key)
+    sup = Supervisor(plan, run_dir / "logs", say=lambda t: print(t, file=sys.stderr, flush=True))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.ensure_future(sup.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            return 130
+        stopping.cancel()
+        starting.result()
+        endpoints = plan.endpoints(sup.pids())
+        if endpoints_file is not None:
+            _write_private(endpoints_file, json.dumps(endpoints, indent=2) + "\n")
+        say(_describe(plan, run_dir, endpoints_file))
+        while not stop.is_set():
+            sup.check_exits()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+        say("stopping ...")
+        return 0
+    except StartError as exc:
+        print(f"kvsched up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sup.stop()
+        if endpoints_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                endpoints_file.unlink()
+
+
+def _demo_keys(path: Path) -> str:
+    """One tenant with a fresh key and salt; the file keeps only the key's digest."""
+    key = "sk-kvsched-" + secrets.token_urlsafe(24)
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    tenants = {DEMO_TENANT: {"salt": secrets.token_hex(16), "keys": [f"sha256:{digest}"]}}
+    _write_private(path, json.dumps({"tenants": tenants}, indent=2) + "\n")
+    return key
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it may hold an API key), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def _describe(plan: ClusterPlan, run_dir: Path, file: Path | None) -> str:
+    lines = [f"kvsched up: {len(plan.children)} processes, policy {plan.options.policy}"]
+    for child in plan.children:
+        url = child.endpoint.get("url", "")
+        extra = child.endpoint.get("http_url", "")
+        lines.append(f"  {child.name:<22} {url:<28} {extra}")
+    lines.append(f"  logs: {run_dir / 'logs'}")
+    if file is not None:
+        lines.append(f"  endpoints (and the demo API key): {file}")
+    elif plan.api_key:
+        lines.append("  the demo API key is in the endpoints file: pass --endpoints-file PATH")
+    lines.append("Ctrl-C stops everything.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

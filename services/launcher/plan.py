@@ -1,0 +1,158 @@
+"""What `kvsched up` starts: every process's command line, address and readiness check,
+decided up front from the options (pure: no process is started here)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.openai_api import DEFAULT_MODEL
+from services.launcher.etcd_local import etcd_argv, etcd_env
+from services.launcher.ports import Ports
+
+# Start order; stopping goes the other way, so nothing loses what it depends on first.
+STAGES = ("etcd", "conductor", "engine", "messenger", "router")
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """The shape of the local cluster (`kvsched up --help` describes each)."""
+
+    conductors: int = 1
+    routers: int = 2
+    nodes: int = 2
+    engines_per_node: int = 2
+    policy: str = "elastic"
+    block_size: int = 16
+    time_scale: float = 1.0
+    instance_ttl_s: int = 3
+    leader_ttl_s: int = 2
+    seed: int = 0
+    model: str = DEFAULT_MODEL
+    api_keys: Path | None = None  # None: `up` makes one demo tenant and key
+    engine_flags: tuple[str, ...] = ()  # passed to every engine as given
+
+    def __post_init__(self) -> None:
+        for name in ("conductors", "routers", "nodes", "engines_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.time_scale <= 0:
+            raise ValueError("--time-scale must be positive")
+
+
+@dataclass(frozen=True)
+class Child:
+    """One process of the cluster."""
+
+    name: str  # unique, e.g. "engine-n1-e0"
+    stage: str  # one of STAGES
+    argv: tuple[str, ...]
+    ready_url: str  # answers 200 once the process serves
+    endpoint: dict[str, Any]  # its entry in the endpoints file (without the pid)
+    env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
+    clean_env: bool = False  # start from `etcd_env()` rather than os.environ
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    options: ClusterOptions
+    children: tuple[Child, ...]
+    api_key: str  # the demo tenant's key ("" when the caller gave --api-keys)
+
+    def stage(self, stage: str) -> list[Child]:
+        return [c for c in self.children if c.stage == stage]
+
+    def endpoints(self, pids: dict[str, int]) -> dict[str, Any]:
+        """The endpoints file: `{"model", "etcd", "conductors", "routers", "messengers",
+        "engines"}`, each process with its pid, plus what a load generator needs to know."""
+        out: dict[str, Any] = {"model": self.options.model}
+        groups = {"conductor": "conductors", "router": "routers", "messenger": "messengers"}
+        groups["engine"] = "engines"
+        for child in self.children:
+            entry = {**child.endpoint, "pid": pids.get(child.name, 0)}
+            if child.stage == "etcd":
+                out["etcd"] = entry
+            else:
+                out.setdefault(groups[child.stage], []).append(entry)
+        out["api_key"] = self.api_key
+        out["policy"] = self.options.policy
+        out["block_size"] = self.options.block_size
+        out["time_scale"] = self.options.time_scale
+        return out
+
+
+def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: str) -> ClusterPlan:
+    """Ports, ids and flags for every process; `api_keys` is the Routers' key file."""
+    py = (sys.executable, "-m")
+    free_port = Ports()
+    children: list[Child] = []
+
+    etcd_port, peer_port = free_port(), free_port()
+    etcd_url = f"http://127.0.0.1:{etcd_port}"
+    argv = etcd_argv("kvsched-up", run_dir / "etcd", etcd_url, f"http://127.0.0.1:{peer_port}")
+    children.append(
+        Child("etcd", "etcd", tuple(argv), f"{etcd_url}/health", {"url": etcd_url}, clean_env=True)
+    )
+    etcd_env_vars = {"KVSCHED_ETCD_ENDPOINTS": etcd_url}
+    scale = repr(opts.time_scale)
+
+    conductor_urls = []
+    for i in range(opts.conductors):
+        port, http_port = free_port(), free_port()
+        url, http_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
+        conductor_urls.append(url)
+        argv = [*py, "services.conductor", "--id", f"conductor-{i}", "--listen", url]
+        argv += ["--http-listen", http_url.removeprefix("http://"), "--policy", opts.policy]
+        argv += ["--block-size", str(opts.block_size), "--seed", str(opts.seed)]
+        argv += ["--leader-ttl", str(opts.leader_ttl_s), "--instance-ttl", str(opts.instance_ttl_s)]
+        argv += ["--time-scale", scale, "--model", opts.model]
+        ready = f"{http_url}/api/leader"
+        entry = {"url": url, "http_url": http_url}
+        children.append(
+            Child(f"conductor-{i}", "conductor", tuple(argv), ready, entry, etcd_env_vars)
+        )
+    conductors = ",".join(conductor_urls)
+
+    for n in range(opts.nodes):
+        node = f"node-{n}"
+        engine_urls = []
+        for e in range(opts.engines_per_node):
+            iid = f"{node}-e{e}"
+            port, kv_port, replay_port = free_port(), free_port(), free_port()
+            url = f"http://127.0.0.1:{port}"
+            engine_urls.append(url)
+            argv = [*py, "services.engine", "--listen", f"127.0.0.1:{port}", "--instance-id", iid]
+            argv += ["--kv-events", f"tcp://127.0.0.1:{kv_port}"]
+            argv += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
+            argv += ["--block-size", str(opts.block_size), "--time-scale", scale]
+            argv += ["--model", opts.model, "--seed", str(opts.seed), *opts.engine_flags]
+            entry = {"id": iid, "url": url, "node": node}
+            children.append(Child(f"engine-{iid}", "engine", tuple(argv), f"{url}/health", entry))
+        port, http_port = free_port(), free_port()
+        url = f"127.0.0.1:{port}"
+        argv = [*py, "services.messenger", "--listen", url, "--node", node]
+        argv += ["--http-listen", f"127.0.0.1:{http_port}", "--conductor", conductors]
+        argv += ["--engine", ",".join(engine_urls), "--instance-ttl", str(opts.instance_ttl_s)]
+        ready = f"http://127.0.0.1:{http_port}/health"
+        entry = {"url": url, "node": node, "http_url": f"http://127.0.0.1:{http_port}"}
+        children.append(Child(f"messenger-{node}", "messenger", tuple(argv), ready, entry))
+
+    for r in range(opts.routers):
+        port, grpc_port = free_port(), free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [*py, "services.router", "--listen", f"127.0.0.1:{port}"]
+        argv += ["--grpc-listen", f"127.0.0.1:{grpc_port}", "--conductor", conductors]
+        argv += ["--api-keys", str(api_keys), "--block-size", str(opts.block_size)]
+        argv += ["--model", opts.model]
+        entry = {"url": url, "grpc_url": f"127.0.0.1:{grpc_port}"}
+        children.append(Child(f"router-{r}", "router", tuple(argv), f"{url}/health", entry))
+    return ClusterPlan(opts, tuple(children), api_key)
+
+
+def child_env(child: Child, base: dict[str, str]) -> dict[str, str]:
+    """The environment a child starts with."""
+    env = etcd_env() if child.clean_env else dict(base)
+    env.update(child.env)
+    return env

@@ -1,0 +1,84 @@
+"""A whole cluster started the way a user starts it, `kvsched up`, for end-to-end tests:
+real etcd, a Conductor, two Routers, two Messengers and four simulated engines on loopback,
+all exporting traces to an in-process OTLP receiver."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+from tests.fixtures.otlp import OtlpReceiver
+
+START_TIMEOUT_S = 120.0
+TIME_SCALE = 0.1  # engines run ten times faster than the modelled GPU
+INSTANCE_TTL_S = 2
+
+
+@dataclass
+class LocalCluster:
+    """A running `kvsched up` and what its endpoints file says."""
+
+    process: subprocess.Popen[bytes]
+    endpoints: dict[str, Any]
+    log: Path
+    otlp: OtlpReceiver
+
+    @property
+    def routers(self) -> list[str]:
+        return [r["url"] for r in self.endpoints["routers"]]
+
+    @property
+    def conductor_http(self) -> str:
+        return str(self.endpoints["conductors"][0]["http_url"])
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.endpoints['api_key']}"}
+
+    def engine(self, instance_id: str) -> dict[str, Any]:
+        return next(e for e in self.endpoints["engines"] if e["id"] == instance_id)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    tmp = tmp_path_factory.mktemp("up")
+    otlp = OtlpReceiver()
+    otlp.start()
+    endpoints_file = tmp / "endpoints.json"
+    log = tmp / "up.log"
+    env = dict(
+        os.environ,
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="50",  # export spans within 50 ms, not 5 s
+    )
+    args = [sys.executable, "-m", "services.launcher", "--endpoints-file", str(endpoints_file)]
+    args += ["--run-dir", str(tmp / "run"), "--time-scale", str(TIME_SCALE)]
+    args += ["--instance-ttl", str(INSTANCE_TTL_S), "--policy", "elastic"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not endpoints_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvsched up did not start; log:\n{log.read_text()[-4000:]}")
+            time.sleep(0.05)  # polling interval
+        yield LocalCluster(process, json.loads(endpoints_file.read_text()), log, otlp)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        otlp.stop()

@@ -1,0 +1,60 @@
+"""`kvsched up`'s plan: what it starts, on which ports, and the endpoints file it writes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from services.launcher.plan import STAGES, ClusterOptions, plan_cluster
+
+
+def test_default_cluster_shape_and_endpoints_schema(tmp_path: Path) -> None:
+    plan = plan_cluster(ClusterOptions(), tmp_path, tmp_path / "keys.json", "sk-test")
+    counts = {stage: len(plan.stage(stage)) for stage in STAGES}
+    assert counts == {"etcd": 1, "conductor": 1, "engine": 4, "messenger": 2, "router": 2}
+    pids = {c.name: 100 + i for i, c in enumerate(plan.children)}
+    ep = plan.endpoints(pids)
+    assert set(ep) >= {"model", "etcd", "conductors", "routers", "messengers", "engines"}
+    assert set(ep["etcd"]) >= {"url", "pid"}
+    assert all(set(c) >= {"url", "http_url", "pid"} for c in ep["conductors"])
+    assert all(set(r) >= {"url", "pid"} for r in ep["routers"])
+    assert all(set(m) >= {"url", "pid", "node"} for m in ep["messengers"])
+    assert all(set(e) >= {"id", "url", "pid", "node"} for e in ep["engines"])
+    assert sorted(e["pid"] for e in ep["engines"]) == sorted(
+        pids[c.name] for c in plan.stage("engine")
+    )
+    assert {e["node"] for e in ep["engines"]} == {m["node"] for m in ep["messengers"]}
+
+
+def test_every_listener_has_its_own_loopback_port(tmp_path: Path) -> None:
+    plan = plan_cluster(ClusterOptions(conductors=2, routers=3), tmp_path, tmp_path / "k", "")
+    listens = [
+        arg
+        for c in plan.children
+        for flag, arg in zip(c.argv, c.argv[1:], strict=False)
+        if flag in {"--listen", "--http-listen", "--grpc-listen", "--kv-events", "--kv-replay"}
+    ]
+    listens += [
+        arg.split("=", 1)[1] for c in plan.children for arg in c.argv if arg.startswith("--listen-")
+    ]
+    ports = [int(p) for arg in listens for p in re.findall(r"127\.0\.0\.1:(\d+)", arg)]
+    assert len(ports) == len(listens) == len(set(ports)) > 20
+    assert all("0.0.0.0" not in arg for c in plan.children for arg in c.argv)
+
+
+def test_messengers_own_their_nodes_engines(tmp_path: Path) -> None:
+    plan = plan_cluster(ClusterOptions(nodes=3, engines_per_node=2), tmp_path, tmp_path / "k", "")
+    for messenger in plan.stage("messenger"):
+        node = messenger.endpoint["node"]
+        engines = messenger.argv[messenger.argv.index("--engine") + 1].split(",")
+        assert engines == [
+            e.endpoint["url"] for e in plan.stage("engine") if e.endpoint["node"] == node
+        ]
+
+
+@pytest.mark.parametrize("field", ["conductors", "routers", "nodes", "engines_per_node"])
+def test_refuses_empty_roles(field: str) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        ClusterOptions(**{field: 0})  # type: ignore[arg-type]
