@@ -1,6 +1,7 @@
 """`python -m services.engine` (or `kvsched engine`): run one simulated vLLM-compatible engine
-until SIGINT or SIGTERM; then stop taking requests, let open streams finish for the grace
-period, and close."""
+until SIGINT or SIGTERM; then stop accepting connections and new requests, let open requests
+finish for the grace period (`--shutdown-grace`), abort what is left, close the sockets and
+exit 0."""
 
 from __future__ import annotations
 
@@ -12,43 +13,43 @@ import sys
 from collections.abc import Sequence
 
 import uvloop
+import zmq
 from aiohttp import web
 
-from services.common.openai_api import PromptTokenizer
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,
     setup_tracing,
     shutdown_tracing,
 )
-from services.engine.app import EngineApp
-from services.engine.kv_publisher import KvEventPublisher
-from services.engine.model import LiveEngine
-from services.engine.settings import KV_TOPIC, parse
-from services.engine.text import Words
+from services.engine.app import build
+from services.engine.settings import parse
 
 
 async def serve(argv: Sequence[str] | None = None) -> None:
     settings = parse(argv)
     provider = setup_tracing(TelemetrySettings.from_env("kvsched-engine"), set_global=True)
-    publisher = KvEventPublisher(
-        settings.kv_events,
-        settings.kv_replay,
-        topic=KV_TOPIC.encode(),
-        shape=settings.event_shape,
+    try:
+        api = build(settings, get_tracer(provider))
+    except (ValueError, zmq.ZMQError) as exc:  # unknown model or profile, endpoint taken
+        raise SystemExit(f"kvsched engine: error: {exc}") from None
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its
+    # request in the engine (vLLM aborts on disconnect too, streaming or not).
+    runner = web.AppRunner(
+        api.app,
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=settings.shutdown_grace_s,
     )
-    publisher.start()
-    live = LiveEngine(settings, publisher)
-    tokenizer = PromptTokenizer(settings.tokenizer)
-    api = EngineApp(live, tokenizer, Words(tokenizer, settings.seed), get_tracer(provider))
-    runner = web.AppRunner(api.app, access_log=None, shutdown_timeout=settings.shutdown_grace_s)
     await runner.setup()
     host, _, port = settings.listen.rpartition(":")
     site = web.TCPSite(runner, host, int(port), backlog=4096)
     await site.start()
-    live.start()
+    await api.start()
+    bound = _bound_port(site) or port
     print(
-        f"engine {settings.instance_id} http={settings.listen} kv-events={publisher.endpoint}",
+        f"engine {settings.instance_id} http=http://{host}:{bound} "
+        f"kv-events={api.live.publisher.endpoint}",
         flush=True,
     )
     stop = asyncio.Event()
@@ -56,13 +57,19 @@ async def serve(argv: Sequence[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    # The runner stops accepting, then gives open streams the grace period; the model keeps
-    # stepping meanwhile so they can finish.
+    api.draining = True
+    # The runner stops listening, then gives open requests the grace period (the model keeps
+    # stepping meanwhile) and cancels the rest, which aborts them.
     await runner.cleanup()
-    await live.stop()
-    await publisher.close()
+    await api.close()
     with contextlib.suppress(Exception):
-        shutdown_tracing(provider)
+        await asyncio.to_thread(shutdown_tracing, provider)
+
+
+def _bound_port(site: web.TCPSite) -> int | None:
+    server = site._server  # the bound socket tells the port when 0 was asked for
+    sockets = getattr(server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1]) if sockets else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

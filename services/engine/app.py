@@ -1,6 +1,11 @@
 """The engine's HTTP API: vLLM's routes (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/tokenize`, `/health`, `/metrics`) plus the JSON views a Messenger reads
-(`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`, `/kvsched/stats`)."""
+(`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`) and the step counters the load
+generator reads (`/kvsched/stats`).
+
+`build` assembles one engine (model, KV-event publisher, metrics, step loop, routes); the
+caller serves `EngineApp.app` and calls `start`/`close` around it.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
-from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common.openai_api import (
@@ -21,33 +25,44 @@ from services.common.openai_api import (
     CompletionRequest,
     Kind,
     PromptTokenizer,
-    check_length,
     parse_request,
     read_json,
     render_chat,
+    unavailable,
 )
+from services.engine.kv_publisher import KvEventPublisher
 from services.engine.metrics import EngineMetrics
-from services.engine.model import LiveEngine, Request
-from services.engine.openai_stream import DONE, Shape
+from services.engine.model import build_model
+from services.engine.openai_stream import DONE, Shape, error_chunk
+from services.engine.runner import LiveEngine, Request
+from services.engine.settings import KV_TOPIC, EngineSettings
 from services.engine.text import Words
 
 log = logging.getLogger("kvsched.engine")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SESSION_HEADER = "x-session-id"
+_W3C = TraceContextTextMapPropagator()
+_INLINE_TOKENIZE_CHARS = 4096  # shorter prompts tokenize faster than a thread hand-off
 
 
 class EngineApp:
-    """Routes over one `LiveEngine`."""
+    """Routes over one `LiveEngine`. `draining` (set on SIGTERM) refuses new work."""
 
     def __init__(
-        self, live: LiveEngine, tokenizer: PromptTokenizer, words: Words, tracer: Tracer
+        self,
+        settings: EngineSettings,
+        live: LiveEngine,
+        tokenizer: PromptTokenizer,
+        words: Words,
+        tracer: Tracer,
     ) -> None:
+        self.settings = settings
         self.live = live
-        self.settings = live.settings
         self.tokenizer = tokenizer
         self.words = words
         self.tracer = tracer
-        self.metrics = EngineMetrics(live.settings.model)
+        self.draining = False
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
         self.app.add_routes(
             [
@@ -64,6 +79,16 @@ class EngineApp:
             ]
         )
 
+    async def start(self) -> None:
+        """Start the replay socket and the step loop (on the running event loop)."""
+        self.live.publisher.start()
+        self.live.start()
+
+    async def close(self) -> None:
+        """Stop the step loop (requests still in it end with an error), close the sockets."""
+        await self.live.stop()
+        await self.live.publisher.close()
+
     # ---- completions -------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -73,48 +98,46 @@ class EngineApp:
         return await self._serve(request, "chat")
 
     async def _serve(self, request: web.Request, kind: Kind) -> web.StreamResponse:
-        parent = propagate.extract(dict(request.headers))
+        parent = _W3C.extract(request.headers)
         name = f"POST {request.path}"
         with self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER) as span:
+            if self.draining:
+                raise unavailable("the engine is shutting down")
             req = parse_request(kind, await read_json(request))
-            if req.model is not None and req.model != self.settings.model:
-                raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
-                               type_="NotFoundError", code="model_not_found")  # fmt: skip
+            self._check_model(req.model)
             ids = await self._prompt_ids(req)
-            check_length(len(ids), req.max_tokens, self.live.max_model_len)
-            live_req = self.live.submit(ids, req.max_tokens, req.cache_salt)
-            span.set_attribute("kvsched.prompt_tokens", len(ids))
-            span.set_attribute("kvsched.output_tokens", req.max_tokens)
+            output = self.live.model.output_tokens(len(ids), req.max_tokens)
+            session = request.headers.get(SESSION_HEADER) or None
+            live_req = self.live.submit(ids, output, req.cache_salt, session)
+            span.set_attribute("gen_ai.usage.prompt_tokens", len(ids))
+            span.set_attribute("gen_ai.request.max_tokens", output)
             shape = Shape.new(kind, self.settings.model, req.include_usage)
             try:
                 if req.stream:
                     return await self._stream(request, live_req, shape)
                 return await self._whole(live_req, shape)
             except BaseException:
-                self.live.abort(live_req)  # the client went away (or we failed): free it
+                # The client went away (a failed write, or aiohttp cancelling the handler on
+                # a lost connection), or we failed: free its place in the engine.
+                self.live.abort(live_req)
                 raise
             finally:
-                span.set_attribute("kvsched.cached_tokens", live_req.job.cached_tokens)
+                span.set_attribute("gen_ai.usage.cached_tokens", live_req.job.cached_tokens)
+                span.set_attribute("gen_ai.usage.completion_tokens", live_req.generated)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError",
+                           param="model")  # fmt: skip
 
     async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
-        if req.prompt_ids is not None:
+        text = req.prompt_text
+        if text is None or len(text) <= _INLINE_TOKENIZE_CHARS:
             return self.tokenizer.prompt_ids(req)
-        # Long prompts take milliseconds to tokenize: off the loop (HF tokenizers frees the GIL).
+        # Long prompts take milliseconds: off the loop (HF tokenizers releases the GIL).
         return await asyncio.get_running_loop().run_in_executor(
             None, self.tokenizer.prompt_ids, req
         )
-
-    async def _tokens(self, live_req: Request) -> Any:
-        """Yield (first index, last index) ranges of new tokens until the output is done."""
-        sent = 0
-        output = live_req.job.output
-        while sent < output:
-            upto = await live_req.tokens.get()
-            if sent == 0:
-                self._first_token(live_req)
-            yield sent, upto
-            sent = upto
-        self._finished(live_req)
 
     async def _stream(
         self, request: web.Request, live_req: Request, shape: Shape
@@ -123,76 +146,64 @@ class EngineApp:
         await resp.prepare(request)
         if shape.kind == "chat":
             await resp.write(shape.role_chunk())
-        words = self.words
-        start = words.start(live_req.prompt_ids)
-        output = live_req.job.output
-        async for lo, hi in self._tokens(live_req):
-            if hi - lo == 1:
-                text = words.json[words.index(start, lo)]
-            else:
-                text = _json_join(words, start, lo, hi)
-            await resp.write(shape.chunk(text, "length" if hi == output else None))
-        job = live_req.job
-        if shape.include_usage:
-            await resp.write(shape.usage_chunk(job.prompt, job.output, job.cached_tokens))
+        words, job = self.words, live_req.job
+        start, output, sent = words.start(live_req.prompt_ids), job.output, 0
+        try:
+            while sent < output:
+                # Every token the engine made since the last write goes in one chunk: one per
+                # step at `--stream-interval` passes, more when this client reads slowly.
+                upto = await live_req.wait(sent)
+                text = words.json_text(start, sent, upto)
+                await resp.write(shape.chunk(text, upto == output))
+                sent = upto
+        except ApiError as exc:  # the engine stopped: say so in the stream, as vLLM does
+            await resp.write(error_chunk(exc))
+        else:
+            if shape.include_usage:
+                await resp.write(shape.usage_chunk(job.prompt, output, job.cached_tokens))
         await resp.write(DONE)
         await resp.write_eof()
         return resp
 
     async def _whole(self, live_req: Request, shape: Shape) -> web.Response:
-        words = self.words
-        start = words.start(live_req.prompt_ids)
-        async for _ in self._tokens(live_req):
-            pass
-        job = live_req.job
-        text = "".join(words.words[words.index(start, i)] for i in range(job.output))
+        job, seen = live_req.job, 0
+        while seen < job.output:
+            seen = await live_req.wait(seen)
+        text = self.words.text(self.words.start(live_req.prompt_ids), 0, job.output)
         return web.json_response(shape.full(text, job.prompt, job.output, job.cached_tokens))
-
-    def _first_token(self, live_req: Request) -> None:
-        job, m = live_req.job, self.metrics
-        m.ttft.observe(max(self.live.now() - job.arrival, 0.0))
-        m.queries.inc(job.prompt)
-        m.hits.inc(job.local_hit_tokens)
-        m.prompt_tokens.inc(job.prompt)
-
-    def _finished(self, live_req: Request) -> None:
-        job, m = live_req.job, self.metrics
-        elapsed = max(self.live.now() - job.arrival, 0.0)
-        m.e2e.observe(elapsed)
-        m.generation_tokens.inc(job.output)
-        m.success.inc()
-        if job.output > 1 and job.first_token_at >= 0:
-            m.itl.observe(max(job.finished_at - job.first_token_at, 0.0) / (job.output - 1))
 
     # ---- other vLLM routes -------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.settings.model
-        card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvsched",
-                "root": model, "parent": None, "max_model_len": self.live.max_model_len,
+        card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                "root": model, "parent": None, "max_model_len": self.live.model.max_model_len,
                 "permission": []}  # fmt: skip
         return web.json_response({"object": "list", "data": [card]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize`: a `prompt` (text or ids) or chat `messages`."""
         body = await read_json(request)
+        model = body.get("model")
+        self._check_model(model if isinstance(model, str) else None)
         if "messages" in body:
             req = parse_request("completion", {"prompt": render_chat(body["messages"])})
         else:
             req = parse_request("completion", {"prompt": body.get("prompt")})
         ids = await self._prompt_ids(req)
         return web.json_response(
-            {"count": len(ids), "max_model_len": self.live.max_model_len, "tokens": ids}
+            {"count": len(ids), "max_model_len": self.live.model.max_model_len, "tokens": ids}
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=503 if self.draining or self.live.failed else 200)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        engine, m = self.live.engine, self.metrics
+        engine, m = self.live.engine, self.live.metrics
         m.running.set(engine.running)
         m.waiting.set(len(engine.waiting) + len(engine.handoffs))
         m.kv_usage.set(engine.cache.locked / engine.cache.total)
-        body = generate_latest(self.metrics.registry)
+        body = generate_latest(m.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---- kvsched views -----------------------------------------------------------------
@@ -204,8 +215,8 @@ class EngineApp:
                 "instance_id": self.settings.instance_id,
                 "model": self.settings.model,
                 "role": "both",
-                "block_size": self.settings.block_size,
-                "capacity_blocks": self.live.capacity_blocks,
+                "block_size": self.live.model.block_size,
+                "capacity_blocks": self.live.model.capacity_blocks,
                 "kv_events": {
                     "endpoint": pub.endpoint,
                     "replay_endpoint": pub.replay_endpoint,
@@ -216,6 +227,7 @@ class EngineApp:
         )
 
     async def load(self, request: web.Request) -> web.Response:
+        """`Engine.report()`: the load a scheduler reads (seconds are model seconds)."""
         r = self.live.engine.report()
         return web.json_response(
             {
@@ -229,10 +241,11 @@ class EngineApp:
         )
 
     async def snapshot(self, request: web.Request) -> web.Response:
+        """Every cached block; events from `next_seq` on apply on top of it."""
         return web.json_response(
             {
                 "next_seq": self.live.publisher.next_seq,
-                "block_size": self.settings.block_size,
+                "block_size": self.live.model.block_size,
                 "blocks": self.live.snapshot(),
             }
         )
@@ -245,9 +258,32 @@ class EngineApp:
         return web.json_response({k: getattr(e, k) for k in keys})
 
 
-def _json_join(words: Words, start: int, lo: int, hi: int) -> bytes:
-    parts = [words.json[words.index(start, i)][1:-1] for i in range(lo, hi)]
-    return b'"' + b"".join(parts) + b'"'
+def build(
+    settings: EngineSettings,
+    tracer: Tracer,
+    *,
+    tokenizer: PromptTokenizer | None = None,
+    words: Words | None = None,
+) -> EngineApp:
+    """One engine for `settings` (binds its ZMQ sockets; `start` runs it). A tokenizer and its
+    word list may be shared by engines in one process (tests)."""
+    publisher = KvEventPublisher(
+        settings.kv_events,
+        settings.kv_replay,
+        topic=KV_TOPIC.encode(),
+        shape=settings.event_shape,
+    )
+    live = LiveEngine(
+        build_model(settings),
+        publisher,
+        EngineMetrics(settings.model),
+        time_scale=settings.time_scale,
+        stream_interval=settings.stream_interval,
+        engine_hash_seed=settings.engine_hash_seed,
+    )
+    tokenizer = tokenizer or PromptTokenizer(settings.tokenizer)
+    words = words or Words(tokenizer, settings.seed)
+    return EngineApp(settings, live, tokenizer, words, tracer)
 
 
 @web.middleware

@@ -1,31 +1,89 @@
-"""`/metrics` under vLLM's metric names, so dashboards and scrapers built for vLLM work.
-Times are model seconds (the modelled GPU's), which equal wall seconds at time scale 1."""
+"""`/metrics` under vLLM's metric names and labels (`model_name`, `engine="0"`), so dashboards
+and scrapers built for vLLM work unchanged.
+
+Latencies are model seconds (the modelled GPU's clock), which equal wall seconds at time
+scale 1. The histograms take many equal observations at once: one decode pass gives every
+running request the same inter-token gap, so a step is one bucket update, not one per token.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 
-_LATENCY_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)  # fmt: skip
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# vLLM's buckets for these histograms (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+LABELS = ("model_name", "engine")
+_INF = float("inf")
+
+
+class BulkHistogram:
+    """A Prometheus histogram whose `observe` takes a count of equal observations."""
+
+    __slots__ = ("_counts", "_upper", "doc", "labels", "name", "sum")
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str]):
+        self.name = name
+        self.doc = doc
+        self.labels = list(labels)
+        self._upper = [*map(float, buckets), _INF]
+        self._counts = [0] * len(self._upper)
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        if count > 0:
+            self._counts[bisect_left(self._upper, value)] += count  # `le` is inclusive
+            self.sum += value * count
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
+        cumulative, buckets = 0, []
+        for upper, n in zip(self._upper, self._counts, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if upper == _INF else repr(upper), cumulative))
+        family.add_metric(self.labels, buckets, self.sum)
+        return family
+
+
+class _Histograms(Collector):
+    def __init__(self, histograms: Sequence[BulkHistogram]) -> None:
+        self.histograms = histograms
+
+    def collect(self) -> Iterator[Metric]:
+        for h in self.histograms:
+            yield h.family()
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
 
 
 class EngineMetrics:
+    """One engine's metrics in a registry of its own (several engines can share a test
+    process). Counters and histograms are updated by the step loop; gauges at scrape time."""
+
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        self.labels = {"model_name": model, "engine": "0"}
+        values = [model, "0"]
         r = self.registry
 
-        # One engine per process: every metric is used through its one labelled child.
         def gauge(name: str, text: str) -> Gauge:
-            return Gauge(name, text, labels, registry=r).labels(**self.labels)
+            return Gauge(name, text, LABELS, registry=r).labels(*values)
 
         def counter(name: str, text: str) -> Counter:
-            return Counter(name, text, labels, registry=r).labels(**self.labels)
-
-        def histogram(name: str, text: str) -> Histogram:
-            metric = Histogram(name, text, labels, buckets=_LATENCY_BUCKETS, registry=r)
-            return metric.labels(**self.labels)
+            return Counter(name, text, LABELS, registry=r).labels(*values)
 
         self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
@@ -34,7 +92,19 @@ class EngineMetrics:
         self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
-        self.success = counter("vllm:request_success", "Successfully processed requests.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End to end request latency.")
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.")
+        self.success = Counter(
+            "vllm:request_success",
+            "Successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=r,
+        ).labels(*values, "length")
+        self.ttft = BulkHistogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS, values
+        )
+        self.itl = BulkHistogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS, values
+        )
+        self.e2e = BulkHistogram(
+            "vllm:e2e_request_latency_seconds", "End to end request latency.", E2E_BUCKETS, values
+        )
+        r.register(_Histograms((self.ttft, self.itl, self.e2e)))

@@ -11,9 +11,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.openai_api import Kind
+from services.common.openai_api import ApiError, Kind
 
 DONE = b"data: [DONE]\n\n"
+
+
+def error_chunk(error: ApiError) -> bytes:
+    """An error in the middle of a stream, as vLLM sends it (then `[DONE]`)."""
+    return b"data: " + json.dumps(error.body(), separators=(",", ":")).encode() + b"\n\n"
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -27,44 +32,47 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """One response's fixed parts: its id, creation time, model and kind."""
+    """One response's fixed parts (id, creation time, model, kind) and the pre-encoded bytes
+    every streamed chunk of it starts and ends with."""
 
     kind: Kind
     model: str
     include_usage: bool
     id: str
     created: int
+    head: bytes  # `data: {...,"choices":[{"index":0,` then the text or delta goes
+    tail: bytes  # closes a chunk that does not finish the answer
+    last_tail: bytes  # closes the chunk that does (finish_reason "length")
 
     @classmethod
     def new(cls, kind: Kind, model: str, include_usage: bool) -> Shape:
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        return cls(kind, model, include_usage, prefix + uuid.uuid4().hex, int(time.time()))
-
-    def _head(self) -> bytes:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return (
-            f'data: {{"id":"{self.id}","object":"{obj}","created":{self.created},'
-            f'"model":{json.dumps(self.model)},"choices":[{{"index":0,'
+        chat = kind == "chat"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = (
+            f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
+            f'"model":{json.dumps(model)},"choices":[{{"index":0,'
         ).encode()
-
-    def _tail(self, finish: str | None) -> bytes:
-        reason = f'"{finish}"' if finish else "null"
-        usage_field = ',"usage":null' if self.include_usage else ""
-        if self.kind == "chat":
-            return f',"logprobs":null,"finish_reason":{reason}}}]{usage_field}}}\n\n'.encode()
-        return (
-            f',"logprobs":null,"finish_reason":{reason},"stop_reason":null}}]{usage_field}}}\n\n'
-        ).encode()
+        usage_field = ',"usage":null' if include_usage else ""
+        close = "}" if chat else ""  # chat text sits in a `delta` object
+        # vLLM sets stop_reason on every completion chunk, and on chat's last one only.
+        stop = "" if chat else ',"stop_reason":null'
+        tail = f'{close},"logprobs":null,"finish_reason":null{stop}}}]{usage_field}}}\n\n'
+        last = (
+            f'{close},"logprobs":null,"finish_reason":"length","stop_reason":null}}]'
+            f"{usage_field}}}\n\n"
+        )
+        return cls(kind, model, include_usage, rid, created, head, tail.encode(), last.encode())
 
     def role_chunk(self) -> bytes:
         """Chat streams open with the assistant's role and empty content."""
-        return self._head() + b'"delta":{"role":"assistant","content":""}' + self._tail(None)
+        return self.head + b'"delta":{"role":"assistant","content":""' + self.tail
 
-    def chunk(self, text_json: bytes, finish: str | None) -> bytes:
-        """One chunk carrying `text_json` (a JSON-encoded string)."""
-        if self.kind == "chat":
-            return self._head() + b'"delta":{"content":' + text_json + b"}" + self._tail(finish)
-        return self._head() + b'"text":' + text_json + self._tail(finish)
+    def chunk(self, text_json: bytes, last: bool) -> bytes:
+        """One chunk carrying `text_json` (a JSON-encoded string); `last` finishes the answer."""
+        opening = b'"delta":{"content":' if self.kind == "chat" else b'"text":'
+        return self.head + opening + text_json + (self.last_tail if last else self.tail)
 
     def usage_chunk(self, prompt: int, completion: int, cached: int) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

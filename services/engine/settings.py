@@ -65,6 +65,8 @@ class EngineSettings:
             raise ValueError("--stream-interval must be at least 1")
         if self.event_shape not in get_args(Shape):
             raise ValueError(f"--event-shape must be one of {get_args(Shape)}")
+        if not 0 <= self.engine_hash_seed < 1 << 64:
+            raise ValueError("--engine-hash-seed must fit in an unsigned 64-bit integer")
         if self.capacity_blocks < 0 or self.max_model_len < 0:
             raise ValueError("--capacity-blocks and --max-model-len must not be negative")
 
@@ -132,7 +134,10 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     a = p.parse_args(argv)
     profile = a.latency_profile
     if a.gpu:
-        by_gpu = latency_profile_for_gpu(a.gpu, a.model_config)
+        try:
+            by_gpu = latency_profile_for_gpu(a.gpu, a.model_config)
+        except ValueError as exc:
+            p.error(str(exc))
         if profile and profile != by_gpu:
             p.error(f"--latency-profile {profile} contradicts --gpu {a.gpu} ({by_gpu})")
         profile = by_gpu

@@ -157,3 +157,60 @@ def test_random_workload_keeps_invariants_and_ttft_above_isolated(seed: int) -> 
         assert j.finished_at >= j.first_token_at
         assert j.cached_tokens <= j.prompt - 1
     assert eng.cache.locked == 0
+
+
+def test_capped_decode_steps_take_the_same_time_as_one_macro_step() -> None:
+    # The live engine streams every few passes; the model time must not change with that.
+    def run(max_passes: int | None) -> tuple[float, int]:
+        eng = engine()
+        j = job(1, prompt=100, output=50)
+        eng.submit(j)
+        now, steps = 0.0, 0
+        end = eng.plan(now, max_passes)
+        while end is not None:
+            now = end
+            eng.complete(now)
+            steps += 1
+            eng.check_integrity()
+            end = eng.plan(now, max_passes)
+        return j.finished_at, steps
+
+    whole, whole_steps = run(None)
+    capped, capped_steps = run(4)
+    assert capped == pytest.approx(whole, rel=1e-9)
+    assert (whole_steps, capped_steps) == (2, 1 + 13)  # prefill, then 49 passes by 4
+
+
+@pytest.mark.parametrize("where", ["waiting", "prefilling", "decoding"])
+def test_abort_frees_a_job_wherever_it_is(where: str) -> None:
+    eng = engine(pages=64, chunk=64, max_running=1)
+    first = job(1, prompt=96, output=40)  # two prefill passes of 64 tokens, then decodes
+    second = job(2, prompt=32, output=4)
+    eng.submit(first)
+    eng.submit(second)  # waits: one running slot
+    now = eng.plan(0.0)
+    assert now is not None
+    eng.complete(now)
+    if where == "decoding":
+        now = eng.plan(now)
+        assert now is not None
+        eng.complete(now)
+        assert first in eng.decoding
+    target = second if where == "waiting" else first
+    assert (target in eng.waiting) == (where == "waiting")
+    assert eng.abort(target, now)
+    assert not eng.abort(target, now)  # gone already
+    eng.check_integrity()
+    if where != "waiting":
+        assert eng.running == 0 and eng.cache.private == 0 and eng.cache.locked == 0
+        assert eng.pending_tokens == second.prompt - second.computed  # only the other one
+    else:
+        assert list(eng.waiting) == [] and eng.pending_tokens == first.prompt - first.computed
+    # The engine carries on with what is left.
+    end = eng.plan(now)
+    while end is not None:
+        now = end
+        eng.complete(now)
+        eng.check_integrity()
+        end = eng.plan(now)
+    assert eng.running == 0 and not eng.waiting and eng.pending_tokens == 0

@@ -1,0 +1,305 @@
+"""The simulator's engine model (`kvsched.sim.engine.Engine`) stepping in real time.
+
+One asyncio task runs the step loop: plan a step at model time `t`, sleep until its end on the
+wall clock (model seconds × `time_scale`), apply it, hand each request the tokens it now has,
+and publish the cache's KV events. A decode step is at most `stream_interval` passes, so tokens
+stream as vLLM streams them; a request arriving during a longer step cuts it short at the next
+pass boundary (`Engine.interrupt`). Requests leaving early are aborted between steps.
+
+The loop does not drift: while the engine stays busy, each step starts at the model time the
+previous one ended, and every sleep targets an absolute wall-clock deadline, so timer and
+scheduling latency never add up. Only when the host falls behind by more than `MAX_LAG_S` of
+wall time does the model clock jump to the present (the model cannot run faster than its CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvsched.core.hashing import BlockHasher, salt_bytes
+from kvsched.sim.engine import Job, JobKind, StepOutcome
+from services.common.kv_events import Event
+from services.common.openai_api import unavailable
+from services.engine.kv_names import EngineNames
+from services.engine.kv_publisher import KvEventPublisher
+from services.engine.metrics import EngineMetrics
+from services.engine.model import EngineModel
+
+log = logging.getLogger("kvsched.engine")
+MAX_LAG_S = 0.05  # wall seconds the loop may trail the model clock and still catch up
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request in the engine. The loop raises `generated` as steps produce tokens and
+    sets `done` when the last one is out (or the request was aborted or the engine stopped,
+    then with `error` set for the latter)."""
+
+    job: Job
+    prompt_ids: Sequence[int]
+    generated: int = 0
+    done: bool = False
+    error: str | None = None
+    _waiter: asyncio.Future[None] | None = None
+
+    async def wait(self, seen: int) -> int:
+        """Wait until more than `seen` tokens exist or the request is done; returns how many
+        exist. Raises `ApiError` 503 when the engine stopped before the request finished."""
+        while self.generated <= seen and not self.done:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            await waiter
+        if self.error is not None:
+            raise unavailable(self.error)
+        return self.generated
+
+    def _notify(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class LiveEngine:
+    """The engine model in real time, with its block names and KV-event publisher."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        publisher: KvEventPublisher,
+        metrics: EngineMetrics,
+        *,
+        time_scale: float = 1.0,
+        stream_interval: int = 1,
+        engine_hash_seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.engine = model.new_engine()
+        self.publisher = publisher
+        self.metrics = metrics
+        self.scale = time_scale
+        self.stream_interval = stream_interval
+        self.hasher = BlockHasher(model.block_size)
+        self.names = EngineNames(model.block_size, engine_hash_seed)
+        self.requests: dict[int, Request] = {}
+        self.failed: str | None = None  # why the loop stopped, once it has
+        self._ids = itertools.count()
+        self._aborted: list[Request] = []
+        self._arrived = False  # a request joined since the step was planned
+        self._wake: asyncio.Future[bool] | None = None  # set while the loop sleeps
+        self._t0 = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def now(self) -> float:
+        """Model seconds since the engine started."""
+        return (time.monotonic() - self._t0) / self.scale
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop stepping; requests still in the engine end with an error."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._fail_all("the engine is shutting down")
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        output: int,
+        salt: str | None = None,
+        session: str | None = None,
+    ) -> Request:
+        """Queue a request for `output` tokens (checked by `EngineModel.output_tokens`);
+        `Request.wait` reports its tokens as steps produce them. Raises `ApiError` 503 when
+        the loop has stopped."""
+        if self.failed is not None:
+            raise unavailable(self.failed)
+        hashes = self.hasher.hash_tokens(prompt_ids, salt_bytes(salt) if salt else b"")
+        job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), self.now())
+        request = Request(job, prompt_ids)
+        self.names.hold(hashes, prompt_ids, salt, session)
+        self.requests[job.rid] = request
+        self.engine.submit(job)
+        self._arrived = True
+        self._wakeup()
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Drop a request whose client went away: applied between steps, which frees its
+        pages and unlocks its blocks. Nothing happens to a request already done."""
+        if not request.done:
+            request.done = True
+            self._aborted.append(request)
+            self._wakeup()
+
+    def _wakeup(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.done():
+            wake.set_result(True)
+
+    # ---- the step loop -----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the engine's step loop failed")
+            self._fail_all("the engine's step loop failed")
+
+    async def _steps(self) -> None:
+        engine, scale = self.engine, self.scale
+        max_lag = MAX_LAG_S / scale
+        prev_end: float | None = None  # model time the previous step ended, while busy
+        while True:
+            if self._aborted:
+                self._apply_aborts()
+                await self._publish()
+            now = self.now()
+            start = now if prev_end is None or now - prev_end > max_lag else prev_end
+            self._arrived = False
+            end = engine.plan(start, self.stream_interval)
+            await self._publish()  # admission may have evicted blocks
+            if end is None:
+                prev_end = None
+                if not (self._arrived or self._aborted):  # (either may come during publish)
+                    await self._sleep(None)
+                continue
+            step = engine.step
+            assert step is not None
+            while True:
+                if self._arrived:  # cut a multi-pass decode short at the next pass
+                    self._arrived = False
+                    shorter = engine.interrupt(self.now())
+                    if shorter is not None:
+                        end = shorter
+                if not await self._sleep(end):
+                    break
+            passes, decoding = step.passes, step.decode_seqs
+            out = engine.complete(end)
+            self._deliver(out, end, (end - step.start) / passes if decoding else 0.0)
+            # Name the blocks this step stored before finished requests let go of their
+            # token ids (a one-token answer stores and finishes in the same step).
+            await self._publish()
+            for job in out.finished:
+                self._finish(job)
+            prev_end = end
+            # Let the handlers write this step's tokens before the next step makes more
+            # (they would merge into one chunk when the loop runs behind schedule).
+            await asyncio.sleep(0)
+
+    async def _sleep(self, until: float | None) -> bool:
+        """Sleep until model time `until` (None: until woken); True when woken first."""
+        loop = asyncio.get_running_loop()
+        handle = None
+        wake: asyncio.Future[bool] = loop.create_future()
+        if until is not None:
+            delay = until * self.scale - (time.monotonic() - self._t0)
+            if delay <= 0:
+                return False
+            handle = loop.call_later(delay, _resolve, wake)
+        self._wake = wake
+        try:
+            return await wake
+        finally:
+            self._wake = None
+            if handle is not None:
+                handle.cancel()
+
+    def _deliver(self, out: StepOutcome, end: float, gap: float) -> None:
+        """Hand every request the tokens it has after the step ending at `end`; `gap` is the
+        model time between two decode passes of the step (0 when it decoded nothing)."""
+        requests, m = self.requests, self.metrics
+        produced = 0
+        for job in out.first_tokens:
+            request = requests.get(job.rid)
+            if request is None:
+                continue
+            m.ttft.observe(max(end - job.arrival, 0.0))
+            m.queries.inc(job.prompt)
+            m.hits.inc(job.cached_tokens)
+            m.prompt_tokens.inc(job.prompt)
+            produced += job.generated - request.generated
+            request.generated = job.generated
+            request._notify()
+        firsts = produced
+        tick = self.engine.tick
+        for job in self.engine.decoding:
+            request = requests[job.rid]
+            generated = job.output - (job.finish_tick - tick)
+            if generated > request.generated:
+                produced += generated - request.generated
+                request.generated = generated
+                request._notify()
+        for job in out.finished:
+            request = requests.get(job.rid)
+            if request is None:
+                continue
+            produced += job.output - request.generated
+            request.generated = job.output
+            request.done = True
+            request._notify()
+            m.e2e.observe(max(end - job.arrival, 0.0))
+            m.success.inc()
+        if produced:
+            m.generation_tokens.inc(produced)
+        m.itl.observe(gap, produced - firsts)
+
+    def _finish(self, job: Job) -> None:
+        if self.requests.pop(job.rid, None) is not None:
+            self.names.release(job.hashes)
+
+    def _apply_aborts(self) -> None:
+        now = self.now()
+        for request in self._aborted:
+            job = request.job
+            if self.requests.pop(job.rid, None) is not None:
+                self.engine.abort(job, now)
+                self.names.release(job.hashes)
+        self._aborted.clear()
+
+    async def _publish(self) -> None:
+        """The cache's changes since the last drain as one vLLM KV-event batch. Blocks are
+        evicted only when a step is planned and stored only when one completes, and every
+        plan and completion is drained at once, so removals come first. Drained and named
+        before the first await: between steps the names and `next_seq` match the cache."""
+        changes = self.engine.cache.drain_events()
+        if not changes.stored and not changes.removed:
+            return
+        events: list[Event] = []
+        if changes.removed:
+            events.append(self.names.removed(changes.removed))
+        events.extend(self.names.stored(h, p) for h, p in changes.stored)
+        await self.publisher.publish(events, time.time())
+
+    def _fail_all(self, reason: str) -> None:
+        self.failed = reason
+        for request in self.requests.values():
+            request.error = reason
+            request.done = True
+            request._notify()
+        self.requests.clear()
+
+    # ---- views -------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Every cached block in engine names, parents before children (the cache is
+        prefix-closed and its dict keeps insertion order, so a parent always comes first)."""
+        return self.names.snapshot(self.engine.cache.nodes)
+
+
+def _resolve(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)  # the deadline, not a wake-up

@@ -1,0 +1,112 @@
+"""The engine model in real time: time scale, no drift, streaming every few passes, arrivals
+cutting a long step short, and aborts freeing what a request held."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from tests.engine.conftest import RunningEngine
+from tests.engine.test_api import sse
+from tests.fixtures.poll import wait_for
+
+
+async def test_wall_time_follows_the_model_scaled_without_drift(start_engine: Any) -> None:
+    walls = {}
+    for scale in (0.2, 0.02):
+        eng: RunningEngine = await start_engine(time_scale=scale)
+        request = eng.live.submit([3] * 100, 150)  # one prefill, then 149 one-pass steps
+        t0 = time.monotonic()
+        while not request.done:
+            await request.wait(request.generated)
+        walls[scale] = time.monotonic() - t0
+        job = request.job
+        model_s = job.finished_at - job.arrival
+        # Each step starts where the previous one ended in model time, so timer latency never
+        # adds up over the 150 steps: the wall time is the scaled model time.
+        assert 0.9 * scale * model_s <= walls[scale] <= 1.25 * scale * model_s + 0.02
+        assert eng.live.engine.passes == 150
+    assert walls[0.02] < walls[0.2] / 4  # ten times faster, less the fixed overheads
+
+
+async def test_decode_streams_one_chunk_per_step_of_stream_interval_passes(
+    start_engine: Any,
+) -> None:
+    eng: RunningEngine = await start_engine(stream_interval=4)
+    async with await eng.post(
+        "/v1/completions", {"prompt": "tick", "max_tokens": 13, "stream": True}
+    ) as resp:
+        chunks = sse(await resp.read())
+    words = [len(c["choices"][0]["text"].split()) for c in chunks]
+    assert sum(words) == 13 and len(chunks) <= 4  # 1 from the prefill, then 4 + 4 + 4
+    assert eng.live.engine.passes == 13 and len(chunks) >= 2
+
+
+async def test_an_arrival_cuts_a_long_decode_step_short(start_engine: Any) -> None:
+    eng: RunningEngine = await start_engine(stream_interval=100_000, time_scale=0.05)
+    long = eng.live.submit([3] * 100, 3000)  # one macro-step of 2999 passes: ~1 s of wall
+    await long.wait(0)
+    short = eng.live.submit([4] * 100, 1)
+    await short.wait(0)
+    job = short.job
+    # Served within a couple of passes of arriving, not after the long step.
+    assert job.first_token_at - job.arrival < 0.1
+    assert not long.done
+    eng.live.abort(long)
+
+
+async def test_an_abort_frees_a_queued_request_at_once(start_engine: Any) -> None:
+    eng: RunningEngine = await start_engine(max_running=1, time_scale=1.0)
+    running = eng.live.submit([3] * 100, 100_000)
+    queued = eng.live.submit([4] * 100, 10)
+    await running.wait(0)
+    assert len(eng.live.engine.waiting) == 1 and eng.live.engine.report().waiting == 1
+    eng.live.abort(queued)
+    await wait_for(lambda: not eng.live.engine.waiting and queued.job.rid not in eng.live.requests)
+    assert eng.live.engine.pending_tokens == 0 and eng.live.engine.running == 1
+    eng.live.abort(running)
+    await wait_for(lambda: eng.live.engine.running == 0)
+    eng.live.engine.check_integrity()
+    assert eng.live.engine.cache.locked == 0 and not eng.live.requests
+
+
+async def test_a_client_that_leaves_mid_stream_frees_its_request(start_engine: Any) -> None:
+    eng: RunningEngine = await start_engine(time_scale=0.2)
+    resp = await eng.post(
+        "/v1/completions", {"prompt": "long answer", "max_tokens": 5000, "stream": True}
+    )
+    await resp.content.readline()  # the first chunk: the request runs
+    assert eng.live.engine.running == 1
+    resp.close()
+    await wait_for(lambda: not eng.live.requests and eng.live.engine.running == 0)
+    assert eng.live.engine.cache.private == 0 and eng.live.engine.cache.locked == 0
+    eng.live.engine.check_integrity()
+
+
+async def test_a_client_that_leaves_a_plain_request_frees_it(start_engine: Any) -> None:
+    eng: RunningEngine = await start_engine(time_scale=0.2)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=0.3)
+    body = {"prompt": "long answer", "max_tokens": 5000}
+    post = asyncio.ensure_future(eng.post("/v1/completions", body, timeout=timeout))
+    await wait_for(lambda: eng.live.engine.running == 1)
+    post.cancel()  # the client gives up: its connection closes
+    await wait_for(lambda: not eng.live.requests and eng.live.engine.running == 0)
+    assert eng.live.engine.cache.private == 0
+
+
+async def test_a_stopped_engine_ends_its_streams_with_an_error(start_engine: Any) -> None:
+    eng: RunningEngine = await start_engine(time_scale=0.2)
+    async with await eng.post(
+        "/v1/completions", {"prompt": "long", "max_tokens": 5000, "stream": True}
+    ) as resp:
+        await resp.content.readline()
+        await eng.live.stop()
+        chunks = sse(b"data: " + (await resp.read()).split(b"data: ", 1)[1])
+    assert chunks[-1]["error"]["type"] == "service_unavailable"
+    async with eng.http.get(f"{eng.url}/health") as health:
+        assert health.status == 503
+    async with await eng.post("/v1/completions", {"prompt": "x"}) as late:
+        assert late.status == 503

@@ -1,0 +1,46 @@
+"""Engine flags: environment defaults, the simulator's defaults, GPU → latency profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsched.core.cluster import ClusterConfig, build_cluster
+from services.engine.model import build_model
+from services.engine.settings import EngineSettings, parse
+
+
+def test_defaults_are_the_simulators_and_flags_read_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVSCHED_ENGINE_TIME_SCALE", "0.25")
+    s = parse(["--engine-hash-seed", "5"])
+    assert (s.time_scale, s.engine_hash_seed, s.stream_interval) == (0.25, 5, 1)
+    model = build_model(s)
+    sim = build_cluster(ClusterConfig(n_instances=1))
+    assert model.capacity_blocks == sim.capacity_blocks
+    assert model.latency == sim.cost.latency and model.spec.chunk_tokens == 8192
+    assert model.max_model_len == sim.cost.model.max_model_len
+    assert parse([]).engine_hash_seed != parse([]).engine_hash_seed  # random, like vLLM's
+
+
+def test_gpu_picks_the_latency_profile_measured_on_it() -> None:
+    assert parse(["--gpu", "a100"]).latency_profile == "llama-3-8b-a100"
+    assert parse(["--gpu", "H100"]).latency_profile == "llama-3.1-8b-h100"
+    with pytest.raises(SystemExit):
+        parse(["--gpu", "a100", "--latency-profile", "llama-3.1-8b-h100"])
+    with pytest.raises(SystemExit):
+        parse(["--gpu", "tpu"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--time-scale", "0"], ["--stream-interval", "0"], ["--event-shape", "json"],
+     ["--engine-hash-seed", str(1 << 64)]],
+)  # fmt: skip
+def test_bad_values_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(argv)
+
+
+def test_capacity_override_is_in_blocks() -> None:
+    assert build_model(EngineSettings(capacity_blocks=100, block_size=32)).capacity_blocks == 100
