@@ -196,7 +196,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=32, help="throughput: concurrent clients")
     p.add_argument("--seconds", type=float, default=10.0, help="throughput: seconds per setup")
     p.add_argument("--streams", type=int, default=2000, help="streams held open at once")
-    p.add_argument("--stream-tokens", type=int, default=256, help="tokens per held stream")
+    p.add_argument("--stream-tokens", type=int, default=1024, help="tokens per held stream")
     p.add_argument("--time-scale", type=float, default=0.001, help="engine wall s per model s")
     args = p.parse_args()
     if args.quick:
