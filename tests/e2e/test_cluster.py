@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -138,10 +139,11 @@ async def test_one_trace_spans_router_conductor_and_engine(cluster: LocalCluster
             if s.trace_id == trace_id and s.kind == kind and s.service_name == service
         ]
 
-    await wait_for(lambda: in_trace("SERVER", "kvsched-engine"), 10.0, message="engine span")
-    await wait_for(lambda: in_trace("SERVER", "kvsched-conductor"), 10.0, message="Conductor")
+    # Each process exports its spans on its own schedule: wait for all three.
+    for service in ("kvsched-router", "kvsched-conductor", "kvsched-engine"):
+        await wait_for(partial(in_trace, "SERVER", service), 10.0, message=f"{service} span")
     spans = {s.span_id: s for s in cluster.otlp.spans if s.trace_id == trace_id}
-    router = next(s for s in in_trace("SERVER", "kvsched-router"))
+    (router,) = in_trace("SERVER", "kvsched-router")
     assert router.parent_span_id == traceparent.split("-")[2]  # the caller's span
 
     def chain(span: Any) -> list[str]:
@@ -173,7 +175,7 @@ async def test_killed_engine_leaves_routing_within_its_lease(cluster: LocalClust
             return victim not in await _nodes(http, cluster)
 
         await wait_for(gone, INSTANCE_TTL_S + 5.0, message=f"{victim} out of the Conductor")
-        assert time.monotonic() - killed <= INSTANCE_TTL_S + 0.5
+        assert time.monotonic() - killed <= INSTANCE_TTL_S
         async with http.post(
             f"{cluster.routers[1]}/v1/completions", json=body, headers=session
         ) as resp:
