@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import percentile
-from services.launcher.__main__ import _demo_keys
+from services.launcher.__main__ import demo_keys
 from services.launcher.plan import ClusterOptions, plan_cluster
 from services.launcher.supervisor import Supervisor
 
@@ -126,7 +126,7 @@ async def streams(
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvsched-bench-") as tmp:
         run_dir = Path(tmp)
-        key = _demo_keys(run_dir / "api-keys.json")
+        key = demo_keys(run_dir / "api-keys.json")
         opts = ClusterOptions(
             routers=2,
             nodes=1,

@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
-import os
-import secrets
 import shutil
 import signal
 import sys
@@ -16,8 +13,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.files import write_private
 from services.launcher.plan import ClusterOptions, ClusterPlan, plan_cluster
 from services.launcher.supervisor import StartError, Supervisor
+from services.router.keys import new_key
 
 DEMO_TENANT = "demo"
 
@@ -89,7 +88,7 @@ async def _up(opts: ClusterOptions, run_dir: Path, endpoints_file: Path | None, 
     if opts.api_keys is not None:
         keys_path, api_key = opts.api_keys, ""
     else:
-        keys_path, api_key = run_dir / "api-keys.json", _demo_keys(run_dir / "api-keys.json")
+        keys_path, api_key = run_dir / "api-keys.json", demo_keys(run_dir / "api-keys.json")
     plan = plan_cluster(opts, run_dir, keys_path, api_key)
     sup = Supervisor(plan, run_dir / "logs", say=lambda t: print(t, file=sys.stderr, flush=True))
     stop = asyncio.Event()
@@ -109,7 +108,7 @@ async def _up(opts: ClusterOptions, run_dir: Path, endpoints_file: Path | None, 
         starting.result()
         endpoints = plan.endpoints(sup.pids())
         if endpoints_file is not None:
-            _write_private(endpoints_file, json.dumps(endpoints, indent=2) + "\n")
+            write_private(endpoints_file, json.dumps(endpoints, indent=2) + "\n")
         say(_describe(plan, run_dir, endpoints_file))
         while not stop.is_set():
             sup.check_exits()
@@ -127,23 +126,9 @@ async def _up(opts: ClusterOptions, run_dir: Path, endpoints_file: Path | None, 
                 endpoints_file.unlink()
 
 
-def _demo_keys(path: Path) -> str:
-    """One tenant with a fresh key and salt; the file keeps only the key's digest."""
-    key = "sk-kvsched-" + secrets.token_urlsafe(24)
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    tenants = {DEMO_TENANT: {"salt": secrets.token_hex(16), "keys": [f"sha256:{digest}"]}}
-    _write_private(path, json.dumps({"tenants": tenants}, indent=2) + "\n")
-    return key
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (it may hold an API key), atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
+def demo_keys(path: Path) -> str:
+    """A keys file with one demo tenant (a fresh key and salt); returns the key."""
+    return new_key(path, DEMO_TENANT)
 
 
 def _describe(plan: ClusterPlan, run_dir: Path, file: Path | None) -> str:

@@ -12,11 +12,11 @@ import json
 import os
 import secrets
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.files import write_private
 from services.router.auth import key_digest, parse_tenants
 
 DEFAULT_FILE = "api-keys.json"
@@ -35,22 +35,8 @@ def new_key(path: Path, tenant: str) -> str:
     entry.setdefault("keys", [])
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     entry["keys"].append(key_digest(key))
-    _write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return key
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Replace `path` atomically with a file only its owner can read."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
