@@ -8,12 +8,15 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import DEFAULT_LATENCY
+from services.common.flags import env_flag
 from services.common.store import EtcdSettings
 
 ENV = "KVSCHED_CONDUCTOR_"
+_flag = partial(env_flag, ENV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,25 +70,6 @@ class ConductorSettings:
             block_size=self.block_size,
             slo=SloConfig(self.ttft_slo_s, self.tpot_slo_s),
         )
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
-    env = ENV + name.upper().replace("-", "_")
-    value = os.environ.get(env, default)
-    kind = type(default) if default is not None else str
-    if kind is bool:
-        parser.add_argument(
-            f"--{name}",
-            default=str(value).lower() in {"1", "true", "yes"},
-            type=_bool,
-            help=f"{help_text} (env {env})",
-        )
-    else:
-        parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
-
-
-def _bool(text: str) -> bool:
-    return text.lower() in {"1", "true", "yes", "on"}
 
 
 def parse(argv: Sequence[str] | None = None) -> ConductorSettings:

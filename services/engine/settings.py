@@ -16,15 +16,18 @@ import secrets
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from typing import get_args
 
 from kvsched.core.cluster import ClusterConfig
 from kvsched.core.latency import DEFAULT_LATENCY
+from services.common.flags import env_flag
 from services.common.kv_events import Shape
 from services.common.openai_api import DEFAULT_MODEL
 
 ENV = "KVSCHED_ENGINE_"
+_flag = partial(env_flag, ENV)
 KV_TOPIC = "kv-events"
 _SIM = ClusterConfig(n_instances=1)  # the simulator's engine defaults
 
@@ -97,13 +100,6 @@ def latency_profile_for_gpu(gpu: str, model: str) -> str:
     if not found:
         raise ValueError(f"no shipped latency profile was measured on a GPU named {gpu!r}")
     return min(found)[1]
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
-    env = ENV + name.upper().replace("-", "_")
-    value = os.environ.get(env, default)
-    kind = type(default) if default is not None else str
-    parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
 
 
 def parse(argv: Sequence[str] | None = None) -> EngineSettings:

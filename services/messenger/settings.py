@@ -8,8 +8,12 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+
+from services.common.flags import env_flag
 
 ENV = "KVSCHED_MESSENGER_"
+_flag = partial(env_flag, ENV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +79,6 @@ class MessengerSettings:
     @property
     def http_url(self) -> str:
         return f"http://{self.http_listen}"
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
-    env = ENV + name.upper().replace("-", "_")
-    value = os.environ.get(env, default)
-    kind = type(default) if default is not None else str
-    parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
 
 
 def _split(values: Sequence[str]) -> tuple[str, ...]:

@@ -12,10 +12,13 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+from services.common.flags import env_flag
 from services.common.openai_api import DEFAULT_MODEL
 
 ENV = "KVSCHED_ROUTER_"
+_flag = partial(env_flag, ENV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,25 +76,6 @@ class RouterSettings:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.max_connections < 0:
             raise ValueError("--max-connections must be 0 (unlimited) or positive")
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
-    env = ENV + name.upper().replace("-", "_")
-    value = os.environ.get(env, default)
-    kind = type(default) if default is not None else str
-    if kind is bool:
-        parser.add_argument(
-            f"--{name}",
-            default=_bool(str(value)),
-            action="store_true",
-            help=f"{help_text} (env {env})",
-        )
-    else:
-        parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help_text} (env {env})")
-
-
-def _bool(text: str) -> bool:
-    return text.lower() in {"1", "true", "yes", "on"}
 
 
 def parse(argv: Sequence[str] | None = None) -> RouterSettings:
