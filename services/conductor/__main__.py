@@ -3,15 +3,13 @@ SIGTERM, then shut down gracefully."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 import uvloop
 
+from services.common.process import configure_logging, until_stopped
 from services.common.telemetry import TelemetrySettings, setup_tracing
 from services.conductor.app import Conductor
 from services.conductor.settings import parse
@@ -32,16 +30,12 @@ async def serve(argv: Sequence[str] | None = None) -> None:
         f"conductor {settings.conductor_id} grpc={conductor.url} http={conductor.http_url}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     await conductor.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     uvloop.run(serve(argv))
     return 0
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +14,7 @@ import uvloop
 import zmq
 from aiohttp import web
 
+from services.common.process import configure_logging, until_stopped
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,
@@ -52,11 +51,7 @@ async def serve(argv: Sequence[str] | None = None) -> None:
         f"kv-events={api.live.publisher.endpoint}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     api.draining = True
     # The runner stops listening, then gives open requests the grace period (the model keeps
     # stepping meanwhile) and cancels the rest, which aborts them.
@@ -73,7 +68,7 @@ def _bound_port(site: web.TCPSite) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     uvloop.run(serve(argv))
     return 0
 

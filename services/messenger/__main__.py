@@ -3,14 +3,12 @@ SIGTERM, then deregister its instances and shut down."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 import uvloop
 
+from services.common.process import configure_logging, until_stopped
 from services.common.telemetry import TelemetrySettings, setup_tracing
 from services.messenger.app import Messenger
 from services.messenger.settings import parse
@@ -25,16 +23,12 @@ async def serve(argv: Sequence[str] | None = None) -> None:
         f"messenger node={messenger.settings.node} grpc={messenger.url} http={messenger.http_url}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     await messenger.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     uvloop.run(serve(argv))
     return 0
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 import uvloop
 
+from services.common.process import configure_logging, until_stopped
 from services.common.telemetry import TelemetrySettings, setup_tracing
 from services.router.app import Router
 from services.router.settings import RouterSettings, parse
@@ -21,11 +21,7 @@ async def serve(settings: RouterSettings) -> None:
     router = Router(settings, tracer_provider=provider)
     await router.start()
     print(f"router {settings.router_id} http={router.url} grpc={router.grpc_url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     if not await router.drain(settings.drain_timeout_s):
         logging.getLogger(__name__).warning(
             "%d streams still open after %.0f s; closing them",
@@ -37,7 +33,7 @@ async def serve(settings: RouterSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     settings = parse(argv)
     try:
         uvloop.run(serve(settings))
