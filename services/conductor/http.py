@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from services.common.http_site import start_site
 from services.conductor import convert
 from services.conductor.state import RequestError
 
@@ -42,15 +43,8 @@ class AdminHttp:
         self._runner: web.AppRunner | None = None
 
     async def start(self, listen: str) -> int:
-        host, _, port = listen.rpartition(":")
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, int(port))
-        await site.start()
-        server = site._server  # the bound socket tells the port when 0 was asked for
-        assert server is not None
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else int(port)
+        self._runner, port = await start_site(self.app, listen)
+        return port
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import uvloop
 import zmq
-from aiohttp import web
 
+from services.common.http_site import start_site
 from services.common.process import configure_logging, until_stopped
 from services.common.telemetry import (
     TelemetrySettings,
@@ -34,18 +34,15 @@ async def serve(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"kvsched engine: error: {exc}") from None
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its
     # request in the engine (vLLM aborts on disconnect too, streaming or not).
-    runner = web.AppRunner(
+    runner, bound = await start_site(
         api.app,
-        access_log=None,
+        settings.listen,
+        backlog=4096,
         handler_cancellation=True,
         shutdown_timeout=settings.shutdown_grace_s,
     )
-    await runner.setup()
-    host, _, port = settings.listen.rpartition(":")
-    site = web.TCPSite(runner, host, int(port), backlog=4096)
-    await site.start()
     await api.start()
-    bound = _bound_port(site) or port
+    host = settings.listen.rpartition(":")[0]
     print(
         f"engine {settings.instance_id} http=http://{host}:{bound} "
         f"kv-events={api.live.publisher.endpoint}",
@@ -59,12 +56,6 @@ async def serve(argv: Sequence[str] | None = None) -> None:
     await api.close()
     with contextlib.suppress(Exception):
         await asyncio.to_thread(shutdown_tracing, provider)
-
-
-def _bound_port(site: web.TCPSite) -> int | None:
-    server = site._server  # the bound socket tells the port when 0 was asked for
-    sockets = getattr(server, "sockets", None) or []
-    return int(sockets[0].getsockname()[1]) if sockets else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

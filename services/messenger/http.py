@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from services.common.http_site import start_site
+
 if TYPE_CHECKING:
     from clients.python.kv_stream import KvEventStream
     from services.messenger.relay import EngineRelay
@@ -32,14 +34,8 @@ class MessengerHttp:
 
     async def start(self, listen: str) -> int:
         """Listen on `host:port` (port 0: any free one); returns the port."""
-        host, _, port = listen.rpartition(":")
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, int(port))
-        await site.start()
-        server = site._server  # the bound socket tells the port when 0 was asked for
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else int(port)
+        self._runner, port = await start_site(self.app, listen)
+        return port
 
     async def stop(self) -> None:
         if self._runner is not None:

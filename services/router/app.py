@@ -48,6 +48,7 @@ from clients.python import ConductorClient, Interceptor
 from kvsched.api.conductor.v1 import conductor_service_pb2 as cpb
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvsched.core.hashing import BlockHasher, salt_bytes
+from services.common.http_site import start_site
 from services.common.openai_api import (
     MAX_BODY_BYTES,
     ApiError,
@@ -187,12 +188,10 @@ class Router:
         self._idle.set()
         await self.upstream.start()
         await self.placer.start()
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0)
-        await self._runner.setup()
-        host, _, port = s.listen.rpartition(":")
-        site = web.TCPSite(self._runner, host, int(port), backlog=s.backlog)
-        await site.start()
-        self.url = f"http://{host}:{_bound_port(site, int(port))}"
+        self._runner, port = await start_site(
+            self.app, s.listen, backlog=s.backlog, shutdown_timeout=5.0
+        )
+        self.url = f"http://{s.listen.rpartition(':')[0]}:{port}"
         self.grpc_url = await self._start_grpc()
         log.info(
             "Router %s listening on %s (gRPC %s); %s",
@@ -546,12 +545,6 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromNanoseconds(max(round(seconds * 1e9), 0))
     return d
-
-
-def _bound_port(site: web.TCPSite, asked: int) -> int:
-    server = site._server  # the bound socket tells the port when 0 was asked for
-    sockets = getattr(server, "sockets", None) or []
-    return int(sockets[0].getsockname()[1]) if sockets else asked
 
 
 def _conductor_credentials(s: RouterSettings) -> grpc.ChannelCredentials | None:
