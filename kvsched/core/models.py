@@ -25,6 +25,8 @@ class ModelConfig:
         return tokens * self.kv_bytes_per_token
 
 
+MINI_MODEL = "kvsched/llama-3.1-8b-mini-kv"
+
 # Published architecture configs (each model's config.json on the Hugging Face hub).
 MODELS: dict[str, ModelConfig] = {
     m.name: m
@@ -35,6 +37,10 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("Qwen/Qwen3-8B", 36, 8, 128, max_model_len=40_960),
         ModelConfig("Qwen/Qwen3-32B", 64, 8, 128, max_model_len=40_960),
         ModelConfig("meta-llama/Llama-3.1-70B-Instruct", 80, 8, 128, max_model_len=131_072),
+        # Not a published model: Llama-3.1-8B's layers and context with one 16-wide KV head
+        # (1/64 of its KV bytes per token), so simulated engines keep real KV bytes for their
+        # whole cache in a small machine's memory and layer-wise transfers keep the 8B's shape.
+        ModelConfig(MINI_MODEL, 32, 1, 16, max_model_len=131_072),
     )
 }
 

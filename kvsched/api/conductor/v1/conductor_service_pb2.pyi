@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvsched.api.common.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _TransferStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_STATUS_UNSPECIFIED: _TransferStatus.ValueType  # 0
+    """Not set."""
+    TRANSFER_STATUS_RUNNING: _TransferStatus.ValueType  # 1
+    """Still moving (the wait timed out first)."""
+    TRANSFER_STATUS_DONE: _TransferStatus.ValueType  # 2
+    """Every block arrived, was verified and is visible on the target."""
+    TRANSFER_STATUS_FAILED: _TransferStatus.ValueType  # 3
+    """Ended without committing anything (failed, timed out, cancelled, or an end gone)."""
+
+class TransferStatus(_TransferStatus, metaclass=_TransferStatusEnumTypeWrapper):
+    """Where a transfer the Conductor ordered is."""
+
+TRANSFER_STATUS_UNSPECIFIED: TransferStatus.ValueType  # 0
+"""Not set."""
+TRANSFER_STATUS_RUNNING: TransferStatus.ValueType  # 1
+"""Still moving (the wait timed out first)."""
+TRANSFER_STATUS_DONE: TransferStatus.ValueType  # 2
+"""Every block arrived, was verified and is visible on the target."""
+TRANSFER_STATUS_FAILED: TransferStatus.ValueType  # 3
+"""Ended without committing anything (failed, timed out, cancelled, or an end gone)."""
+Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
 
 @_typing.final
 class InstanceSpec(_message.Message):
@@ -1098,6 +1127,78 @@ class ReportTransferResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportTransferResponse: _TypeAlias = ReportTransferResponse  # noqa: Y015
+
+@_typing.final
+class AwaitTransferRequest(_message.Message):
+    """Asks to wait for a transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    """The transfer, as the Conductor named it."""
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Answer RUNNING when it has not ended within this time."""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitTransferRequest: _TypeAlias = AwaitTransferRequest  # noqa: Y015
+
+@_typing.final
+class AwaitTransferResponse(_message.Message):
+    """How a transfer ended, or that it still runs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    DURATION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SESSION_MOVED_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    """The transfer."""
+    status: Global___TransferStatus.ValueType
+    """Its status."""
+    bytes: _builtins.int
+    """Bytes moved."""
+    error: _builtins.str
+    """Why it failed, when it failed."""
+    session_moved: _builtins.bool
+    """Whether a session was rebound to the transfer's target."""
+    @_builtins.property
+    def duration(self) -> _duration_pb2.Duration:
+        """How long it ran."""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        status: Global___TransferStatus.ValueType = ...,
+        bytes: _builtins.int = ...,
+        duration: _duration_pb2.Duration | None = ...,
+        error: _builtins.str = ...,
+        session_moved: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration", b"duration", "error", b"error", "session_moved", b"session_moved", "status", b"status", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitTransferResponse: _TypeAlias = AwaitTransferResponse  # noqa: Y015
 
 @_typing.final
 class GetSessionRequest(_message.Message):

@@ -87,6 +87,11 @@ class ConductorServiceStub:
                 request_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ReportTransferRequest.SerializeToString,
                 response_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ReportTransferResponse.FromString,
                 _registered_method=True)
+        self.AwaitTransfer = channel.unary_unary(
+                '/kvsched.conductor.v1.ConductorService/AwaitTransfer',
+                request_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.AwaitTransferRequest.SerializeToString,
+                response_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.AwaitTransferResponse.FromString,
+                _registered_method=True)
         self.GetSession = channel.unary_unary(
                 '/kvsched.conductor.v1.ConductorService/GetSession',
                 request_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.GetSessionRequest.SerializeToString,
@@ -193,6 +198,14 @@ class ConductorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitTransfer(self, request, context):
+        """Waits until a transfer the Conductor ordered has ended, or the wait's timeout passed (a
+        Router waits for a transfer on its request's critical path before it forwards).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSession(self, request, context):
         """One session's binding and history.
         """
@@ -280,6 +293,11 @@ def add_ConductorServiceServicer_to_server(servicer, server):
                     servicer.ReportTransfer,
                     request_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ReportTransferRequest.FromString,
                     response_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ReportTransferResponse.SerializeToString,
+            ),
+            'AwaitTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitTransfer,
+                    request_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.AwaitTransferRequest.FromString,
+                    response_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.AwaitTransferResponse.SerializeToString,
             ),
             'GetSession': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSession,
@@ -580,6 +598,33 @@ class ConductorService:
             '/kvsched.conductor.v1.ConductorService/ReportTransfer',
             kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ReportTransferRequest.SerializeToString,
             kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ReportTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsched.conductor.v1.ConductorService/AwaitTransfer',
+            kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.AwaitTransferRequest.SerializeToString,
+            kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.AwaitTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,10 @@ class ConductorServiceStub:
     """Reports that a request ended; returns transfers to start now."""
     ReportTransfer: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.ReportTransferRequest, _conductor_service_pb2.ReportTransferResponse]
     """Reports how a transfer the Conductor ordered ended."""
+    AwaitTransfer: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.AwaitTransferRequest, _conductor_service_pb2.AwaitTransferResponse]
+    """Waits until a transfer the Conductor ordered has ended, or the wait's timeout passed (a
+    Router waits for a transfer on its request's critical path before it forwards).
+    """
     GetSession: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.GetSessionRequest, _conductor_service_pb2.GetSessionResponse]
     """One session's binding and history."""
     GetPolicy: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.GetPolicyRequest, _conductor_service_pb2.GetPolicyResponse]
@@ -105,6 +109,10 @@ class ConductorServiceAsyncStub(ConductorServiceStub):
     """Reports that a request ended; returns transfers to start now."""
     ReportTransfer: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.ReportTransferRequest, _conductor_service_pb2.ReportTransferResponse]  # type: ignore[assignment]
     """Reports how a transfer the Conductor ordered ended."""
+    AwaitTransfer: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.AwaitTransferRequest, _conductor_service_pb2.AwaitTransferResponse]  # type: ignore[assignment]
+    """Waits until a transfer the Conductor ordered has ended, or the wait's timeout passed (a
+    Router waits for a transfer on its request's critical path before it forwards).
+    """
     GetSession: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.GetSessionRequest, _conductor_service_pb2.GetSessionResponse]  # type: ignore[assignment]
     """One session's binding and history."""
     GetPolicy: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.GetPolicyRequest, _conductor_service_pb2.GetPolicyResponse]  # type: ignore[assignment]
@@ -206,6 +214,16 @@ class ConductorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_conductor_service_pb2.ReportTransferResponse, _abc.Awaitable[_conductor_service_pb2.ReportTransferResponse]]:
         """Reports how a transfer the Conductor ordered ended."""
+
+    @_abc_1.abstractmethod
+    def AwaitTransfer(
+        self,
+        request: _conductor_service_pb2.AwaitTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_conductor_service_pb2.AwaitTransferResponse, _abc.Awaitable[_conductor_service_pb2.AwaitTransferResponse]]:
+        """Waits until a transfer the Conductor ordered has ended, or the wait's timeout passed (a
+        Router waits for a transfer on its request's critical path before it forwards).
+        """
 
     @_abc_1.abstractmethod
     def GetSession(

@@ -21,6 +21,34 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TransferBackend:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferBackendEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferBackend.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_BACKEND_UNSPECIFIED: _TransferBackend.ValueType  # 0
+    """Not set: the Messenger's configured default."""
+    TRANSFER_BACKEND_MOONCAKE: _TransferBackend.ValueType  # 1
+    """mooncake-transfer-engine reading the peer's registered memory (TCP, or RDMA where the
+    NICs have it).
+    """
+    TRANSFER_BACKEND_TCP: _TransferBackend.ValueType  # 2
+    """The Messengers' own TCP stream."""
+
+class TransferBackend(_TransferBackend, metaclass=_TransferBackendEnumTypeWrapper):
+    """How KV bytes move between two Messengers."""
+
+TRANSFER_BACKEND_UNSPECIFIED: TransferBackend.ValueType  # 0
+"""Not set: the Messenger's configured default."""
+TRANSFER_BACKEND_MOONCAKE: TransferBackend.ValueType  # 1
+"""mooncake-transfer-engine reading the peer's registered memory (TCP, or RDMA where the
+NICs have it).
+"""
+TRANSFER_BACKEND_TCP: TransferBackend.ValueType  # 2
+"""The Messengers' own TCP stream."""
+Global___TransferBackend: _TypeAlias = TransferBackend  # noqa: Y015
+
 class _TransferState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -58,6 +86,43 @@ TRANSFER_STATE_CANCELLED: TransferState.ValueType  # 5
 Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
 
 @_typing.final
+class KvLayout(_message.Message):
+    """Where an engine keeps its KV bytes. Each layer is one array of pages; a page holds one
+    block's K and V for that layer (a chunk), so layer l of page p starts at byte
+    (l × pages + p) × chunk_bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    layers: _builtins.int
+    """Layers of the model."""
+    pages: _builtins.int
+    """Pages per layer (the engine's KV capacity in blocks)."""
+    chunk_bytes: _builtins.int
+    """Bytes of one block's K and V in one layer."""
+    block_size: _builtins.int
+    """Tokens per block."""
+    def __init__(
+        self,
+        *,
+        layers: _builtins.int = ...,
+        pages: _builtins.int = ...,
+        chunk_bytes: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "chunk_bytes", b"chunk_bytes", "layers", b"layers", "pages", b"pages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvLayout: _TypeAlias = KvLayout  # noqa: Y015
+
+@_typing.final
 class StartTransferRequest(_message.Message):
     """Asks to execute a transfer plan."""
 
@@ -66,6 +131,12 @@ class StartTransferRequest(_message.Message):
     PLAN_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    SOURCE_MESSENGER_URL_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    source_messenger_url: _builtins.str
+    """gRPC address of the Messenger of the plan's source instance."""
+    backend: Global___TransferBackend.ValueType
+    """How the bytes move; unset takes the Messenger's configured default."""
     @_builtins.property
     def plan(self) -> _common_pb2.TransferPlan:
         """The plan the Conductor made; its transfer_id identifies the transfer."""
@@ -84,10 +155,12 @@ class StartTransferRequest(_message.Message):
         plan: _common_pb2.TransferPlan | None = ...,
         layers: _abc.Iterable[_builtins.int] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        source_messenger_url: _builtins.str = ...,
+        backend: Global___TransferBackend.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "plan", b"plan", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "layers", b"layers", "plan", b"plan", "source_messenger_url", b"source_messenger_url", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -153,6 +226,9 @@ class WatchTransferResponse(_message.Message):
     BYTES_DONE_FIELD_NUMBER: _builtins.int
     BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    BLOCKS_DONE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    ELAPSED_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer."""
     state: Global___TransferState.ValueType
@@ -165,6 +241,16 @@ class WatchTransferResponse(_message.Message):
     """Measured bandwidth so far, bytes per second."""
     error: _builtins.str
     """Why it failed, when it failed."""
+    blocks_done: _builtins.int
+    """Blocks whose every layer arrived and was verified."""
+    blocks: _builtins.int
+    """Blocks the transfer moves (known once it runs; a hand-off learns them as the prefill
+    computes them).
+    """
+    @_builtins.property
+    def elapsed(self) -> _duration_pb2.Duration:
+        """Time since the transfer started running."""
+
     def __init__(
         self,
         *,
@@ -174,10 +260,13 @@ class WatchTransferResponse(_message.Message):
         bytes_done: _builtins.int = ...,
         bytes_per_second: _builtins.float = ...,
         error: _builtins.str = ...,
+        blocks_done: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        elapsed: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["elapsed", b"elapsed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "bytes_per_second", b"bytes_per_second", "error", b"error", "layers_done", b"layers_done", "state", b"state", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "blocks_done", b"blocks_done", "bytes_done", b"bytes_done", "bytes_per_second", b"bytes_per_second", "elapsed", b"elapsed", "error", b"error", "layers_done", b"layers_done", "state", b"state", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -226,3 +315,165 @@ class CancelTransferResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CancelTransferResponse: _TypeAlias = CancelTransferResponse  # noqa: Y015
+
+@_typing.final
+class ExportBlocksRequest(_message.Message):
+    """Asks to pin blocks for a peer to read."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    START_BLOCK_FIELD_NUMBER: _builtins.int
+    END_BLOCK_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    """The transfer the export serves (for logs and traces)."""
+    instance_id: _builtins.str
+    """The source instance: an engine of this Messenger's node."""
+    start_block: _builtins.int
+    """First block wanted (index into block_hashes)."""
+    end_block: _builtins.int
+    """One past the last block wanted; 0 means the end of the chain."""
+    backend: Global___TransferBackend.ValueType
+    """How the caller will read the bytes."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The chain of block hashes from the root."""
+
+    @_builtins.property
+    def wait(self) -> _duration_pb2.Duration:
+        """How long to wait for block start_block to be cached (a prefill may still compute it)."""
+
+    @_builtins.property
+    def hold(self) -> _duration_pb2.Duration:
+        """The blocks stay pinned at most this long unless released first."""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        start_block: _builtins.int = ...,
+        end_block: _builtins.int = ...,
+        wait: _duration_pb2.Duration | None = ...,
+        hold: _duration_pb2.Duration | None = ...,
+        backend: Global___TransferBackend.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "wait", b"wait"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "block_hashes", b"block_hashes", "end_block", b"end_block", "hold", b"hold", "instance_id", b"instance_id", "start_block", b"start_block", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportBlocksRequest: _TypeAlias = ExportBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ExportBlocksResponse(_message.Message):
+    """Blocks pinned for reading."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPORT_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    CHECKSUMS_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    BASE_ADDRESS_FIELD_NUMBER: _builtins.int
+    export_id: _builtins.str
+    """The export, to release it."""
+    blocks: _builtins.int
+    """Blocks exported, from start_block on, in order (0 when none was cached in time)."""
+    cache_salt: _builtins.str
+    """The chain's cache salt ("" for none); the receiver needs it when start_block is 0."""
+    endpoint: _builtins.str
+    """Where to read: host:port of the backend's server (for Mooncake, its session name)."""
+    base_address: _builtins.int
+    """Mooncake: address of the layout's first byte in the source Messenger's registered memory."""
+    @_builtins.property
+    def pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The page of each exported block in the layout."""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The exported blocks' token ids (blocks × block_size of them)."""
+
+    @_builtins.property
+    def layout(self) -> Global___KvLayout:
+        """Where the source engine keeps its KV bytes."""
+
+    @_builtins.property
+    def checksums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """XXH3-64 of every exported chunk, layer by layer: index layer × blocks + block."""
+
+    def __init__(
+        self,
+        *,
+        export_id: _builtins.str = ...,
+        blocks: _builtins.int = ...,
+        pages: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cache_salt: _builtins.str = ...,
+        layout: Global___KvLayout | None = ...,
+        checksums: _abc.Iterable[_builtins.int] | None = ...,
+        endpoint: _builtins.str = ...,
+        base_address: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "blocks", b"blocks", "cache_salt", b"cache_salt", "checksums", b"checksums", "endpoint", b"endpoint", "export_id", b"export_id", "layout", b"layout", "pages", b"pages", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportBlocksResponse: _TypeAlias = ExportBlocksResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseExportRequest(_message.Message):
+    """Asks to end an export."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPORT_ID_FIELD_NUMBER: _builtins.int
+    export_id: _builtins.str
+    """The export."""
+    def __init__(
+        self,
+        *,
+        export_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_id", b"export_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseExportRequest: _TypeAlias = ReleaseExportRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseExportResponse(_message.Message):
+    """The export ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    """False when it had already ended (released, or its hold time passed)."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseExportResponse: _TypeAlias = ReleaseExportResponse  # noqa: Y015

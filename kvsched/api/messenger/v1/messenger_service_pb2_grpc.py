@@ -50,6 +50,16 @@ class MessengerServiceStub:
                 request_serializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.CancelTransferRequest.SerializeToString,
                 response_deserializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.CancelTransferResponse.FromString,
                 _registered_method=True)
+        self.ExportBlocks = channel.unary_unary(
+                '/kvsched.messenger.v1.MessengerService/ExportBlocks',
+                request_serializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ExportBlocksRequest.SerializeToString,
+                response_deserializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ExportBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReleaseExport = channel.unary_unary(
+                '/kvsched.messenger.v1.MessengerService/ReleaseExport',
+                request_serializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ReleaseExportRequest.SerializeToString,
+                response_deserializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ReleaseExportResponse.FromString,
+                _registered_method=True)
 
 
 class MessengerServiceServicer:
@@ -77,6 +87,23 @@ class MessengerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportBlocks(self, request, context):
+        """Pins blocks of an instance of this node so that a peer Messenger can read them, and says
+        where they are and what they hash to. Called by the Messenger that runs a transfer, on the
+        Messenger of the transfer's source.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseExport(self, request, context):
+        """Ends an export: its blocks may be evicted again. An export also ends by itself when its
+        hold time passes, so a reader that died leaves nothing pinned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MessengerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +121,16 @@ def add_MessengerServiceServicer_to_server(servicer, server):
                     servicer.CancelTransfer,
                     request_deserializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.CancelTransferRequest.FromString,
                     response_serializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.CancelTransferResponse.SerializeToString,
+            ),
+            'ExportBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportBlocks,
+                    request_deserializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ExportBlocksRequest.FromString,
+                    response_serializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ExportBlocksResponse.SerializeToString,
+            ),
+            'ReleaseExport': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseExport,
+                    request_deserializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ReleaseExportRequest.FromString,
+                    response_serializer=kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ReleaseExportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +215,60 @@ class MessengerService:
             '/kvsched.messenger.v1.MessengerService/CancelTransfer',
             kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.CancelTransferRequest.SerializeToString,
             kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.CancelTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsched.messenger.v1.MessengerService/ExportBlocks',
+            kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ExportBlocksRequest.SerializeToString,
+            kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ExportBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsched.messenger.v1.MessengerService/ReleaseExport',
+            kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ReleaseExportRequest.SerializeToString,
+            kvsched_dot_messenger_dot_v1_dot_messenger__service__pb2.ReleaseExportResponse.FromString,
             options,
             channel_credentials,
             insecure,

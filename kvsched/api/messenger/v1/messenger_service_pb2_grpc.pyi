@@ -39,6 +39,15 @@ class MessengerServiceStub:
     """Streams a transfer's progress until it ends (one message per layer and a final one)."""
     CancelTransfer: _grpc.UnaryUnaryMultiCallable[_messenger_service_pb2.CancelTransferRequest, _messenger_service_pb2.CancelTransferResponse]
     """Cancels a transfer; blocks not yet committed are discarded."""
+    ExportBlocks: _grpc.UnaryUnaryMultiCallable[_messenger_service_pb2.ExportBlocksRequest, _messenger_service_pb2.ExportBlocksResponse]
+    """Pins blocks of an instance of this node so that a peer Messenger can read them, and says
+    where they are and what they hash to. Called by the Messenger that runs a transfer, on the
+    Messenger of the transfer's source.
+    """
+    ReleaseExport: _grpc.UnaryUnaryMultiCallable[_messenger_service_pb2.ReleaseExportRequest, _messenger_service_pb2.ReleaseExportResponse]
+    """Ends an export: its blocks may be evicted again. An export also ends by itself when its
+    hold time passes, so a reader that died leaves nothing pinned.
+    """
 
 @_typing.type_check_only
 class MessengerServiceAsyncStub(MessengerServiceStub):
@@ -51,6 +60,15 @@ class MessengerServiceAsyncStub(MessengerServiceStub):
     """Streams a transfer's progress until it ends (one message per layer and a final one)."""
     CancelTransfer: _aio.UnaryUnaryMultiCallable[_messenger_service_pb2.CancelTransferRequest, _messenger_service_pb2.CancelTransferResponse]  # type: ignore[assignment]
     """Cancels a transfer; blocks not yet committed are discarded."""
+    ExportBlocks: _aio.UnaryUnaryMultiCallable[_messenger_service_pb2.ExportBlocksRequest, _messenger_service_pb2.ExportBlocksResponse]  # type: ignore[assignment]
+    """Pins blocks of an instance of this node so that a peer Messenger can read them, and says
+    where they are and what they hash to. Called by the Messenger that runs a transfer, on the
+    Messenger of the transfer's source.
+    """
+    ReleaseExport: _aio.UnaryUnaryMultiCallable[_messenger_service_pb2.ReleaseExportRequest, _messenger_service_pb2.ReleaseExportResponse]  # type: ignore[assignment]
+    """Ends an export: its blocks may be evicted again. An export also ends by itself when its
+    hold time passes, so a reader that died leaves nothing pinned.
+    """
 
 class MessengerServiceServicer(metaclass=_abc_1.ABCMeta):
     """KV transfers executed by the Messenger of the node that receives the blocks."""
@@ -78,5 +96,26 @@ class MessengerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_messenger_service_pb2.CancelTransferResponse, _abc.Awaitable[_messenger_service_pb2.CancelTransferResponse]]:
         """Cancels a transfer; blocks not yet committed are discarded."""
+
+    @_abc_1.abstractmethod
+    def ExportBlocks(
+        self,
+        request: _messenger_service_pb2.ExportBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_messenger_service_pb2.ExportBlocksResponse, _abc.Awaitable[_messenger_service_pb2.ExportBlocksResponse]]:
+        """Pins blocks of an instance of this node so that a peer Messenger can read them, and says
+        where they are and what they hash to. Called by the Messenger that runs a transfer, on the
+        Messenger of the transfer's source.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseExport(
+        self,
+        request: _messenger_service_pb2.ReleaseExportRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_messenger_service_pb2.ReleaseExportResponse, _abc.Awaitable[_messenger_service_pb2.ReleaseExportResponse]]:
+        """Ends an export: its blocks may be evicted again. An export also ends by itself when its
+        hold time passes, so a reader that died leaves nothing pinned.
+        """
 
 def add_MessengerServiceServicer_to_server(servicer: MessengerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,105 @@
+"""Where an engine keeps its KV bytes, and what they hold: the contract between a simulated
+engine (which owns the memory) and its node's Messenger (which reads and writes it).
+
+Memory is one file (on a shared-memory filesystem) per engine, laid out layer by layer, as
+vLLM keeps one KV tensor per layer: each layer is an array of `pages` chunks, a chunk being one
+block's K and V for that layer, so layer l of page p starts at (l × pages + p) × chunk_bytes.
+The same block's chunks on consecutive pages are contiguous within a layer, which is what lets
+a transfer move a run of blocks of one layer as one piece.
+
+A simulated engine "computes" a block by filling each of its chunks with a pattern derived
+from the block's hash and the layer alone, so any receiver can check that bytes it got are
+the right ones without asking the sender.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvsched.core.models import ModelConfig
+
+PATTERN_WORDS = 8  # a chunk repeats a 64-byte pattern
+_PATTERN_BYTES = PATTERN_WORDS * 8
+_U64 = np.uint64
+Bytes = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """The geometry of one engine's KV memory."""
+
+    layers: int
+    pages: int
+    chunk_bytes: int  # one block's K and V in one layer
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.pages, self.chunk_bytes, self.block_size) <= 0:
+            raise ValueError(f"a KV layout needs positive sizes, got {self}")
+        if self.chunk_bytes % 8:
+            raise ValueError(f"chunk_bytes must be a multiple of 8, got {self.chunk_bytes}")
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, block_size: int, pages: int) -> KvLayout:
+        """The layout of `pages` blocks of `model`'s KV (2 × kv_heads × head_dim × dtype bytes
+        per token and layer)."""
+        per_token_layer = 2 * model.kv_heads * model.head_dim * model.dtype_bytes
+        return cls(model.layers, pages, block_size * per_token_layer, block_size)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole memory."""
+        return self.layers * self.pages * self.chunk_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer."""
+        return self.layers * self.chunk_bytes
+
+    def offset(self, layer: int, page: int) -> int:
+        """Byte offset of `page`'s chunk of `layer`."""
+        return (layer * self.pages + page) * self.chunk_bytes
+
+
+def patterns(hashes: Sequence[int], layers: int) -> npt.NDArray[np.uint64]:
+    """The 64-byte pattern of every (block, layer): shape (len(hashes), layers, 8), u64 words
+    from SplitMix64 over (hash, layer, word), computed for all at once."""
+    h = np.asarray(hashes, dtype=_U64).reshape(-1, 1, 1)
+    layer = np.arange(layers, dtype=_U64).reshape(1, -1, 1)
+    word = np.arange(PATTERN_WORDS, dtype=_U64).reshape(1, 1, -1)
+    with np.errstate(over="ignore"):
+        x = h ^ (layer * _U64(0x9E3779B97F4A7C15)) ^ (word << _U64(56))
+        x = x + _U64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+        out: npt.NDArray[np.uint64] = x ^ (x >> _U64(31))
+    return out
+
+
+def fill(chunks: Bytes, hashes: Sequence[int]) -> None:
+    """Write the content of blocks `hashes` into `chunks`, shape (len(hashes), layers,
+    chunk_bytes) (or a view of that shape into the memory)."""
+    n, layers, chunk_bytes = chunks.shape
+    pattern = patterns(hashes, layers).view(np.uint8)  # (n, layers, 64)
+    whole, tail = divmod(chunk_bytes, _PATTERN_BYTES)
+    body = chunks[:, :, : whole * _PATTERN_BYTES].reshape(n, layers, whole, _PATTERN_BYTES)
+    body[...] = pattern[:, :, None, :]
+    if tail:
+        chunks[:, :, whole * _PATTERN_BYTES :] = pattern[:, :, :tail]
+
+
+def expected_chunk(block_hash: int, layer: int, chunk_bytes: int) -> bytes:
+    """What a block's chunk of `layer` holds."""
+    pattern: bytes = patterns([block_hash], layer + 1)[0, layer].tobytes()
+    return (pattern * -(-chunk_bytes // _PATTERN_BYTES))[:chunk_bytes]
+
+
+def checksum(chunk: bytes | memoryview) -> int:
+    """A chunk's checksum: XXH3-64 of its bytes (what a receiver verifies before a block
+    becomes visible)."""
+    return int(xxhash.xxh3_64_intdigest(chunk))
