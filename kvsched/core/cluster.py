@@ -15,7 +15,7 @@ from kvsched.core.cost import CostModel
 from kvsched.core.index import PrefixIndex
 from kvsched.core.latency import DEFAULT_LATENCY, load_latency
 from kvsched.core.load import LoadTracker
-from kvsched.core.models import model_config
+from kvsched.core.models import DEFAULT_MODEL, model_config
 from kvsched.core.sessions import SessionTable
 from kvsched.core.topology import Topology, TopologyConfig
 
@@ -42,7 +42,7 @@ class ClusterConfig:
 
     n_instances: int
     latency_profile: str = DEFAULT_LATENCY
-    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    model: str = DEFAULT_MODEL
     block_size: int = 16
     chunk_tokens: int = 8192  # engine token budget per forward pass
     max_running: int = 256  # engine cap on admitted requests

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
 
 from kvsched.core.latency import LatencyModel
 from kvsched.core.models import ModelConfig
-from kvsched.core.topology import Topology
+from kvsched.core.topology import LinkClass, Topology
 
 FloatVec = npt.NDArray[np.float64]
+# How far one measured transfer moves a link's bandwidth estimate (an exponential average).
+MEASURED_WEIGHT = 0.3
 
 
 @dataclass(frozen=True)
@@ -29,17 +31,33 @@ class CostModel:
     s_per_byte: FloatVec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        n = len(self.topology.node_of)
-        setup = np.zeros((n, n))
-        per_byte = np.zeros((n, n))
-        for a in range(n):
-            for b in range(n):
-                if a != b:
-                    link = self.topology.link(a, b)
-                    setup[a, b] = link.setup_s
-                    per_byte[a, b] = 1.0 / link.bandwidth_bytes_per_s
+        links = self.topology.config.links
+        distance = self.topology.distances()
+        setup = np.array([link.setup_s for link in links])[distance]
+        per_byte = np.array([1.0 / link.bandwidth_bytes_per_s for link in links])[distance]
+        np.fill_diagonal(setup, 0.0)
+        np.fill_diagonal(per_byte, 0.0)
         object.__setattr__(self, "setup_s", setup)
         object.__setattr__(self, "s_per_byte", per_byte)
+
+    def with_measured_transfer(
+        self, src: int, dst: int, nbytes: int, seconds: float, weight: float = MEASURED_WEIGHT
+    ) -> CostModel:
+        """The cost model after a transfer of `nbytes` from `src` to `dst` took `seconds`:
+        the bandwidth of their link class moves `weight` of the way to the one measured (the
+        setup time stays; a transfer too small to measure a rate changes nothing)."""
+        if src == dst or nbytes <= 0:
+            return self
+        topology = self.topology
+        distance = topology.distance(src, dst)
+        link = topology.config.links[distance]
+        moving_s = seconds - link.setup_s
+        if moving_s <= 0:
+            return self
+        measured = nbytes / moving_s
+        bandwidth = (1 - weight) * link.bandwidth_bytes_per_s + weight * measured
+        updated = LinkClass(bandwidth, link.setup_s)
+        return replace(self, topology=topology.with_link(distance, updated))
 
     @property
     def kv_bytes_per_token(self) -> int:

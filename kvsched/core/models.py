@@ -25,13 +25,14 @@ class ModelConfig:
         return tokens * self.kv_bytes_per_token
 
 
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # what the latency profiles measured
 MINI_MODEL = "kvsched/llama-3.1-8b-mini-kv"
 
 # Published architecture configs (each model's config.json on the Hugging Face hub).
 MODELS: dict[str, ModelConfig] = {
     m.name: m
     for m in (
-        ModelConfig("meta-llama/Llama-3.1-8B-Instruct", 32, 8, 128, max_model_len=131_072),
+        ModelConfig(DEFAULT_MODEL, 32, 8, 128, max_model_len=131_072),
         ModelConfig("meta-llama/Llama-2-7b-hf", 32, 32, 128, max_model_len=4_096),
         ModelConfig("Qwen/Qwen2.5-7B-Instruct", 28, 4, 128, max_model_len=32_768),
         ModelConfig("Qwen/Qwen3-8B", 36, 8, 128, max_model_len=40_960),

@@ -78,6 +78,13 @@ class Scheduler:
     def transfer_done(self, plan: TransferPlan, ok: bool, now: float) -> bool:
         return self.policy.on_transfer(plan, ok, now)
 
+    def transfer_measured(self, src: int, dst: int, nbytes: int, seconds: float) -> None:
+        """A transfer of `nbytes` from `src` to `dst` took `seconds` (policy time); the cost
+        model's estimate of their link follows. (Live only: the simulator's transfers take
+        exactly what the cost model says.)"""
+        cluster = self.cluster
+        cluster.cost = cluster.cost.with_measured_transfer(src, dst, nbytes, seconds)
+
     def blocks_stored(
         self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
     ) -> None:

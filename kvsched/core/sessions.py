@@ -23,8 +23,9 @@ class Session:
     prompt_tokens: int = 0  # the last prompt
     growth_tokens: float = -1.0  # smoothed new prompt tokens per turn; -1 unknown
     idle_gap_s: float = -1.0  # smoothed gap between a finish and the next arrival; -1 unknown
-    pending_target: int = NO_HOST  # an idle-gap copy of its KV in flight to this slot
+    pending_target: int = NO_HOST  # a copy of its KV in flight to this slot
     pending_since: float = float("inf")  # when that copy started
+    pending_on_path: bool = False  # the copy is on a turn's critical path (the turn runs there)
 
     def in_cooldown(self, now: float, cooldown_s: float) -> bool:
         return now - self.last_migration_at < cooldown_s
@@ -93,8 +94,11 @@ class SessionTable:
                 self.bound[s.host] -= 1
             self.bound[host] = self.bound.get(host, 0) + 1
         s.host = host
-        s.pending_target = NO_HOST
-        s.pending_since = float("inf")
+        self._clear_move(s)
+
+    @staticmethod
+    def _clear_move(s: Session) -> None:
+        s.pending_target, s.pending_since, s.pending_on_path = NO_HOST, float("inf"), False
 
     def restore(self, session: Session) -> None:
         """Put back a session record saved elsewhere (a Conductor's warm start); replaces any
@@ -106,20 +110,26 @@ class SessionTable:
         if session.host != NO_HOST:
             self.bound[session.host] = self.bound.get(session.host, 0) + 1
 
-    def begin_move(self, session_id: str, target: int, now: float) -> None:
-        """A copy of the session's KV to `target` started while the session is idle; the
-        session stays on its host until `end_move`."""
-        s = self._sessions[session_id]
-        s.pending_target, s.pending_since = target, now
+    def begin_move(
+        self, session_id: str, target: int, now: float, *, on_path: bool = False
+    ) -> None:
+        """A copy of the session's KV to `target` started: while the session is idle, or
+        (`on_path`) for the turn arriving now, which runs on `target`. The session stays bound
+        to its host until `end_move`."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = Session(session_id)
+        s.pending_target, s.pending_since, s.pending_on_path = target, now, on_path
 
     def end_move(self, session_id: str, target: int, ok: bool, now: float) -> bool:
-        """The copy to `target` ended. The session moves there only if it landed and no turn
-        ran meanwhile (otherwise its host holds newer KV). Returns whether it moved."""
+        """The copy to `target` ended. The session moves there only if every block landed
+        verified and, for an idle-gap copy, no turn ran meanwhile (its host then holds newer
+        KV); otherwise it stays on its host, which still has its KV. Returns whether it moved."""
         s = self._sessions.get(session_id)
         if s is None or s.pending_target != target:
             return False
-        moved = ok and s.last_arrival_at < s.pending_since
-        s.pending_target, s.pending_since = NO_HOST, float("inf")
+        moved = ok and (s.pending_on_path or s.last_arrival_at < s.pending_since)
+        self._clear_move(s)
         if moved:
             self.bind(session_id, target, now, migrated=True)
         return moved
@@ -132,7 +142,7 @@ class SessionTable:
             if s.host == host:
                 s.host = NO_HOST
                 n += 1
+                self._clear_move(s)  # a copy from a dead host cannot complete a move
             if s.pending_target == host:
-                s.pending_target = NO_HOST
-                s.pending_since = float("inf")
+                self._clear_move(s)
         return n

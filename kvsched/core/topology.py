@@ -7,7 +7,10 @@ has its own link class; a transfer costs `setup_s + bytes / bandwidth`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
 
 SAME_NODE, SAME_RACK, SAME_SPINE, CROSS_CLUSTER = 0, 1, 2, 3
 DISTANCE_NAMES = ("node", "rack", "spine", "cluster")
@@ -82,6 +85,22 @@ class Topology:
         if ra // cfg.racks_per_spine == rb // cfg.racks_per_spine:
             return SAME_SPINE
         return CROSS_CLUSTER
+
+    def distances(self) -> npt.NDArray[np.int64]:
+        """`distance(a, b)` for every pair, as an n × n array (0 on the diagonal)."""
+        cfg = self.config
+        node = np.asarray(self.node_of, dtype=np.int64)
+        rack = node // cfg.nodes_per_rack
+        spine = rack // cfg.racks_per_spine
+        out = np.full((len(node), len(node)), CROSS_CLUSTER, dtype=np.int64)
+        for level, group in ((SAME_SPINE, spine), (SAME_RACK, rack), (SAME_NODE, node)):
+            out[np.equal.outer(group, group)] = level
+        return out
+
+    def with_link(self, distance: int, link: LinkClass) -> Topology:
+        """The same placement with the link class of `distance` replaced."""
+        links = (*self.config.links[:distance], link, *self.config.links[distance + 1 :])
+        return Topology(replace(self.config, links=links), self.node_of)
 
     def link(self, a: int, b: int) -> LinkClass:
         return self.config.links[self.distance(a, b)]

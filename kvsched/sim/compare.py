@@ -12,7 +12,7 @@ import numpy as np
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import load_latency
-from kvsched.core.models import model_config
+from kvsched.core.models import DEFAULT_MODEL, model_config
 from kvsched.core.policies import ALL_POLICIES, parse_spec
 from kvsched.core.topology import DISTANCE_NAMES, TopologyConfig
 from kvsched.sim.figures import write_figures
@@ -39,6 +39,7 @@ class Comparison:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     warmup_fraction: float = 0.05
     latency_profile: str = "llama-3.1-8b-h100"
+    model: str = DEFAULT_MODEL  # architecture (KV bytes per token)
     sweep_loads: tuple[float, ...] = ()  # loads to sweep for goodput (besides `load`)
 
 
@@ -69,6 +70,7 @@ def replay_config(cmp: Comparison) -> ReplayConfig:
     cluster = ClusterConfig(
         n_instances=cmp.instances,
         latency_profile=cmp.latency_profile,
+        model=cmp.model,
         slo=cmp.slo,
         topology=cmp.topology,
         block_size=cmp.trace.block_tokens,

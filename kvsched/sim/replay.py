@@ -266,11 +266,17 @@ class Replay:
         job = Job(req.call, kind, info.prompt_tokens, info.output_tokens, info.block_hashes, now)
         if handoff is not None:
             self._handoffs[req.call] = handoff
-        self._note_session_turn(info, slot)
         for plan in decision.transfers:
             if plan.kind is TransferKind.HANDOFF:
                 continue
-            self._start_transfer(plan, job if plan.on_critical_path else None)
+            started = self._start_transfer(plan, job if plan.on_critical_path else None)
+            if not started and plan.on_critical_path and plan.kind is TransferKind.MIGRATE_SESSION:
+                # The session stays on its source, which still holds its KV: the turn runs
+                # there (as a Router sends it back when the copy fails), and the target's
+                # charge for it goes with the target's next report.
+                slot = req.slot = req.decode_slot = plan.source
+                self._report(plan.target)
+        self._note_session_turn(info, slot)
         self.engines[slot].submit(job)
         if job.ready_at > now:
             self._push(job.ready_at, _WAKE, slot)
@@ -301,23 +307,26 @@ class Replay:
 
     # ---- transfers ---------------------------------------------------------------------
 
-    def _start_transfer(self, plan: TransferPlan, job: Job | None) -> None:
-        """Lock the blocks on both sides, book the links and schedule the arrival. A transfer
-        that cannot start (source lost the blocks, target has no room) is dropped: the
-        request recomputes and nothing else changes."""
+    def _start_transfer(self, plan: TransferPlan, job: Job | None) -> bool:
+        """Lock the blocks on both sides, book the links and schedule the arrival; returns
+        whether it did not fail. The source moves what it still holds beyond the target's
+        prefix: when that is nothing, the transfer is done at once (the target holds as much
+        as the source). When the target has no room it fails at once: nothing moves."""
         now = self.now
         src, dst = self.engines[plan.source], self.engines[plan.target]
         hashes = plan.block_hashes
         have_src = src.cache.match(hashes, len(hashes))
         have_dst = dst.cache.match(hashes, len(hashes))
         if have_src <= have_dst:
-            self._transfer_failed(plan)
-            return
+            if plan.kind is TransferKind.MIGRATE_SESSION:
+                self._count_migration(plan, 0, now, now, None)
+            self.scheduler.transfer_done(plan, True, now)
+            return True
         dst.cache.lock_prefix(hashes, have_dst, now)  # before reserving: eviction must spare it
         if not dst.cache.reserve(have_src - have_dst):
             dst.cache.unlock_prefix(hashes, have_dst, now)
             self._transfer_failed(plan)
-            return
+            return False
         src.cache.lock_prefix(hashes, have_src, now, touch=False)  # reading is not using
         blocks = have_src - have_dst
         nbytes = blocks * dst.bs * self.cluster.cost.kv_bytes_per_token
@@ -331,6 +340,7 @@ class Replay:
         if plan.kind is TransferKind.MIGRATE_SESSION:
             self._count_migration(plan, nbytes, start, end, job)
         self._push(end, _XFER_DONE, record)
+        return True
 
     def _count_transfer(self, plan: TransferPlan, nbytes: int, seconds: float) -> None:
         stats = self.transfer_stats[plan.kind.value]

@@ -101,3 +101,30 @@ def test_an_instance_joining_on_another_node_moves_in_the_topology() -> None:
     assert cluster.cost.topology.distance(0, 3) != SAME_NODE
     assert cluster.cost.transfer_s(0, 3, 16_384) > same_node
     assert cluster.cost.transfer_s(0, 1, 16_384) == same_node  # the others did not move
+
+
+def test_distance_matrix_agrees_with_pairwise_distances() -> None:
+    topo = make_cluster(40).cost.topology
+    matrix = topo.distances()
+    assert all(matrix[a, b] == topo.distance(a, b) for a in range(40) for b in range(40) if a != b)
+    assert set(matrix[0].tolist()) == {0, 1, 2, 3}
+
+
+def test_a_measured_transfer_moves_its_link_estimate_only() -> None:
+    cluster = make_cluster(16)
+    cost = cluster.cost
+    rack_link = cost.topology.link(0, 4)
+    nbytes = 10**9
+    # Measured at a tenth of the configured rate: the estimate moves part of the way there.
+    seconds = rack_link.setup_s + 10 * nbytes / rack_link.bandwidth_bytes_per_s
+    slower = cost.with_measured_transfer(0, 4, nbytes, seconds)
+    before, after = cost.transfer_s(0, 4, 4096), slower.transfer_s(0, 4, 4096)
+    assert before < after < cost.transfer_s(0, 4, 4096 * 10)
+    assert slower.transfer_s(1, 5, 4096) == after  # every pair at that distance
+    assert slower.transfer_s(0, 1, 4096) == cost.transfer_s(0, 1, 4096)  # other distances not
+    # Nothing to learn from a transfer faster than the link's setup, or one of no bytes.
+    assert cost.with_measured_transfer(0, 4, nbytes, rack_link.setup_s / 2) is cost
+    assert cost.with_measured_transfer(0, 4, 0, 1.0) is cost
+    cluster.cost = slower
+    cluster.add_instance(8, Role.BOTH, node=1)  # the learned rate survives a topology change
+    assert cluster.cost.transfer_s(0, 8, 4096) == after

@@ -11,6 +11,7 @@ from kvsched.core.cluster import ClusterState, Role, SloConfig
 from kvsched.core.decision import Completion, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.policies import ALL_POLICIES, POLICIES, Policy, make_policy, parse_spec
 from kvsched.core.policies.disaggregated import split_roles
+from kvsched.core.sessions import NO_HOST
 from tests.conftest import chain, make_cluster, request, set_load
 
 RNG = Random(0)
@@ -181,9 +182,33 @@ def test_ear_migrates_a_hot_host_to_the_least_pending_instance_with_room() -> No
     (plan,) = d.transfers
     assert plan.kind is TransferKind.MIGRATE_SESSION and plan.on_critical_path
     assert (plan.source, plan.target, plan.tokens) == (host, others[1], 20 * 16)
+    # Bound to the target only once the copy landed verified.
+    session = cluster.sessions.get("s")
+    assert session is not None and session.host == host
+    assert session.pending_target == others[1] and session.pending_on_path
+    assert policy.on_transfer(plan, True, 10.5)
+    assert session.host == others[1] and session.migrations == 1
     # Within T_cool the session stays put even though its new host is now hot.
     set_load(cluster, others[1], pending=50_000)
     assert policy.place(request(3, hashes, session="s"), 20.0, RNG).instance == others[1]
+
+
+def test_ear_leaves_the_session_on_its_host_when_the_copy_fails() -> None:
+    cluster, policy, hashes, host = _ear_setup()
+    others = [s for s in range(3) if s != host]
+    set_load(cluster, host, pending=20_000)
+    for slot in others:
+        set_load(cluster, slot, pending=1_000)
+    d = policy.place(request(2, hashes, session="s"), 10.0, RNG)
+    (plan,) = d.transfers
+    # While the copy is in flight a second turn stays on the host: no second move.
+    second = policy.place(request(3, hashes, session="s"), 10.1, RNG)
+    assert second.instance == host and not second.transfers
+    assert "in flight" in second.rule
+    assert not policy.on_transfer(plan, False, 10.5)
+    session = cluster.sessions.get("s")
+    assert session is not None and session.host == host and session.migrations == 0
+    assert session.pending_target == NO_HOST
 
 
 def test_ear_never_migrates_to_a_busier_or_too_small_instance() -> None:

@@ -40,7 +40,8 @@ class Ear(Sticky):
       has not migrated within `t_cool_s`, the turn moves to the instance with the fewest pending
       prefill tokens among those that are strictly less loaded than the host and have free KV
       room for the session's context; the session's KV is transferred on this turn's critical
-      path and the session is rebound there. With no such instance it stays (opportunistic).
+      path and the session is rebound there once it landed (a failed copy leaves it on its
+      host). With no such instance it stays (opportunistic).
     """
 
     name = "ear"
@@ -57,6 +58,8 @@ class Ear(Sticky):
         if session is None or session.host == NO_HOST or not view.eligible[session.host]:
             return super().decide(view, now, rng)
         terms = self.ttft_terms(view, view.hit_tokens)
+        if session.pending_target != NO_HOST:
+            return self.decision(view, session.host, "affinity (migration in flight)", terms)
         if session.in_cooldown(now, self.param("t_cool_s")):
             return self.decision(view, session.host, "affinity (cooldown)", terms)
         return self.planner.on_arrival(view, session.host, terms)

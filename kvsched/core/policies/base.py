@@ -103,9 +103,9 @@ class Policy(ABC):
         return ()
 
     def on_transfer(self, plan: TransferPlan, ok: bool, now: float) -> bool:
-        """A transfer this policy ordered ended. An idle-gap migration rebinds its session if
-        the KV landed in time (a migration on a turn's critical path was bound at placement).
-        Returns whether a session moved."""
+        """A transfer this policy ordered ended. A migration rebinds its session if the KV
+        landed (an idle-gap one only if no turn ran meanwhile). Returns whether a session
+        moved."""
         if plan.kind is not TransferKind.MIGRATE_SESSION or plan.session_id is None:
             return False
         return self.cluster.sessions.end_move(plan.session_id, plan.target, ok, now)
@@ -246,8 +246,12 @@ class Policy(ABC):
         if req.session_id is not None:
             session = cluster.sessions.get(req.session_id)
             if session is not None and session.host != slot:
-                migrated = any(t.kind is TransferKind.MIGRATE_SESSION for t in decision.transfers)
-                cluster.sessions.bind(req.session_id, slot, now, migrated=migrated)
+                if any(t.kind is TransferKind.MIGRATE_SESSION for t in decision.transfers):
+                    # The turn runs on `slot` while its KV moves there; the session is rebound
+                    # only once the copy landed verified (a failed copy leaves it on its host).
+                    cluster.sessions.begin_move(req.session_id, slot, now, on_path=True)
+                else:
+                    cluster.sessions.bind(req.session_id, slot, now, migrated=False)
 
 
 def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -> int:

@@ -95,7 +95,7 @@ class Elastic(Policy):
         terms = self.ttft_terms(view, view.hit_tokens)
         if session.pending_target != NO_HOST:
             # Its KV is on the wire; the source still holds it: no second move.
-            return self.decision(view, host, "affinity (idle migration in flight)", terms)
+            return self.decision(view, host, "affinity (migration in flight)", terms)
         if session.in_cooldown(now, self.param("t_cool_s")):
             return self.decision(view, host, "affinity (cooldown)", terms)
         return self.planner.on_arrival(view, host, terms)
