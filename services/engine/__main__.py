@@ -30,7 +30,7 @@ async def serve(argv: Sequence[str] | None = None) -> None:
     provider = setup_tracing(TelemetrySettings.from_env("kvsched-engine"), set_global=True)
     try:
         api = build(settings, get_tracer(provider))
-    except (ValueError, zmq.ZMQError) as exc:  # unknown model or profile, endpoint taken
+    except (ValueError, OSError, zmq.ZMQError) as exc:  # bad model, no KV memory, port taken
         raise SystemExit(f"kvsched engine: error: {exc}") from None
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its
     # request in the engine (vLLM aborts on disconnect too, streaming or not).

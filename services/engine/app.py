@@ -1,10 +1,11 @@
 """The engine's HTTP API: vLLM's routes (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/tokenize`, `/health`, `/metrics`) plus the JSON views a Messenger reads
-(`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`) and the step counters the load
-generator reads (`/kvsched/stats`).
+(`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`), the KV transfer routes it calls
+(`/kvsched/kv/export`, `/kvsched/kv/import`: `services.engine.kv_routes`) and the step
+counters the load generator reads (`/kvsched/stats`).
 
-`build` assembles one engine (model, KV-event publisher, metrics, step loop, routes); the
-caller serves `EngineApp.app` and calls `start`/`close` around it.
+`build` assembles one engine (model, KV memory, KV-event publisher, metrics, step loop,
+routes); the caller serves `EngineApp.app` and calls `start`/`close` around it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvsched.core.models import model_config
+from services.common.kv_layout import KvLayout
 from services.common.openai_api import (
     MAX_BODY_BYTES,
     ApiError,
@@ -30,7 +33,9 @@ from services.common.openai_api import (
     render_chat,
     unavailable,
 )
+from services.engine.kv_memory import KvMemory
 from services.engine.kv_publisher import KvEventPublisher
+from services.engine.kv_routes import KvTransferRoutes
 from services.engine.metrics import EngineMetrics
 from services.engine.model import build_model
 from services.engine.openai_stream import DONE, Shape, error_chunk
@@ -76,6 +81,7 @@ class EngineApp:
                 web.get("/kvsched/load", self.load),
                 web.get("/kvsched/kv/snapshot", self.snapshot),
                 web.get("/kvsched/stats", self.stats),
+                *KvTransferRoutes(live, lambda: self.draining).routes(),
             ]
         )
 
@@ -85,9 +91,11 @@ class EngineApp:
         self.live.start()
 
     async def close(self) -> None:
-        """Stop the step loop (requests still in it end with an error), close the sockets."""
+        """Stop the step loop (requests still in it end with an error, transfers end), close
+        the sockets, remove the KV memory file."""
         await self.live.stop()
         await self.live.publisher.close()
+        self.live.memory.close()
 
     # ---- completions -------------------------------------------------------------------
 
@@ -209,12 +217,13 @@ class EngineApp:
     # ---- kvsched views -----------------------------------------------------------------
 
     async def info(self, request: web.Request) -> web.Response:
-        pub = self.live.publisher
+        pub, memory = self.live.publisher, self.live.memory
+        layout = memory.layout
         return web.json_response(
             {
                 "instance_id": self.settings.instance_id,
                 "model": self.settings.model,
-                "role": "both",
+                "role": self.settings.role.value,
                 "block_size": self.live.model.block_size,
                 "capacity_blocks": self.live.model.capacity_blocks,
                 "kv_events": {
@@ -222,6 +231,13 @@ class EngineApp:
                     "replay_endpoint": pub.replay_endpoint,
                     "topic": pub.topic.decode(),
                     "shape": pub.shape,
+                },
+                "kv_memory": {
+                    "path": str(memory.path),
+                    "layers": layout.layers,
+                    "pages": layout.pages,
+                    "chunk_bytes": layout.chunk_bytes,
+                    "block_size": layout.block_size,
                 },
             }
         )
@@ -265,18 +281,30 @@ def build(
     tokenizer: PromptTokenizer | None = None,
     words: Words | None = None,
 ) -> EngineApp:
-    """One engine for `settings` (binds its ZMQ sockets; `start` runs it). A tokenizer and its
-    word list may be shared by engines in one process (tests)."""
-    publisher = KvEventPublisher(
-        settings.kv_events,
-        settings.kv_replay,
-        topic=KV_TOPIC.encode(),
-        shape=settings.event_shape,
+    """One engine for `settings` (creates its KV memory file, binds its ZMQ sockets; `start`
+    runs it). A tokenizer and its word list may be shared by engines in one process (tests).
+    Raises `ValueError` (unknown model or profile), `OSError` (no KV memory file) or
+    `zmq.ZMQError` (endpoint taken)."""
+    model = build_model(settings)
+    layout = KvLayout.for_model(
+        model_config(settings.model_config), model.block_size, model.capacity_blocks
     )
+    memory = KvMemory(layout, settings.instance_id, settings.kv_memory_dir)
+    try:
+        publisher = KvEventPublisher(
+            settings.kv_events,
+            settings.kv_replay,
+            topic=KV_TOPIC.encode(),
+            shape=settings.event_shape,
+        )
+    except BaseException:
+        memory.close()
+        raise
     live = LiveEngine(
-        build_model(settings),
+        model,
         publisher,
         EngineMetrics(settings.model),
+        memory,
         time_scale=settings.time_scale,
         stream_interval=settings.stream_interval,
         engine_hash_seed=settings.engine_hash_seed,

@@ -92,6 +92,13 @@ class EngineMetrics:
         self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        # Ours, not vLLM's: blocks a Messenger read out of this engine or wrote into it.
+        self.exported_blocks = counter(
+            "kvsched_engine_kv_exported_blocks", "Cached blocks pinned for a Messenger to read."
+        )
+        self.imported_blocks = counter(
+            "kvsched_engine_kv_imported_blocks", "Blocks a Messenger wrote that became cached."
+        )
         self.success = Counter(
             "vllm:request_success",
             "Successfully processed requests.",

@@ -26,8 +26,10 @@ from kvsched.core.hashing import BlockHasher, salt_bytes
 from kvsched.sim.engine import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
 from services.common.openai_api import unavailable
+from services.engine.kv_memory import KvMemory
 from services.engine.kv_names import EngineNames
 from services.engine.kv_publisher import KvEventPublisher
+from services.engine.kv_transfer import KvTransfers
 from services.engine.metrics import EngineMetrics
 from services.engine.model import EngineModel
 
@@ -66,13 +68,15 @@ class Request:
 
 
 class LiveEngine:
-    """The engine model in real time, with its block names and KV-event publisher."""
+    """The engine model in real time, with its block names, KV memory, transfers and KV-event
+    publisher."""
 
     def __init__(
         self,
         model: EngineModel,
         publisher: KvEventPublisher,
         metrics: EngineMetrics,
+        memory: KvMemory,
         *,
         time_scale: float = 1.0,
         stream_interval: int = 1,
@@ -86,12 +90,22 @@ class LiveEngine:
         self.stream_interval = stream_interval
         self.hasher = BlockHasher(model.block_size)
         self.names = EngineNames(model.block_size, engine_hash_seed)
+        self.memory = memory
+        self.transfers = KvTransfers(
+            self.engine.cache,
+            memory=memory,
+            names=self.names,
+            hasher=self.hasher,
+            clock=self.now,
+            sync=self.sync_cache,
+        )
         self.requests: dict[int, Request] = {}
         self.failed: str | None = None  # why the loop stopped, once it has
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self._arrived = False  # a request joined since the step was planned
         self._wake: asyncio.Future[bool] | None = None  # set while the loop sleeps
+        self._unpublished: list[Event] = []  # named, not yet sent
         self._t0 = time.monotonic()
         self._task: asyncio.Task[None] | None = None
 
@@ -103,13 +117,15 @@ class LiveEngine:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        """Stop stepping; requests still in the engine end with an error."""
+        """Stop stepping; requests still in the engine end with an error, exports are
+        released and imports aborted."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         self._fail_all("the engine is shutting down")
+        self.transfers.close()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -166,12 +182,12 @@ class LiveEngine:
         while True:
             if self._aborted:
                 self._apply_aborts()
-                await self._publish()
+                await self.publish_changes()
             now = self.now()
             start = now if prev_end is None or now - prev_end > max_lag else prev_end
             self._arrived = False
             end = engine.plan(start, self.stream_interval)
-            await self._publish()  # admission may have evicted blocks
+            await self.publish_changes()  # admission may have evicted blocks
             if end is None:
                 prev_end = None
                 if not (self._arrived or self._aborted):  # (either may come during publish)
@@ -192,7 +208,7 @@ class LiveEngine:
             self._deliver(out, end, (end - step.start) / passes if decoding else 0.0)
             # Name the blocks this step stored before finished requests let go of their
             # token ids (a one-token answer stores and finishes in the same step).
-            await self._publish()
+            await self.publish_changes()
             for job in out.finished:
                 self._finish(job)
             prev_end = end
@@ -270,19 +286,36 @@ class LiveEngine:
                 self.names.release(job.hashes)
         self._aborted.clear()
 
-    async def _publish(self) -> None:
-        """The cache's changes since the last drain as one vLLM KV-event batch. Blocks are
-        evicted only when a step is planned and stored only when one completes, and every
-        plan and completion is drained at once, so removals come first. Drained and named
-        before the first await: between steps the names and `next_seq` match the cache."""
+    def sync_cache(self) -> None:
+        """Apply the cache's changes since the last drain: evicted blocks free their KV memory
+        pages, stored blocks get pages and content, and both are named as KV events, queued
+        for the next `publish_changes`. Exports waiting for blocks are woken.
+
+        Called right after every change to the cache, with no await in between (by the step
+        loop after a plan or a step, by transfers after a reservation or a commit), so
+        between awaits the memory, the names and the cache agree. A drain then holds
+        evictions only or stores only, and removals go first anyway."""
         changes = self.engine.cache.drain_events()
         if not changes.stored and not changes.removed:
             return
-        events: list[Event] = []
+        memory, names, events = self.memory, self.names, self._unpublished
         if changes.removed:
-            events.append(self.names.removed(changes.removed))
-        events.extend(self.names.stored(h, p) for h, p in changes.stored)
-        await self.publisher.publish(events, time.time())
+            memory.remove(changes.removed)
+            events.append(names.removed(changes.removed))
+        for hashes, parent in changes.stored:
+            memory.store(hashes)
+            events.append(names.stored(hashes, parent))
+        if changes.stored:
+            self.transfers.blocks_stored()
+
+    async def publish_changes(self) -> None:
+        """`sync_cache`, then send every event not sent yet as one vLLM KV-event batch. Its
+        sequence number is taken before the first await, so batches go out in the order
+        their events were named, whoever sends them."""
+        self.sync_cache()
+        events, self._unpublished = self._unpublished, []
+        if events:
+            await self.publisher.publish(events, time.time())
 
     def _fail_all(self, reason: str) -> None:
         self.failed = reason
@@ -293,6 +326,14 @@ class LiveEngine:
         self.requests.clear()
 
     # ---- views -------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert the engine model, its KV memory and its transfers agree: every cached block
+        (and no other) has a page, and every page is cached, free or staged for an import."""
+        self.engine.check_integrity()
+        self.memory.check_integrity()
+        assert self.memory.page_of.keys() == self.engine.cache.nodes.keys(), "memory != cache"
+        self.transfers.check_integrity()
 
     def snapshot(self) -> list[dict[str, object]]:
         """Every cached block in engine names, parents before children (the cache is

@@ -4,7 +4,8 @@
 The engine model is configured exactly as the simulator configures its instances (a
 `ClusterConfig` through `build_cluster`, see `services.engine.model`), so `--model-config`,
 `--latency-profile`, `--block-size`, `--chunk-tokens` and `--max-running` mean what they mean
-in a replay, and the defaults are the simulator's.
+in a replay, and the defaults are the simulator's but one: `--model-config` defaults to a
+model whose KV bytes fit a small machine, since the engine keeps real KV bytes.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from functools import partial
 from importlib import resources
 from typing import get_args
 
-from kvsched.core.cluster import ClusterConfig
+from kvsched.core.cluster import ClusterConfig, Role
 from kvsched.core.latency import DEFAULT_LATENCY
+from kvsched.core.models import MINI_MODEL
 from services.common.flags import env_flag
 from services.common.kv_events import Shape
 from services.common.openai_api import DEFAULT_MODEL
+from services.engine.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
 
 ENV = "KVSCHED_ENGINE_"
 _flag = partial(env_flag, ENV)
@@ -45,7 +48,10 @@ class EngineSettings:
     model: str = DEFAULT_MODEL  # the served name (what `model` in a request must say)
     tokenizer: str | None = None  # tokenizer.json; None: the shipped one
     block_size: int = _SIM.block_size
-    model_config: str = _SIM.model  # architecture (KV bytes, layers, context length)
+    # The architecture modelled (KV bytes, layers, context length). Not the simulator's
+    # default: the engine keeps real KV bytes for its whole cache, which must fit this
+    # machine's shared memory (give the Conductor the same as its --model).
+    model_config: str = MINI_MODEL
     latency_profile: str = _SIM.latency_profile
     capacity_blocks: int = 0  # 0: from the latency profile's measured KV capacity
     max_model_len: int = 0  # 0: the model config's
@@ -60,6 +66,8 @@ class EngineSettings:
     seed: int = 0
     shutdown_grace_s: float = 5.0  # SIGTERM: how long running streams may still finish
     otlp_endpoint: str | None = None
+    kv_memory_dir: str = DEFAULT_KV_MEMORY_DIR  # where the KV memory file lives (shared memory)
+    role: Role = Role.BOTH  # what the Conductor may place here (reported, not enforced)
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -72,6 +80,8 @@ class EngineSettings:
             raise ValueError("--engine-hash-seed must fit in an unsigned 64-bit integer")
         if self.capacity_blocks < 0 or self.max_model_len < 0:
             raise ValueError("--capacity-blocks and --max-model-len must not be negative")
+        if not self.kv_memory_dir:
+            raise ValueError("--kv-memory-dir must name a directory")
 
     def cluster_config(self) -> ClusterConfig:
         """The one-instance cluster the simulator would build for this engine."""
@@ -127,7 +137,12 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "engine-hash-seed", -1, "seed of the engine's block hashes (default: random)")
     _flag(p, "seed", d.seed, "seed of the engine's output text")
     _flag(p, "shutdown-grace", d.shutdown_grace_s, "seconds streams may finish on SIGTERM")
+    _flag(p, "kv-memory-dir", d.kv_memory_dir, "directory of the KV memory file (shared memory)")
+    _flag(p, "role", d.role.value, "what this engine serves: both, prefill or decode")
     a = p.parse_args(argv)
+    roles = [r.value for r in Role]
+    if a.role not in roles:
+        p.error(f"--role must be one of {', '.join(roles)}, got {a.role!r}")
     profile = a.latency_profile
     if a.gpu:
         try:
@@ -161,6 +176,8 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             seed=a.seed,
             shutdown_grace_s=a.shutdown_grace,
             otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+            kv_memory_dir=a.kv_memory_dir,
+            role=Role(a.role),
         )
     except ValueError as exc:
         p.error(str(exc))

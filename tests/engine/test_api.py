@@ -4,10 +4,13 @@ determinism, the extra routes, metrics and errors."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvsched.core.cluster import Role
 from tests.engine.conftest import MODEL, RunningEngine
 
 
@@ -144,7 +147,7 @@ def scrape(text: str) -> dict[str, float]:
     """Metric name (labels dropped) -> value, buckets left out."""
     values: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:") and "_bucket{" not in line:
+        if line.startswith(("vllm:", "kvsched_")) and "_bucket{" not in line:
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
     return values
@@ -218,11 +221,18 @@ async def test_malformed_json_unknown_model_and_routes(start_engine: Any) -> Non
 
 
 async def test_kvsched_info_and_load(start_engine: Any) -> None:
-    eng: RunningEngine = await start_engine(instance_id="node-0/e0", capacity_blocks=500)
+    eng: RunningEngine = await start_engine(
+        instance_id="node-0/e0", capacity_blocks=500, role=Role.DECODE
+    )
     info = await eng.get_json("/kvsched/info")
     kv = info.pop("kv_events")
-    assert info == {"instance_id": "node-0/e0", "model": MODEL, "role": "both",
+    memory = info.pop("kv_memory")
+    assert info == {"instance_id": "node-0/e0", "model": MODEL, "role": "decode",
                     "block_size": 16, "capacity_blocks": 500}  # fmt: skip
+    # The mini-KV model: 32 layers, 1 KV head of 16 bf16 values, K and V, 16 tokens a chunk.
+    assert memory == {"path": str(eng.live.memory.path), "layers": 32, "pages": 500,
+                      "chunk_bytes": 16 * 2 * 1 * 16 * 2, "block_size": 16}  # fmt: skip
+    assert Path(memory["path"]).name.startswith(f"kvsched-kv-{os.getpid()}-node-0_e0")
     assert kv["endpoint"].startswith("tcp://127.0.0.1:") and kv["topic"] == "kv-events"
     assert kv["replay_endpoint"].startswith("tcp://127.0.0.1:") and kv["shape"] == "map"
     load = await eng.get_json("/kvsched/load")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsched.core.cluster import ClusterConfig, build_cluster
+from kvsched.core.cluster import ClusterConfig, Role, build_cluster
+from services.engine.kv_memory import DEFAULT_DIR
 from services.engine.model import build_model
 from services.engine.settings import EngineSettings, parse
 
@@ -35,7 +36,7 @@ def test_gpu_picks_the_latency_profile_measured_on_it() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--time-scale", "0"], ["--stream-interval", "0"], ["--event-shape", "json"],
-     ["--engine-hash-seed", str(1 << 64)]],
+     ["--engine-hash-seed", str(1 << 64)], ["--role", "router"], ["--kv-memory-dir", ""]],
 )  # fmt: skip
 def test_bad_values_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
@@ -44,3 +45,11 @@ def test_bad_values_are_refused(argv: list[str]) -> None:
 
 def test_capacity_override_is_in_blocks() -> None:
     assert build_model(EngineSettings(capacity_blocks=100, block_size=32)).capacity_blocks == 100
+
+
+def test_kv_memory_dir_and_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (parse([]).role, parse([]).kv_memory_dir) == (Role.BOTH, DEFAULT_DIR)
+    monkeypatch.setenv("KVSCHED_ENGINE_KV_MEMORY_DIR", "kv-here")
+    s = parse(["--role", "prefill"])
+    assert (s.role, s.kv_memory_dir) == (Role.PREFILL, "kv-here")
+    assert parse(["--kv-memory-dir", "there", "--role", "decode"]).kv_memory_dir == "there"
