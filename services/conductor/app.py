@@ -34,6 +34,7 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from services.common.tls import add_port
 from services.conductor import keys, replica
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.http import AdminHttp
@@ -43,6 +44,7 @@ from services.conductor.persist import Persister
 from services.conductor.service import ConductorServicer
 from services.conductor.settings import ConductorSettings
 from services.conductor.state import ConductorState
+from services.conductor.transfers import TransferRunner
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name
@@ -73,6 +75,7 @@ class Conductor:
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.http = AdminHttp(self)
+        self.transfers = TransferRunner(self)
         self.election: Election = Election(self.store, LeaderInfo("", "", ""), 1)
         self.persister: Persister
         self._tasks: list[asyncio.Task[None]] = []
@@ -134,10 +137,7 @@ class Conductor:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        if s.tls is not None:
-            port = server.add_secure_port(s.listen, _server_credentials(s))
-        else:
-            port = server.add_insecure_port(s.listen)
+        port = add_port(server, s.listen, s.tls)
         if port == 0:
             raise OSError(f"cannot listen on {s.listen}")
         await server.start()
@@ -199,6 +199,7 @@ class Conductor:
     async def _on_lost(self) -> None:
         """Stop serving and rebuild from etcd: unpersisted writes of the lost term are gone."""
         self.serving = False
+        await self.transfers.stop()
         for answers in self.open_streams:
             if answers.full():  # a busy stream: its reader ends it after the queued answers
                 asyncio.get_running_loop().create_task(answers.put(None))
@@ -221,6 +222,7 @@ class Conductor:
             await self.election.resign()
         if self.server is not None:
             await self.server.stop(grace_s)
+        await self.transfers.close()
         await self.http.stop()
         tasks = [*self._tasks, *([self._follow] if self._follow else [])]
         for task in tasks:
@@ -229,18 +231,3 @@ class Conductor:
         await self.store.close()
         if self._own_provider:
             await asyncio.to_thread(shutdown_tracing, self.tracer_provider)
-
-
-def _server_credentials(s: ConductorSettings) -> grpc.ServerCredentials:
-    assert s.tls is not None
-    with open(s.tls.key_file, "rb") as f:
-        key = f.read()
-    with open(s.tls.cert_file, "rb") as f:
-        cert = f.read()
-    ca = None
-    if s.tls.client_ca_file:
-        with open(s.tls.client_ca_file, "rb") as f:
-            ca = f.read()
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )

@@ -14,18 +14,10 @@ from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import DEFAULT_LATENCY
 from services.common.flags import env_flag
 from services.common.store import EtcdSettings
+from services.common.tls import ClientTls, ServerTls
 
 ENV = "KVSCHED_CONDUCTOR_"
 _flag = partial(env_flag, ENV)
-
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    """Server TLS; with `client_ca_file` set, clients must present a certificate (mTLS)."""
-
-    cert_file: str
-    key_file: str
-    client_ca_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +42,12 @@ class ConductorSettings:
     persist_interval_s: float = 0.05
     persist_blocks: bool = True
     time_scale: float = 1.0  # wall seconds per policy second (engines running faster than real)
+    execute_transfers: bool = True  # order planned transfers from the Messengers
+    transfer_timeout_s: float = 5.0  # a transfer's deadline: this many wall seconds ...
+    transfer_timeout_factor: float = 10.0  # ... plus this multiple of its estimated time
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
-    tls: TlsFiles | None = None
+    tls: ServerTls | None = None
+    messenger_tls: ClientTls | None = None  # towards the Messengers, when they serve TLS
     otlp_endpoint: str | None = None
 
     @property
@@ -93,13 +89,32 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "persist-interval", d.persist_interval_s, "write-behind flush period, seconds")
     _flag(p, "persist-blocks", d.persist_blocks, "persist block metadata for warm restarts")
     _flag(p, "time-scale", d.time_scale, "wall seconds per policy second, as the engines run")
+    _flag(
+        p,
+        "execute-transfers",
+        d.execute_transfers,
+        "order planned KV transfers from the Messengers (off: an executor of your own runs them "
+        "and reports each with ReportTransfer)",
+    )
+    _flag(p, "transfer-timeout", d.transfer_timeout_s, "KV transfer deadline floor, seconds")
+    _flag(p, "transfer-timeout-factor", d.transfer_timeout_factor, "plus this × its estimate")
     _flag(p, "tls-cert", "", "server certificate (PEM) to serve TLS")
     _flag(p, "tls-key", "", "server private key (PEM)")
     _flag(p, "tls-client-ca", "", "CA (PEM) that client certificates must chain to (mTLS)")
+    _flag(p, "messenger-tls-ca", "", "CA (PEM) of the Messengers' certificates: use TLS")
+    _flag(p, "messenger-tls-cert", "", "client certificate (PEM) for Messengers asking mTLS")
+    _flag(p, "messenger-tls-key", "", "client private key (PEM) for Messengers asking mTLS")
     a = p.parse_args(argv)
     if a.time_scale <= 0:
         p.error("--time-scale must be positive")
-    tls = TlsFiles(a.tls_cert, a.tls_key, a.tls_client_ca or None) if a.tls_cert else None
+    if a.transfer_timeout <= 0 or a.transfer_timeout_factor < 0:
+        p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
+    tls = ServerTls(a.tls_cert, a.tls_key, a.tls_client_ca or None) if a.tls_cert else None
+    messenger_tls = (
+        ClientTls(a.messenger_tls_ca, a.messenger_tls_cert or None, a.messenger_tls_key or None)
+        if a.messenger_tls_ca
+        else None
+    )
     return ConductorSettings(
         conductor_id=a.id or ConductorSettings().conductor_id,
         listen=a.listen,
@@ -119,7 +134,11 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         persist_interval_s=a.persist_interval,
         persist_blocks=a.persist_blocks,
         time_scale=a.time_scale,
+        execute_transfers=a.execute_transfers,
+        transfer_timeout_s=a.transfer_timeout,
+        transfer_timeout_factor=a.transfer_timeout_factor,
         etcd=EtcdSettings.from_env(),
         tls=tls,
+        messenger_tls=messenger_tls,
         otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
     )

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import replace
+from typing import TypeAlias
 
 import aiohttp
 import grpc
@@ -33,14 +34,20 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from services.common.tls import add_port, aio_channel, channel_credentials
+from services.messenger.exporter import Exporter
 from services.messenger.http import MessengerHttp
+from services.messenger.local_kv import LocalKv
 from services.messenger.metrics import MessengerMetrics
 from services.messenger.relay import EngineRelay
 from services.messenger.server import MessengerServicer
-from services.messenger.settings import ClientTls, MessengerSettings
+from services.messenger.settings import MessengerSettings
+from services.messenger.transfer.factory import make_backend
+from services.messenger.transfers import TransferLimits, Transfers
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MessengerService"].full_name
+_PeerStub: TypeAlias = "pb_grpc.MessengerServiceAsyncStub"  # exists only in the stubs
 DEREGISTER_TIMEOUT_S = 5.0
 
 
@@ -64,6 +71,30 @@ class Messenger:
         self.server: grpc.aio.Server | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        s = settings
+        host = (s.advertise or s.listen).rpartition(":")[0]
+        self.backend = make_backend(
+            s.transfer_backend,
+            host,
+            timeout_s=s.transfer_io_timeout_s,
+            mooncake_protocol=s.mooncake_protocol,
+            mooncake_device=s.mooncake_device,
+        )
+        self.local_kv = LocalKv(lambda: self.relays, self.backend)
+        self.exporter = Exporter(self.local_kv)
+        self.transfers = Transfers(
+            self.local_kv,
+            TransferLimits(
+                max_transfers=s.max_transfers,
+                chunk_retries=s.chunk_retries,
+                rate_bytes_per_s=s.transfer_rate,
+                corrupt_chunks=s.fault_corrupt_chunks,
+            ),
+            self._peer,
+            tracer=get_tracer(self.tracer_provider),
+            on_end=self.metrics.on_transfer_end,
+        )
+        self._peers: dict[str, tuple[grpc.aio.Channel, _PeerStub]] = {}
 
     @property
     def url(self) -> str:
@@ -80,8 +111,18 @@ class Messenger:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def _peer(self, url: str) -> _PeerStub:
+        """The MessengerService of another node's Messenger (a transfer's source)."""
+        entry = self._peers.get(url)
+        if entry is None:
+            tracer = get_tracer(self.tracer_provider)
+            channel = aio_channel(url, self.settings.tls, interceptors=client_interceptors(tracer))
+            entry = self._peers[url] = (channel, pb_grpc.MessengerServiceStub(channel))
+        return entry[1]
+
     async def start(self) -> None:
         s = self.settings
+        await self.backend.start()
         port = await self._start_grpc()
         http_port = await self.http.start(s.http_listen)
         host = (s.advertise or s.listen).rpartition(":")[0]
@@ -94,7 +135,7 @@ class Messenger:
         tracer = get_tracer(self.tracer_provider)
         interceptors: list[Interceptor] = list(client_interceptors(tracer))  # type: ignore[arg-type]
         self.client = ConductorClient(
-            list(s.conductors), credentials=_credentials(s.tls), interceptors=interceptors
+            list(s.conductors), credentials=channel_credentials(s.tls), interceptors=interceptors
         )
         self.stream = KvEventStream(
             self.client,
@@ -114,10 +155,13 @@ class Messenger:
             for relay in self.relays
         ]
         log.info(
-            "Messenger of node %s listening on %s (http %s), %d engine(s), Conductor %s",
+            "Messenger of node %s listening on %s (http %s, KV by %s at %s), %d engine(s), "
+            "Conductor %s",
             s.node,
             self.url,
             self.http_url,
+            self.backend.name,
+            self.backend.endpoint,
             len(self.relays),
             ",".join(s.conductors),
         )
@@ -137,12 +181,13 @@ class Messenger:
         server = grpc.aio.server(
             interceptors=[server_interceptor(tracer)], options=[("grpc.so_reuseport", 0)]
         )
-        pb_grpc.add_MessengerServiceServicer_to_server(MessengerServicer(), server)
+        servicer = MessengerServicer(self.transfers, self.exporter)
+        pb_grpc.add_MessengerServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(self.settings.listen)
+        port = add_port(server, self.settings.listen, self.settings.server_tls)
         if port == 0:
             raise OSError(f"cannot listen on {self.settings.listen}")
         await server.start()
@@ -152,7 +197,10 @@ class Messenger:
         return port
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Deregister every instance, drain the stream, close everything."""
+        """Deregister every instance, drain the stream, end the transfers (their imports are
+        aborted) and exports, close everything."""
+        await self.transfers.close()
+        await self.exporter.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -170,21 +218,12 @@ class Messenger:
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace_s)
+        await self.backend.stop()
+        self.local_kv.close()
+        peers, self._peers = self._peers, {}
+        for channel, _ in peers.values():
+            await channel.close(None)
         await self.http.stop()
         if self._own_provider:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(shutdown_tracing, self.tracer_provider)
-
-
-def _credentials(tls: ClientTls | None) -> grpc.ChannelCredentials | None:
-    if tls is None:
-        return None
-    with open(tls.ca_file, "rb") as f:
-        ca = f.read()
-    key = cert = None
-    if tls.cert_file and tls.key_file:
-        with open(tls.key_file, "rb") as f:
-            key = f.read()
-        with open(tls.cert_file, "rb") as f:
-            cert = f.read()
-    return grpc.ssl_channel_credentials(ca, key, cert)

@@ -13,9 +13,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from clients.python.kv_stream import KvEventStream, SentBatch
+from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 
 if TYPE_CHECKING:
     from services.messenger.relay import EngineRelay
+    from services.messenger.transfers import Transfer
 
 PREFIX = "kvsched_messenger_"
 
@@ -34,6 +36,12 @@ _RELAY_COUNTERS = (
     ("engine_deaths", "engine_deaths", "Times an engine stopped answering."),
     ("relay_errors", "relay_errors", "Relay failures that made it start over (bugs)."),
 )  # fmt: skip
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_OUTCOMES: dict[pb.TransferState.ValueType, str] = {
+    pb.TRANSFER_STATE_DONE: "done",
+    pb.TRANSFER_STATE_FAILED: "failed",
+    pb.TRANSFER_STATE_CANCELLED: "cancelled",
+}
 _TRANSLATE_DROPS = (("short_tokens", "short_tokens"), ("unknown_removals", "unknown_removal"))
 
 
@@ -68,7 +76,44 @@ class MessengerMetrics:
             registry=r,
             buckets=(1e-3, 2.5e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
+        self.transfers = Counter(
+            PREFIX + "transfers",
+            "KV transfers this Messenger ran (as the target's), by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            PREFIX + "transfer_bytes", "KV bytes received and verified.", registry=r
+        )
+        self.chunks_retried = Counter(
+            PREFIX + "transfer_chunks_retried",
+            "Chunks read again because their checksum did not match.",
+            registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            PREFIX + "transfer_seconds",
+            "Time a successful transfer ran (queueing excluded).",
+            registry=r,
+            buckets=_TRANSFER_BUCKETS,
+        )
+        self.first_layer_seconds = Histogram(
+            PREFIX + "transfer_first_layer_seconds",
+            "Time from a transfer's start to its first layer verified (usable).",
+            registry=r,
+            buckets=_TRANSFER_BUCKETS,
+        )
         r.register(_Collector(relays, stream))
+
+    def on_transfer_end(self, transfer: Transfer) -> None:
+        """A transfer this Messenger ran ended (the `Transfers` hook)."""
+        outcome = _OUTCOMES.get(transfer.state, "failed")
+        self.transfers.labels(outcome).inc()
+        self.transfer_bytes.inc(transfer.bytes_done)
+        self.chunks_retried.inc(transfer.chunks_retried)
+        if transfer.state == pb.TRANSFER_STATE_DONE and transfer.started_at:
+            self.transfer_seconds.observe(transfer.elapsed_s)
+            if transfer.first_layer_s >= 0:
+                self.first_layer_seconds.observe(transfer.first_layer_s)
 
     def on_sent(self, sent: SentBatch) -> None:
         self.batches.labels(sent.instance_id).inc()

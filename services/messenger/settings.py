@@ -11,19 +11,11 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from services.common.flags import env_flag
+from services.common.tls import ClientTls, ServerTls
+from services.messenger.transfer.factory import BACKENDS
 
 ENV = "KVSCHED_MESSENGER_"
 _flag = partial(env_flag, ENV)
-
-
-@dataclass(frozen=True, slots=True)
-class ClientTls:
-    """TLS towards the Conductors: the CA their certificates chain to, and this Messenger's
-    own certificate and key when they ask for one (mTLS)."""
-
-    ca_file: str
-    cert_file: str | None = None
-    key_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +39,18 @@ class MessengerSettings:
     resend_batches: int = 1024  # batches kept per instance to resend after a resume point
     resync_min_interval_s: float = 1.0  # between resyncs caused by blocks of unknown parents
     hash_seed: int = 0  # seed of our block hashes (the Conductor's and the Routers')
-    tls: ClientTls | None = None
+    # How KV bytes move: our TCP stream (the faster on loopback and plain Ethernet, see
+    # bench.transfer), or mooncake (RDMA where the NICs have it; needs libibverbs).
+    transfer_backend: str = "tcp"
+    mooncake_protocol: str = "tcp"  # tcp, or rdma where the NICs have it
+    mooncake_device: str = ""  # the RDMA device(s), e.g. mlx5_0
+    transfer_io_timeout_s: float = 10.0  # a read making no progress this long fails
+    max_transfers: int = 4  # transfers running at once (more wait, queued)
+    transfer_rate: float = 0.0  # bytes per second each transfer may move (0: no limit)
+    chunk_retries: int = 3  # reads of a chunk whose checksum did not match
+    fault_corrupt_chunks: int = 0  # fault injection for tests: damage this many chunks
+    tls: ClientTls | None = None  # towards the Conductors and the other Messengers
+    server_tls: ServerTls | None = None  # its own gRPC server's (MessengerService)
     otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -70,6 +73,16 @@ class MessengerSettings:
             raise ValueError("--conductor needs at least one host:port")
         if not 0 <= self.hash_seed < 1 << 64:
             raise ValueError("--hash-seed must fit in an unsigned 64-bit integer")
+        if self.transfer_backend not in BACKENDS:
+            raise ValueError(f"--transfer-backend must be one of {', '.join(BACKENDS)}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError("--mooncake-protocol must be tcp or rdma")
+        if self.transfer_io_timeout_s <= 0 or self.max_transfers <= 0:
+            raise ValueError("--transfer-io-timeout and --max-transfers must be positive")
+        if self.transfer_rate < 0 or self.chunk_retries < 0 or self.fault_corrupt_chunks < 0:
+            raise ValueError(
+                "--transfer-rate, --chunk-retries and --fault-corrupt-chunks must not be negative"
+            )
 
     @property
     def url(self) -> str:
@@ -117,15 +130,33 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "resend-batches", d.resend_batches, "batches kept per instance for resending")
     _flag(p, "resync-min-interval", d.resync_min_interval_s, "seconds between parent resyncs")
     _flag(p, "hash-seed", d.hash_seed, "seed of the block hashes (as the Conductor's)")
+    _flag(p, "transfer-backend", d.transfer_backend, f"how KV moves: {' or '.join(BACKENDS)}")
+    _flag(p, "mooncake-protocol", d.mooncake_protocol, "Mooncake transport: tcp or rdma")
+    _flag(p, "mooncake-device", d.mooncake_device, "Mooncake RDMA device(s), e.g. mlx5_0")
+    _flag(p, "transfer-io-timeout", d.transfer_io_timeout_s, "a stalled read fails after, s")
+    _flag(p, "max-transfers", d.max_transfers, "KV transfers running at once")
+    _flag(p, "transfer-rate", d.transfer_rate, "bytes/s per transfer at most (0: no limit)")
+    _flag(p, "chunk-retries", d.chunk_retries, "reads of a chunk that failed its checksum")
+    _flag(p, "fault-corrupt-chunks", d.fault_corrupt_chunks, "tests: damage this many chunks")
     _flag(p, "tls-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
     _flag(p, "tls-cert", "", "this Messenger's client certificate (PEM), for mTLS")
     _flag(p, "tls-key", "", "this Messenger's client private key (PEM), for mTLS")
+    _flag(p, "serve-tls-cert", "", "certificate (PEM) this Messenger's gRPC server serves TLS with")
+    _flag(p, "serve-tls-key", "", "its private key (PEM)")
+    _flag(p, "serve-tls-client-ca", "", "CA (PEM) client certificates must chain to (mTLS)")
     a = p.parse_args(argv)
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
     if a.tls_cert and not a.tls_ca:
         p.error("--tls-cert needs --tls-ca")
     tls = ClientTls(a.tls_ca, a.tls_cert or None, a.tls_key or None) if a.tls_ca else None
+    if bool(a.serve_tls_cert) != bool(a.serve_tls_key):
+        p.error("--serve-tls-cert and --serve-tls-key go together")
+    server_tls = (
+        ServerTls(a.serve_tls_cert, a.serve_tls_key, a.serve_tls_client_ca or None)
+        if a.serve_tls_cert
+        else None
+    )
     engines = _split(a.engine or [os.environ.get(engine_env, "")])
     try:
         return MessengerSettings(
@@ -146,7 +177,16 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             resend_batches=a.resend_batches,
             resync_min_interval_s=a.resync_min_interval,
             hash_seed=a.hash_seed,
+            transfer_backend=a.transfer_backend,
+            mooncake_protocol=a.mooncake_protocol,
+            mooncake_device=a.mooncake_device,
+            transfer_io_timeout_s=a.transfer_io_timeout,
+            max_transfers=a.max_transfers,
+            transfer_rate=a.transfer_rate,
+            chunk_retries=a.chunk_retries,
+            fault_corrupt_chunks=a.fault_corrupt_chunks,
             tls=tls,
+            server_tls=server_tls,
             otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
         )
     except ValueError as exc:

@@ -16,19 +16,10 @@ from functools import partial
 
 from services.common.flags import env_flag
 from services.common.openai_api import DEFAULT_MODEL
+from services.common.tls import ClientTls
 
 ENV = "KVSCHED_ROUTER_"
 _flag = partial(env_flag, ENV)
-
-
-@dataclass(frozen=True, slots=True)
-class ConductorTls:
-    """TLS to the Conductors: the CA their certificates chain to, plus this Router's own
-    certificate and key when they ask for one (mTLS)."""
-
-    ca_file: str
-    cert_file: str | None = None
-    key_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +30,7 @@ class RouterSettings:
     listen: str = "127.0.0.1:8000"
     grpc_listen: str = "127.0.0.1:50061"
     conductors: tuple[str, ...] = ("127.0.0.1:50051",)
-    conductor_tls: ConductorTls | None = None
+    conductor_tls: ClientTls | None = None
     api_keys: str | None = None  # path of the tenants file; None needs `no_auth`
     no_auth: bool = False
     tokenizer: str | None = None  # tokenizer.json; None: the shipped demo tokenizer
@@ -47,6 +38,7 @@ class RouterSettings:
     model: str = DEFAULT_MODEL
     max_model_len: int = 131_072
     placement_timeout_s: float = 0.25
+    transfer_wait_s: float = 60.0  # longest wait for a KV transfer a request needs
     instances_refresh_s: float = 1.0
     upstream_timeout_s: float = 300.0  # longest silence from an engine (headers or bytes)
     max_connections: int = 4096  # upstream pool size; 0: unlimited
@@ -67,6 +59,7 @@ class RouterSettings:
             "--block-size": self.block_size,
             "--max-model-len": self.max_model_len,
             "--placement-timeout": self.placement_timeout_s,
+            "--transfer-wait": self.transfer_wait_s,
             "--instances-refresh": self.instances_refresh_s,
             "--upstream-timeout": self.upstream_timeout_s,
             "--tokenizer-threads": self.tokenizer_threads,
@@ -99,6 +92,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
     _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
     _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before the local fallback")
+    _flag(p, "transfer-wait", d.transfer_wait_s, "longest wait for KV a request needs, seconds")
     _flag(p, "instances-refresh", d.instances_refresh_s, "instance list refresh period, seconds")
     _flag(p, "upstream-timeout", d.upstream_timeout_s, "longest engine silence, seconds")
     _flag(p, "max-connections", d.max_connections, "upstream connection pool size (0: no cap)")
@@ -108,7 +102,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     a = p.parse_args(argv)
     tls = None
     if a.conductor_ca:
-        tls = ConductorTls(a.conductor_ca, a.conductor_cert or None, a.conductor_key or None)
+        tls = ClientTls(a.conductor_ca, a.conductor_cert or None, a.conductor_key or None)
     elif a.conductor_cert or a.conductor_key:
         p.error("--conductor-cert/--conductor-key need --conductor-ca")
     try:
@@ -125,6 +119,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             model=a.model,
             max_model_len=a.max_model_len,
             placement_timeout_s=a.placement_timeout,
+            transfer_wait_s=a.transfer_wait,
             instances_refresh_s=a.instances_refresh,
             upstream_timeout_s=a.upstream_timeout,
             max_connections=a.max_connections,

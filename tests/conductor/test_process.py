@@ -14,9 +14,9 @@ from clients.python import ConductorClient
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.etcd import EtcdStore
+from services.common.tls import ServerTls
 from services.conductor import keys
 from services.conductor.app import SERVICE_NAME, Conductor
-from services.conductor.settings import TlsFiles
 from tests.conductor.conftest import ConductorProcess, instance, leader_of
 from tests.fixtures.etcd import EtcdServer, make_tls
 from tests.fixtures.poll import wait_for
@@ -100,7 +100,7 @@ async def test_mutual_tls_admits_only_clients_with_a_certificate(
     start_conductor: Start, tmp_path: Path
 ) -> None:
     tls = make_tls(tmp_path)
-    files = TlsFiles(str(tls.server_cert), str(tls.server_key), str(tls.ca_file))
+    files = ServerTls(str(tls.server_cert), str(tls.server_key), str(tls.ca_file))
     c = await start_conductor(tls=files)
     ca = tls.ca_file.read_bytes()
     good = grpc.ssl_channel_credentials(

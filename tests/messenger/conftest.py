@@ -123,6 +123,70 @@ class EngineProcess:
             return await r.json()
 
 
+class MessengerProcess:
+    """A Messenger (`python -m services.messenger`) on free loopback ports."""
+
+    def __init__(
+        self, log: Path, conductor: str, node: str, engines: Sequence[str], flags: Sequence[str]
+    ) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.log = log
+        argv = [
+            sys.executable, "-m", "services.messenger",
+            "--listen", f"127.0.0.1:{self.port}",
+            "--http-listen", f"127.0.0.1:{self.http_port}",
+            "--conductor", conductor,
+            "--node", node,
+            "--engine", ",".join(engines),
+            "--instance-ttl", "10",
+            *flags,
+        ]  # fmt: skip
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                argv, cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT
+            )
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    async def metrics(self, http: aiohttp.ClientSession) -> str:
+        async with http.get(self.http_url + "/metrics") as r:
+            return await r.text()
+
+
+@pytest.fixture
+def start_messenger_process(tmp_path: Path) -> Iterator[Callable[..., MessengerProcess]]:
+    started: list[MessengerProcess] = []
+
+    def start(conductor: str, node: str, engines: Sequence[str], *flags: str) -> MessengerProcess:
+        m = MessengerProcess(tmp_path / f"messenger-{node}.log", conductor, node, engines, flags)
+        started.append(m)
+        return m
+
+    yield start
+    for m in started:
+        m.stop()
+
+
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:

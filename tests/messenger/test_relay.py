@@ -17,11 +17,10 @@ import zmq.asyncio
 from clients.python import ConductorClient
 from kvsched.core.hashing import BlockHasher
 from services.common.etcd import EtcdStore
+from services.common.tls import ClientTls, ServerTls
 from services.conductor import keys
 from services.conductor.app import Conductor
-from services.conductor.settings import TlsFiles
 from services.messenger.app import Messenger
-from services.messenger.settings import ClientTls
 from tests.fixtures.etcd import EtcdServer, make_tls
 from tests.fixtures.poll import wait_for
 from tests.messenger.conftest import (
@@ -251,7 +250,7 @@ async def test_registers_and_relays_over_mutual_tls(
     tmp_path: Path,
 ) -> None:
     tls = make_tls(tmp_path)
-    files = TlsFiles(str(tls.server_cert), str(tls.server_key), str(tls.ca_file))
+    files = ServerTls(str(tls.server_cert), str(tls.server_key), str(tls.ca_file))
     conductor: Conductor = await start_conductor(tls=files)
     engine = start_engine(IID)
     await engine.ready(http)

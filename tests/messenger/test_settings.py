@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.messenger.settings import ClientTls, parse
+from services.common.tls import ClientTls
+from services.messenger.settings import parse
 
 
 def test_flags_and_lists() -> None:

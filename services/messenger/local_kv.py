@@ -1,0 +1,88 @@
+"""This node's engines as ends of KV transfers: each engine's HTTP API and its KV memory,
+mapped into the Messenger and registered with the transfer backend once (not per transfer).
+
+An engine that restarted keeps its KV in a new file: the old mapping is unregistered and
+closed, and the new one mapped and registered, the first time a transfer needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.messenger.engine_api import EngineApi
+from services.messenger.transfer.backend import Backend
+from services.messenger.transfer.region import KvRegion
+
+if TYPE_CHECKING:
+    from services.messenger.relay import EngineRelay
+
+log = logging.getLogger(__name__)
+
+
+class TransferRefused(Exception):
+    """A transfer call this Messenger refuses, with the gRPC status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LocalKv:
+    """The KV memory of the engines this Messenger relays."""
+
+    def __init__(self, relays: Callable[[], Sequence[EngineRelay]], backend: Backend) -> None:
+        self._relays = relays
+        self.backend = backend
+        self._regions: dict[str, KvRegion] = {}  # instance id -> its mapped memory
+
+    def engine(self, instance_id: str) -> tuple[EngineApi, KvRegion]:
+        """The engine that is `instance_id` and its mapped, registered KV memory. Raises
+        `TransferRefused`: NOT_FOUND when no engine of this node is that instance,
+        FAILED_PRECONDITION when it keeps no KV bytes (or its file cannot be mapped)."""
+        relay = next((r for r in self._relays() if r.instance_id == instance_id), None)
+        if relay is None or relay.info is None or not relay.up:
+            raise TransferRefused(
+                grpc.StatusCode.NOT_FOUND,
+                f"instance {instance_id!r} is not an engine of this node that answers now",
+            )
+        memory = relay.info.kv_memory
+        if memory is None:
+            raise TransferRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"instance {instance_id!r} keeps no KV memory a Messenger can move",
+            )
+        region = self._regions.get(instance_id)
+        if region is not None and (
+            str(region.path) != memory.path or region.layout != memory.layout
+        ):
+            self._drop(instance_id)  # the engine restarted into a new file
+            region = None
+        if region is None:
+            try:
+                region = KvRegion(memory.path, memory.layout)
+            except (OSError, ValueError) as exc:
+                raise TransferRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"cannot map the KV memory of {instance_id!r}: {exc}",
+                ) from None
+            self.backend.register(region)
+            self._regions[instance_id] = region
+            log.info("registered the KV memory of %s (%d bytes)", instance_id, region.size)
+        return relay.api, region
+
+    def _drop(self, instance_id: str) -> None:
+        region = self._regions.pop(instance_id)
+        self.backend.unregister(region)
+        try:
+            region.close()
+        except BufferError:  # a transfer still holds a view: the mapping goes when it ends
+            log.warning("the old KV memory of %s is still in use", instance_id)
+
+    def close(self) -> None:
+        """Unregister and unmap every region (the backend is stopped first)."""
+        for instance_id in list(self._regions):
+            self._drop(instance_id)

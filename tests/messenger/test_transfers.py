@@ -1,0 +1,473 @@
+"""KV transfers between two Messengers in separate processes, each with a simulated engine of
+its own node, through each backend: the bytes arrive exactly, layer by layer; a corrupted
+chunk is read again or fails the transfer, never accepted; a Messenger killed mid-transfer or a
+cancel leaves nothing half-committed; a hand-off streams while the prefill runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import mmap
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from clients.python import ConductorClient
+from kvsched.api.common.v1 import common_pb2 as common
+from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
+from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
+from kvsched.core.hashing import BlockHasher
+from services.common.kv_layout import KvLayout, expected_chunk
+from services.common.tls import ClientTls, aio_channel, channel_credentials
+from tests.conductor.conftest import ConductorProcess
+from tests.conftest import MOONCAKE
+from tests.fixtures.etcd import make_tls, start_etcd
+from tests.fixtures.poll import wait_for
+from tests.messenger.conftest import (
+    BLOCK,
+    EngineProcess,
+    MessengerProcess,
+    cached_tokens,
+    instance_status,
+)
+
+SOURCE, TARGET = "node-0/e0", "node-1/e0"
+BLOCKS = 24
+BACKENDS = ["tcp", pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE])]
+
+
+def prompt(seed: int, blocks: int = BLOCKS) -> list[int]:
+    return [2000 + seed * 131 + i for i in range(blocks * BLOCK + 1)]
+
+
+@dataclass
+class Nodes:
+    """Two nodes' engines registered with one Conductor (a process), shared by a module's
+    tests (each uses prompts of its own); every test starts both Messengers anew."""
+
+    conductor: ConductorProcess
+    source: EngineProcess
+    target: EngineProcess
+    backend: str
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def nodes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Nodes]:
+    tmp = tmp_path_factory.mktemp("transfers")
+    flags = ("--capacity-blocks", "96", "--chunk-tokens", str(4 * BLOCK))
+    with start_etcd(tmp / "etcd") as etcd:
+        conductor = ConductorProcess(etcd, "c1", tmp / "conductor.log", max_instances=4)
+        source = EngineProcess(tmp / "source.log", SOURCE, flags=flags)
+        target = EngineProcess(tmp / "target.log", TARGET, flags=flags)
+        try:
+            yield Nodes(conductor, source, target, request.param)
+        finally:
+            for proc in (target, source, conductor):
+                proc.stop()
+
+
+@dataclass
+class Pair:
+    """The two nodes with a Messenger each."""
+
+    nodes: Nodes
+    client: ConductorClient
+    source_messenger: MessengerProcess
+    target_messenger: MessengerProcess
+    http: aiohttp.ClientSession
+    stub: Any  # the target Messenger's MessengerService
+
+    @property
+    def source(self) -> EngineProcess:
+        return self.nodes.source
+
+    @property
+    def target(self) -> EngineProcess:
+        return self.nodes.target
+
+    async def layout(self, engine: EngineProcess) -> tuple[str, KvLayout]:
+        async with self.http.get(engine.url + "/kvsched/info") as r:
+            mem = (await r.json())["kv_memory"]
+        return mem["path"], KvLayout(
+            mem["layers"], mem["pages"], mem["chunk_bytes"], mem["block_size"]
+        )
+
+    async def start(
+        self, hashes: Sequence[int], *, kind: int = common.TRANSFER_KIND_MIGRATE_SESSION,
+        timeout_s: float = 20.0,
+    ) -> str:  # fmt: skip
+        tid = f"t-{uuid.uuid4().hex[:8]}"
+        plan = common.TransferPlan(
+            transfer_id=tid,
+            kind=kind,  # type: ignore[arg-type]
+            source_instance_id=SOURCE,
+            target_instance_id=TARGET,
+            block_hashes=hashes,
+        )
+        request = mpb.StartTransferRequest(
+            plan=plan, source_messenger_url=self.source_messenger.url
+        )
+        request.timeout.FromNanoseconds(round(timeout_s * 1e9))
+        answer = await self.stub.StartTransfer(request, timeout=5.0)
+        assert answer.transfer_id == tid
+        return tid
+
+    async def watch(self, tid: str) -> list[mpb.WatchTransferResponse]:
+        request = mpb.WatchTransferRequest(transfer_id=tid)
+        return [p async for p in self.stub.WatchTransfer(request, timeout=30.0)]
+
+    async def visible(self, engine: EngineProcess, hashes: Sequence[int]) -> list[int] | None:
+        """The pages `engine` holds `hashes` in, when it holds them all (pinning them for an
+        instant), else None."""
+        body = {"block_hashes": list(hashes), "hold_s": 5.0}
+        async with self.http.post(engine.url + "/kvsched/kv/export", json=body) as r:
+            answer = await r.json()
+        if answer["export_id"] is not None:
+            await self.http.delete(f"{engine.url}/kvsched/kv/export/{answer['export_id']}")
+        return answer["pages"] if answer["blocks"] == len(hashes) else None
+
+    async def free_for(self, engine: EngineProcess, hashes: Sequence[int]) -> bool:
+        """Whether `engine` can reserve pages for all of `hashes` now (its pages came back)."""
+        body = {"block_hashes": list(hashes), "hold_s": 5.0}
+        async with self.http.post(engine.url + "/kvsched/kv/import", json=body) as r:
+            answer = await r.json()
+        if r.status != 200:
+            return False
+        if answer["import_id"] is not None:
+            await self.http.delete(f"{engine.url}/kvsched/kv/import/{answer['import_id']}")
+        return answer["have"] == 0 and len(answer["pages"]) == len(hashes)
+
+
+@pytest.fixture
+async def pair_of(
+    nodes: Nodes,
+    start_messenger_process: Callable[..., MessengerProcess],
+    client_of: Callable[[Sequence[str]], ConductorClient],
+    http: aiohttp.ClientSession,
+) -> AsyncIterator[Callable[..., Any]]:
+    channels: list[grpc.aio.Channel] = []
+
+    async def make(*, target_flags: Sequence[str] = ()) -> Pair:
+        await nodes.source.ready(http)
+        await nodes.target.ready(http)
+        client = client_of([nodes.conductor.url])
+        backend = ("--transfer-backend", nodes.backend)
+        conductor = nodes.conductor.url
+        source_m = start_messenger_process(conductor, "node-0", [nodes.source.url], *backend)
+        target_m = start_messenger_process(
+            conductor, "node-1", [nodes.target.url], *backend, *target_flags
+        )
+        for m, engine in ((source_m, nodes.source), (target_m, nodes.target)):
+            await wait_for(
+                functools.partial(_registered_by, client, engine.instance_id, m.url),
+                20.0,
+                message=f"{engine.instance_id} registered (log: {m.log})",
+            )
+        channel = grpc.aio.insecure_channel(target_m.url)
+        channels.append(channel)
+        stub = mpb_grpc.MessengerServiceStub(channel)
+        return Pair(nodes, client, source_m, target_m, http, stub)
+
+    yield make
+    for channel in channels:
+        await channel.close(None)
+
+
+async def _registered_by(client: ConductorClient, instance_id: str, messenger: str) -> bool:
+    status = await instance_status(client, instance_id)
+    return status is not None and status.spec.messenger_url == messenger
+
+
+def read_chunks(path: str, layout: KvLayout, pages: Sequence[int]) -> list[list[bytes]]:
+    """Every layer's chunk of every page, as the engine's memory holds them."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), layout.size, prot=mmap.PROT_READ) as m:
+        return [
+            [m[layout.offset(layer, p) : layout.offset(layer, p) + layout.chunk_bytes]
+             for layer in range(layout.layers)]
+            for p in pages
+        ]  # fmt: skip
+
+
+async def test_blocks_arrive_byte_exact_layer_by_layer_and_become_cache_hits(
+    pair_of: Callable[..., Any],
+) -> None:
+    pair: Pair = await pair_of()
+    tokens = prompt(1)
+    await pair.source.complete(pair.http, tokens)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    assert len(hashes) == BLOCKS and await pair.visible(pair.target, hashes) is None
+
+    progress = await pair.watch(await pair.start(hashes))
+    last = progress[-1]
+    assert last.state == mpb.TRANSFER_STATE_DONE, last.error
+    path, layout = await pair.layout(pair.target)
+    assert (last.blocks, last.blocks_done, last.layers_done) == (BLOCKS, BLOCKS, layout.layers)
+    assert last.bytes_done == BLOCKS * layout.layers * layout.chunk_bytes
+    assert last.bytes_per_second > 0
+    layers = [p.layers_done for p in progress]
+    assert layers == sorted(layers) and layers[-1] == layout.layers  # reported as they arrive
+
+    pages = await pair.visible(pair.target, hashes)
+    assert pages is not None
+    got = read_chunks(path, layout, pages)
+    source_path, _ = await pair.layout(pair.source)
+    source_pages = await pair.visible(pair.source, hashes)
+    assert source_pages is not None
+    assert got == read_chunks(source_path, layout, source_pages)  # the source's very bytes
+    for block, h in enumerate(hashes):  # and the content a block's hash and layer imply
+        for layer in range(layout.layers):
+            assert got[block][layer] == expected_chunk(h, layer, layout.chunk_bytes)
+
+    # Imported blocks are the target's cache: the next prompt hits them, and the Conductor
+    # learns them from the target's KV events.
+    answer = await pair.target.complete(pair.http, tokens)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * BLOCK
+    await wait_for(
+        lambda: cached_tokens(pair.client, tokens), 10.0, message="the Conductor indexes them"
+    )
+    status = await instance_status(pair.client, TARGET)
+    assert status is not None and status.gpu_blocks >= BLOCKS
+
+
+async def test_a_corrupted_chunk_is_read_again(pair_of: Callable[..., Any]) -> None:
+    pair: Pair = await pair_of(target_flags=("--fault-corrupt-chunks", "3"))
+    tokens = prompt(2)
+    await pair.source.complete(pair.http, tokens)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    last = (await pair.watch(await pair.start(hashes)))[-1]
+    assert last.state == mpb.TRANSFER_STATE_DONE, last.error
+    metrics = await pair.target_messenger.metrics(pair.http)
+    assert "kvsched_messenger_transfer_chunks_retried_total 3.0" in metrics
+    pages = await pair.visible(pair.target, hashes)
+    assert pages is not None
+    path, layout = await pair.layout(pair.target)
+    got = read_chunks(path, layout, pages)
+    assert all(
+        got[b][layer] == expected_chunk(h, layer, layout.chunk_bytes)
+        for b, h in enumerate(hashes)
+        for layer in range(layout.layers)
+    )
+
+
+async def test_a_chunk_that_stays_corrupt_fails_the_transfer_and_nothing_is_committed(
+    pair_of: Callable[..., Any],
+) -> None:
+    flags = ("--fault-corrupt-chunks", "1000000", "--chunk-retries", "2")
+    pair: Pair = await pair_of(target_flags=flags)
+    tokens = prompt(3)
+    await pair.source.complete(pair.http, tokens)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    last = (await pair.watch(await pair.start(hashes)))[-1]
+    assert last.state == mpb.TRANSFER_STATE_FAILED
+    assert "checksum" in last.error and "nothing was committed" in last.error
+    assert await pair.visible(pair.target, hashes[:1]) is None  # not even the first block
+    assert await pair.free_for(pair.target, hashes)  # every reserved page came back
+    answer = await pair.target.complete(pair.http, tokens)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def _until_running(pair: Pair, tid: str) -> None:
+    """Wait until a (paced) transfer has verified its first layer."""
+    request = mpb.WatchTransferRequest(transfer_id=tid)
+    async for progress in pair.stub.WatchTransfer(request, timeout=30.0):
+        if progress.layers_done >= 1:
+            return
+        assert progress.state in (mpb.TRANSFER_STATE_QUEUED, mpb.TRANSFER_STATE_RUNNING)
+    raise AssertionError("the transfer ended before its first layer")
+
+
+def _paced(layout_bytes: int = BLOCKS * 32 * BLOCK * 64) -> tuple[str, str]:
+    """A rate that spreads a transfer of the test's blocks over about four seconds."""
+    return ("--transfer-rate", str(layout_bytes // 4))
+
+
+async def test_a_source_messenger_killed_mid_transfer_fails_it_cleanly(
+    pair_of: Callable[..., Any],
+) -> None:
+    pair: Pair = await pair_of(target_flags=_paced())
+    tokens = prompt(4)
+    await pair.source.complete(pair.http, tokens)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    tid = await pair.start(hashes)
+    await _until_running(pair, tid)
+    pair.source_messenger.kill()
+    last = (await pair.watch(tid))[-1]
+    assert last.state == mpb.TRANSFER_STATE_FAILED and last.error
+    assert await pair.visible(pair.target, hashes[:1]) is None
+    assert await pair.free_for(pair.target, hashes)
+    assert pair.target_messenger.process.poll() is None  # the target's Messenger serves on
+
+
+async def test_a_target_messenger_killed_mid_transfer_leaves_nothing_on_its_engine(
+    pair_of: Callable[..., Any],
+) -> None:
+    pair: Pair = await pair_of(target_flags=_paced())
+    tokens = prompt(5)
+    await pair.source.complete(pair.http, tokens)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    tid = await pair.start(hashes, timeout_s=3.0)
+    await _until_running(pair, tid)
+    pair.target_messenger.kill()
+    # Its engine's reservation ends at the transfer's deadline (its hold): never committed.
+    assert await pair.visible(pair.target, hashes[:1]) is None
+    await wait_for(lambda: pair.free_for(pair.target, hashes), 10.0, message="pages back")
+    assert await pair.visible(pair.target, hashes[:1]) is None
+
+
+async def test_a_cancelled_transfer_commits_nothing(
+    pair_of: Callable[..., Any],
+) -> None:
+    pair: Pair = await pair_of(target_flags=_paced())
+    tokens = prompt(6)
+    await pair.source.complete(pair.http, tokens)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    tid = await pair.start(hashes)
+    await _until_running(pair, tid)
+    answer = await pair.stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id=tid))
+    assert answer.state == mpb.TRANSFER_STATE_CANCELLED
+    last = (await pair.watch(tid))[-1]
+    assert last.state == mpb.TRANSFER_STATE_CANCELLED and last.layers_done < 32
+    assert await pair.visible(pair.target, hashes[:1]) is None
+    await wait_for(lambda: pair.free_for(pair.target, hashes), 5.0, message="pages back")
+    again = await pair.stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id=tid))
+    assert again.state == mpb.TRANSFER_STATE_CANCELLED  # idempotent, and it stays ended
+
+
+async def test_a_handoff_streams_the_prompt_while_its_prefill_runs(
+    pair_of: Callable[..., Any],
+) -> None:
+    # Four blocks per forward pass (the engines' flags): the prefill stores the prompt in
+    # six steps.
+    pair: Pair = await pair_of()
+    tokens = prompt(7)
+    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    tid = await pair.start(hashes, kind=common.TRANSFER_KIND_HANDOFF)  # before the prefill
+    watching = [p async for p in _first(pair, tid)]
+    assert watching[-1].state == mpb.TRANSFER_STATE_RUNNING and watching[-1].blocks_done == 0
+    following = asyncio.create_task(pair.watch(tid))  # every change from here on
+    await pair.source.complete(pair.http, tokens)
+    progress = await following
+    assert progress[-1].state == mpb.TRANSFER_STATE_DONE, progress[-1].error
+    done = {p.blocks_done for p in progress}
+    assert any(0 < d < BLOCKS for d in done), done  # blocks arrived in pieces, as computed
+    assert await pair.visible(pair.target, hashes) is not None
+
+
+async def _first(pair: Pair, tid: str) -> AsyncIterator[mpb.WatchTransferResponse]:
+    """The transfer's progress until it runs (it then waits for the source's blocks)."""
+    request = mpb.WatchTransferRequest(transfer_id=tid)
+    async for progress in pair.stub.WatchTransfer(request, timeout=10.0):
+        yield progress
+        if progress.state == mpb.TRANSFER_STATE_RUNNING:
+            return
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code"),
+    [
+        (lambda r: r.plan.ClearField("transfer_id"), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: r.plan.ClearField("block_hashes"), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: r.ClearField("source_messenger_url"), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: setattr(r.plan, "target_instance_id", "elsewhere"), grpc.StatusCode.NOT_FOUND),
+        (lambda r: r.layers.extend([0, 1]), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: setattr(r.plan, "kind", 99), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: r.ClearField("timeout"), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda r: setattr(r, "backend", 3 - r.backend), None),  # the other backend
+    ],
+)
+async def test_bad_transfer_requests_are_refused_and_change_nothing(
+    pair_of: Callable[..., Any], mutate: Callable[[mpb.StartTransferRequest], None],
+    code: grpc.StatusCode | None,
+) -> None:  # fmt: skip
+    pair: Pair = await pair_of()
+    hashes = BlockHasher(BLOCK).hash_tokens(prompt(8))
+    plan = common.TransferPlan(
+        transfer_id="bad-1",
+        kind=common.TRANSFER_KIND_MIGRATE_SESSION,
+        source_instance_id=SOURCE,
+        target_instance_id=TARGET,
+        block_hashes=hashes,
+    )
+    request = mpb.StartTransferRequest(
+        plan=plan,
+        source_messenger_url=pair.source_messenger.url,
+        backend=mpb.TRANSFER_BACKEND_TCP
+        if pair.nodes.backend == "tcp"
+        else mpb.TRANSFER_BACKEND_MOONCAKE,
+    )
+    request.timeout.FromSeconds(5)
+    mutate(request)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pair.stub.StartTransfer(request, timeout=5.0)
+    assert err.value.code() == (code or grpc.StatusCode.FAILED_PRECONDITION)
+    assert err.value.details()
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        watch = pair.stub.WatchTransfer(mpb.WatchTransferRequest(transfer_id="bad-1"))
+        async for _ in watch:
+            raise AssertionError("a refused transfer exists")
+    assert pair.target_messenger.process.poll() is None
+    for instance_id, m in ((SOURCE, pair.source_messenger), (TARGET, pair.target_messenger)):
+        assert await _registered_by(pair.client, instance_id, m.url)
+
+
+async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_clients(
+    nodes: Nodes,
+    start_messenger_process: Callable[..., MessengerProcess],
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    """Every gRPC hop secured: the Conductor and both Messengers serve mTLS; the Messengers
+    present a client certificate to the Conductor and to each other."""
+    if nodes.backend != "tcp":
+        pytest.skip("the secured hops are gRPC's: one backend shows them")
+    tls = make_tls(tmp_path)
+    ca, cert, key = str(tls.ca_file), str(tls.client_cert), str(tls.client_key)
+    flags = [
+        "--transfer-backend", nodes.backend, "--tls-ca", ca, "--tls-cert", cert, "--tls-key", key,
+        "--serve-tls-cert", str(tls.server_cert), "--serve-tls-key", str(tls.server_key),
+        "--serve-tls-client-ca", ca,
+    ]  # fmt: skip
+    await nodes.source.ready(http)
+    await nodes.target.ready(http)
+    with start_etcd(tmp_path / "etcd") as etcd:
+        conductor = ConductorProcess(
+            etcd, "c-tls", tmp_path / "c-tls.log", max_instances=4,
+            tls_cert=tls.server_cert, tls_key=tls.server_key, tls_client_ca=ca,
+        )  # fmt: skip
+        try:
+            source_m = start_messenger_process(conductor.url, "node-0", [nodes.source.url], *flags)
+            target_m = start_messenger_process(conductor.url, "node-1", [nodes.target.url], *flags)
+            credentials = channel_credentials(ClientTls(ca, cert, key))
+            async with ConductorClient(
+                [conductor.url], credentials=credentials, deadline_s=2.0, retries=30
+            ) as client:
+                for m, engine in ((source_m, nodes.source), (target_m, nodes.target)):
+                    await wait_for(
+                        functools.partial(_registered_by, client, engine.instance_id, m.url),
+                        20.0,
+                        message=f"{engine.instance_id} registered over TLS (log: {m.log})",
+                    )
+            tokens = prompt(9)
+            await nodes.source.complete(http, tokens)
+            hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+            async with aio_channel(target_m.url, ClientTls(ca, cert, key)) as channel:
+                stub = mpb_grpc.MessengerServiceStub(channel)
+                pair = Pair(nodes, client, source_m, target_m, http, stub)
+                last = (await pair.watch(await pair.start(hashes)))[-1]
+                assert last.state == mpb.TRANSFER_STATE_DONE, last.error
+            async with aio_channel(target_m.url, ClientTls(ca)) as channel:  # no certificate
+                stub = mpb_grpc.MessengerServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id="x"), timeout=2)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            conductor.stop()
