@@ -368,7 +368,11 @@ class ConductorClient:
         *,
         write: bool,
         idempotent: bool,
+        deadline_s: float | None = None,
     ) -> _Resp:
+        """One call with leader discovery and retries; `deadline_s` overrides the client's
+        deadline for each attempt."""
+        timeout = self.deadline_s if deadline_s is None else deadline_s
         attempt = 0
         redirected = False
         while True:
@@ -385,7 +389,7 @@ class ConductorClient:
             else:  # reads are answered everywhere; prefer the leader (freshest)
                 target = self._leader or self.addresses[self._next % len(self.addresses)]
             try:
-                return await method(self._stub(target))(request, timeout=self.deadline_s)
+                return await method(self._stub(target))(request, timeout=timeout)
             except grpc.RpcError as err:
                 failure = _from_rpc(err)
             except aio.UsageError as err:  # the channel was closed under the call
@@ -469,6 +473,18 @@ class ConductorClient:
     async def report_transfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
         """Report how a transfer ended (not retried after a timeout)."""
         return await self._call(lambda s: s.ReportTransfer, request, write=True, idempotent=False)
+
+    async def await_transfer(self, transfer_id: str, timeout_s: float) -> pb.AwaitTransferResponse:
+        """Wait (up to `timeout_s`) for a transfer the Conductor ordered to end; status RUNNING
+        when it has not. Raises `NotFound` for a transfer the leader does not know."""
+        request = pb.AwaitTransferRequest(transfer_id=transfer_id, timeout=_duration(timeout_s))
+        return await self._call(
+            lambda s: s.AwaitTransfer,
+            request,
+            write=True,
+            idempotent=True,
+            deadline_s=timeout_s + self.deadline_s,
+        )
 
     async def get_session(self, session_id: str) -> pb.Session:
         """One session's binding and history."""

@@ -121,7 +121,7 @@ _SESSION_FIELDS = (
 
 def encode_session(session: Session, host_id: str | None) -> bytes:
     """A session's binding (by instance id, slots are per process) and the history its
-    policy reads; in-flight idle-gap copies are not kept (they are re-planned)."""
+    policy reads; a copy of its KV in flight is not kept (a migration ends unbound)."""
     body: dict[str, Any] = {"host": host_id or ""}
     for name in _SESSION_FIELDS:
         value = getattr(session, name)

@@ -58,6 +58,22 @@ class ConductorMetrics:
             registry=r,
             buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
+        self.transfers = Counter(
+            "kvsched_conductor_transfers",
+            "KV transfers ended, by kind and outcome (done, failed).",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "kvsched_conductor_transfer_bytes", "KV bytes moved, by kind.", ["kind"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "kvsched_conductor_transfer_seconds",
+            "Wall time of a KV transfer from its order to its end, by kind.",
+            ["kind"],
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )
         r.register(_StateCollector(conductor))
 
 
@@ -83,7 +99,14 @@ class _StateCollector(Collector):
             value=float(len(state.cluster.sessions)),
         )
         yield GaugeMetricFamily(
-            "kvsched_conductor_migrations", "Session migrations decided.", value=state.migrations
+            "kvsched_conductor_migrations",
+            "Sessions rebound to another instance (a migration ends once its KV landed).",
+            value=state.migrations,
+        )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_transfers_running",
+            "KV transfers ordered and not yet ended.",
+            value=c.transfers.running,
         )
         yield GaugeMetricFamily(
             "kvsched_conductor_rejections",

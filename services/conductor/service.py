@@ -37,6 +37,8 @@ _CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
 STREAM_WINDOW = 4096  # placement answers queued on one stream before the reader waits
+DEFAULT_AWAIT_S = 30.0  # AwaitTransfer without a timeout
+MAX_AWAIT_S = 600.0
 
 
 async def abort(context: Context, exc: RequestError) -> NoReturn:
@@ -101,6 +103,8 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             metrics.decisions.labels("placed").inc()
             metrics.prompt_tokens.inc(request.prompt_tokens)
             metrics.cached_tokens.inc(decision.cached_tokens)
+            if decision.transfers:
+                self.c.transfers.launch(decision.transfers, prefill_s=decision.estimated_ttft_s)
         return decision, rebound
 
     def _annotate(self, decision: Decision) -> None:
@@ -356,8 +360,10 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             reader.cancel()
 
     def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
+        """Record a completion; transfers it causes (an idle-gap migration) start at once."""
         plans = convert.finish(self.state, request, self.c.clock())
         self.c.metrics.reported_cached_tokens.inc(request.cached_tokens)
+        self.c.transfers.launch(plans)
         return pb.FinishResponse(transfers=[convert.transfer_message(self.state, p) for p in plans])
 
     async def Finish(self, request: pb.FinishRequest, context: Context) -> pb.FinishResponse:
@@ -372,12 +378,47 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
     ) -> pb.ReportTransferResponse:
         await self._require_leader(context)
         try:
-            moved = self.state.transfer_done(request.transfer_id, request.ok, self.c.clock())
+            moved = self.state.transfer_done(
+                request.transfer_id,
+                request.ok,
+                self.c.clock(),
+                nbytes=request.bytes,
+                seconds=convert.seconds(request.duration) / self.c.settings.time_scale,
+            )
         except RequestError as exc:
             await abort(context, exc)
         if moved:
             await self._durable(context)
         return pb.ReportTransferResponse(session_moved=moved)
+
+    async def AwaitTransfer(
+        self, request: pb.AwaitTransferRequest, context: Context
+    ) -> pb.AwaitTransferResponse:
+        await self._require_leader(context)
+        timeout = convert.seconds(request.timeout) or DEFAULT_AWAIT_S
+        if not 0 < timeout <= MAX_AWAIT_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout must be positive and at most {MAX_AWAIT_S:.0f} s, got {timeout} s",
+            )
+        tid = request.transfer_id
+        try:
+            outcome = await self.c.transfers.wait(tid, timeout)
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"transfer {tid!r} is unknown to this leader (never ordered, or long ended)",
+            )
+        if outcome is None:
+            return pb.AwaitTransferResponse(transfer_id=tid, status=pb.TRANSFER_STATUS_RUNNING)
+        return pb.AwaitTransferResponse(
+            transfer_id=tid,
+            status=pb.TRANSFER_STATUS_DONE if outcome.ok else pb.TRANSFER_STATUS_FAILED,
+            bytes=outcome.nbytes,
+            duration=convert.duration(outcome.seconds),
+            error=outcome.error,
+            session_moved=outcome.session_moved,
+        )
 
     # ---- sessions, policy, explain, leader -------------------------------------------
 

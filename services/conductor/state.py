@@ -9,12 +9,13 @@ leaves the state exactly as it was.
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
-from kvsched.core.decision import Completion, Decision, RequestInfo, TransferPlan
+from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.core.scheduler import Scheduler
@@ -126,7 +127,8 @@ class ConductorState:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._transfers: OrderedDict[str, TransferPlan] = OrderedDict()
         self._transfer_ids = itertools.count(1)
-        self._self_id = self_id
+        # Unique across terms and restarts: a Messenger still knows the ids of the last term.
+        self._transfer_prefix = f"{self_id}-{secrets.token_hex(4)}"
         self.rejections = 0
         self.migrations = 0
 
@@ -363,7 +365,7 @@ class ConductorState:
 
     def _open_transfer(self, plan: TransferPlan) -> TransferPlan:
         """Give a transfer order its id and keep it until its outcome is reported."""
-        named = replace(plan, transfer_id=f"{self._self_id}-{next(self._transfer_ids)}")
+        named = replace(plan, transfer_id=f"{self._transfer_prefix}-{next(self._transfer_ids)}")
         self._transfers[named.transfer_id] = named
         if len(self._transfers) > OPEN_TRANSFERS:
             self._transfers.popitem(last=False)
@@ -425,11 +427,17 @@ class ConductorState:
             self._persist_session(session_id)
         return tuple(self._open_transfer(plan) for plan in plans)
 
-    def transfer_done(self, transfer_id: str, ok: bool, now: float) -> bool:
-        """Record a transfer's outcome; returns whether a session moved."""
+    def transfer_done(
+        self, transfer_id: str, ok: bool, now: float, *, nbytes: int = 0, seconds: float = 0.0
+    ) -> bool:
+        """Record a transfer's outcome, and what it measured (`nbytes` in `seconds` of policy
+        time) for the cost model; returns whether a session moved."""
         plan = self._transfers.pop(transfer_id, None)
         if plan is None:
             raise RequestError("not_found", f"unknown or already reported transfer {transfer_id!r}")
+        # A hand-off's time includes the prefill it overlaps: no bandwidth to learn from it.
+        if ok and nbytes > 0 and seconds > 0 and plan.kind is not TransferKind.HANDOFF:
+            self.scheduler.transfer_measured(plan.source, plan.target, nbytes, seconds)
         moved = self.scheduler.transfer_done(plan, ok, now)
         if moved and plan.session_id:
             self.migrations += 1

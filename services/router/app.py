@@ -69,8 +69,10 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from services.common.tls import channel_credentials
 from services.router.auth import Authenticator
 from services.router.grpc_service import SERVICE_NAME, RouterServicer
+from services.router.kv_moves import Forward, KvMoves
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, PlacementQuery, Placer
 from services.router.proxy import EngineFailed, EngineRefused, Relayed, Upstream, with_cache_salt
@@ -144,7 +146,7 @@ class Router:
             # and a dead Conductor should be noticed within a refresh or two.
             deadline_s=1.0,
             retries=2,
-            credentials=_conductor_credentials(s),
+            credentials=channel_credentials(s.conductor_tls),
             # (grpc-stubs types aio.ClientInterceptor as a placeholder that needs a cast)
             interceptors=cast("list[Interceptor]", client_interceptors(self.tracer)),
         )
@@ -157,6 +159,9 @@ class Router:
         )
         self.upstream = Upstream(
             self.metrics, timeout_s=s.upstream_timeout_s, max_connections=s.max_connections
+        )
+        self.kv_moves = KvMoves(
+            self.client, self.upstream, self.metrics, self.tracer, wait_s=s.transfer_wait_s
         )
         self.health = health_aio.HealthServicer()
         self.draining = False
@@ -352,8 +357,9 @@ class Router:
     async def _forward(
         self, request: web.Request, call: _Call, placement: Placement
     ) -> web.StreamResponse:
-        """Relay to the placed engine; when it refuses the connection, to one other instance
-        the fallback picks (the refusing one is suspect for a while)."""
+        """Wait for the KV the placement moves (see `kv_moves`), then relay to the engine it
+        settles on; when that one refuses the connection, to one other instance the fallback
+        picks (the refusing one is suspect for a while)."""
         req, query, reply = call.req, call.query, call.reply
         path = request.path
         headers = {
@@ -365,7 +371,14 @@ class Router:
             headers["x-session-id"] = query.session_id
         # No usage will come when a stream was not asked for it: then count events instead.
         count_events = req.stream and not req.include_usage
-        attempt = placement
+        forward = Forward(placement)
+        if placement.transfers:
+            _PROPAGATOR.inject(headers)  # the prefill of a hand-off: under the request's span
+            known = {i.instance_id: i.url for i in self.placer.instances}
+            forward = await self.kv_moves.settle(
+                placement, path=path, body=call.body, headers=headers, source_url=known
+            )
+        attempt = forward.placement
         with self.tracer.start_as_current_span("upstream", kind=SpanKind.CLIENT) as span:
             _PROPAGATOR.inject(headers)  # traceparent: this span
             for tries in (1, 2):
@@ -386,7 +399,7 @@ class Router:
                     )
                 except EngineRefused:
                     self.placer.suspect(attempt.instance_id)
-                    self._report(call, attempt, None)
+                    self._report(call, attempt, None, forward.prefill_instance_id)
                     if tries == 2:
                         raise bad_gateway("The inference engine refused the connection.") from None
                     try:
@@ -399,20 +412,27 @@ class Router:
                         ) from None
                     continue
                 except EngineFailed as exc:
-                    self._report(call, attempt, None)
+                    self._report(call, attempt, None, forward.prefill_instance_id)
                     log.warning("engine %s failed before answering: %s", instance, exc)
                     raise bad_gateway(f"The inference engine failed ({exc.kind}).") from None
                 finally:
                     self.placer.end(instance)
                 span.set_attribute("http.response.status_code", relayed.status)
-                self._report(call, attempt, relayed)
+                self._report(call, attempt, relayed, forward.prefill_instance_id)
                 if relayed.ok and req.stream and relayed.first_byte_at is not None:
                     self.metrics.ttft.observe(relayed.first_byte_at - call.arrived)
                 return response
         raise AssertionError("unreachable")  # the second try returns or raises
 
-    def _report(self, call: _Call, placement: Placement, relayed: Relayed | None) -> None:
-        """Tell the Conductor how a request it placed went (in the background)."""
+    def _report(
+        self,
+        call: _Call,
+        placement: Placement,
+        relayed: Relayed | None,
+        prefill_instance_id: str = "",
+    ) -> None:
+        """Tell the Conductor how a request it placed went (in the background); when another
+        instance ran its prefill (a hand-off), `placement` names the one that decoded."""
         if not placement.by_conductor:
             return
         req, query, arrived = call.req, call.query, call.arrived
@@ -438,7 +458,8 @@ class Router:
             cpb.FinishRequest(
                 request_id=query.request_id,
                 session_id=query.session_id,
-                instance_id=placement.instance_id,
+                instance_id=prefill_instance_id or placement.instance_id,
+                decode_instance_id=placement.instance_id if prefill_instance_id else "",
                 prompt_tokens=query.prompt_tokens,
                 output_tokens=output,
                 cached_tokens=min(cached, query.prompt_tokens),
@@ -545,18 +566,3 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromNanoseconds(max(round(seconds * 1e9), 0))
     return d
-
-
-def _conductor_credentials(s: RouterSettings) -> grpc.ChannelCredentials | None:
-    if s.conductor_tls is None:
-        return None
-    tls = s.conductor_tls
-    with open(tls.ca_file, "rb") as f:
-        ca = f.read()
-    key = cert = None
-    if tls.cert_file and tls.key_file:
-        with open(tls.key_file, "rb") as f:
-            key = f.read()
-        with open(tls.cert_file, "rb") as f:
-            cert = f.read()
-    return grpc.ssl_channel_credentials(ca, key, cert)

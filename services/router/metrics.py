@@ -66,6 +66,21 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.transfer_wait = Histogram(
+            "kvsched_router_transfer_wait_seconds",
+            "Time a request waited for a KV transfer on its critical path (or a hand-off), by "
+            "kind.",
+            ["kind"],
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.transfer_outcomes = Counter(
+            "kvsched_router_transfer_outcomes",
+            "KV transfers a request waited for, by kind and outcome (done, failed, running: "
+            "still moving when the wait ended, unspecified: the Conductor did not answer).",
+            ["kind", "outcome"],
+            registry=r,
+        )
         self.instances_known = Gauge(
             "kvsched_router_instances_known",
             "Instances in the last list from the Conductor (the fallback's candidates).",

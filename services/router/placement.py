@@ -74,6 +74,16 @@ class PlacementQuery:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedTransfer:
+    """A KV transfer the Conductor ordered with a decision."""
+
+    transfer_id: str
+    kind: int  # kvsched.common.v1.TransferKind
+    source_instance_id: str
+    on_critical_path: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Where a request goes, and who decided."""
 
@@ -84,6 +94,9 @@ class Placement:
     rule: str
     expected_cached_tokens: int
     fallback: str | None = None  # why the local fallback decided; None: the Conductor did
+    decode_instance_id: str = ""  # another instance decodes (disaggregated); "" for none
+    decode_url: str = ""
+    transfers: tuple[PlannedTransfer, ...] = ()
 
     @property
     def by_conductor(self) -> bool:
@@ -262,6 +275,7 @@ class Placer:
             log.debug("placement failed (%s); falling back", exc.code.name)
             return self.fallback(query, "error")
         self._timeouts = 0
+        decode = decision.decode_instance_id
         return Placement(
             request_id=query.request_id,
             instance_id=decision.instance_id,
@@ -269,6 +283,14 @@ class Placer:
             policy=decision.policy,
             rule=decision.rule,
             expected_cached_tokens=decision.cached_tokens,
+            decode_instance_id=decode if decode != decision.instance_id else "",
+            decode_url=decision.decode_instance_url.rstrip("/")
+            if decode != decision.instance_id
+            else "",
+            transfers=tuple(
+                PlannedTransfer(t.transfer_id, t.kind, t.source_instance_id, t.on_critical_path)
+                for t in decision.transfers
+            ),
         )
 
     def fallback(

@@ -123,17 +123,7 @@ class Upstream:
         """POST `body` to `url` and relay the answer to `request`'s client, adding
         `reply_headers`; returns the (sent) response and how it went. Raises `EngineRefused` /
         `EngineFailed` before the first byte."""
-        try:
-            resp = await self.session.post(url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            self._metrics.upstream_errors.labels("refused").inc()
-            raise EngineRefused(str(exc)) from None
-        except TimeoutError as exc:
-            self._metrics.upstream_errors.labels("timeout").inc()
-            raise EngineFailed("timeout", f"the engine did not answer in time: {exc}") from None
-        except aiohttp.ClientError as exc:
-            self._metrics.upstream_errors.labels("broken").inc()
-            raise EngineFailed("broken", f"the engine failed: {exc}") from None
+        resp = await self._open(url, body, headers)
         done = False
         try:
             if resp.status >= 500:
@@ -217,6 +207,38 @@ class Upstream:
             return out, Relayed(resp.status, False, first, None, events)
         usage = None if count_events else from_sse_tail(prev + last)
         return out, Relayed(resp.status, True, first, usage, events)
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> int:
+        """POST `body` to `url` and read the whole answer (which nobody relays); returns the
+        status. Raises `EngineRefused` / `EngineFailed` as `relay` does."""
+        resp = await self._open(url, body, headers)
+        try:
+            await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._metrics.upstream_errors.labels("broken").inc()
+            raise EngineFailed("broken", f"the engine's answer broke off: {exc}") from None
+        finally:
+            resp.release()
+        if resp.status >= 500:
+            self._metrics.upstream_errors.labels("status").inc()
+        return resp.status
+
+    async def _open(
+        self, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST and wait for the answer's head; a failure is counted and raised as
+        `EngineRefused` (nothing reached the engine) or `EngineFailed`."""
+        try:
+            return await self.session.post(url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            self._metrics.upstream_errors.labels("refused").inc()
+            raise EngineRefused(str(exc)) from None
+        except TimeoutError as exc:
+            self._metrics.upstream_errors.labels("timeout").inc()
+            raise EngineFailed("timeout", f"the engine did not answer in time: {exc}") from None
+        except aiohttp.ClientError as exc:
+            self._metrics.upstream_errors.labels("broken").inc()
+            raise EngineFailed("broken", f"the engine failed: {exc}") from None
 
     async def get(self, url: str, timeout_s: float = 2.0) -> tuple[int, bytes, str]:
         """A small GET (e.g. an engine's /v1/models): status, body, content type. Raises

@@ -197,6 +197,7 @@ def conductor_thread(etcd: EtcdServer) -> Iterator[Any]:
             tpot_slo_s=config.slo.tpot_s,
             instance_ttl_s=60,
             persist_blocks=False,
+            execute_transfers=False,  # the simulator moves the KV and reports each transfer
         )
 
         async def boot() -> Conductor:
