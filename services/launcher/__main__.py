@@ -45,6 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="extra flag for every engine, e.g. --engine-flag=--capacity-blocks=4096",
     )
+    p.add_argument(
+        "--messenger-flag",
+        action="append",
+        default=[],
+        help="extra flag for every Messenger, e.g. --messenger-flag=--transfer-rate=1e8",
+    )
+    p.add_argument(
+        "--model-config",
+        default=d.model_config,
+        help="architecture the engines model (sizes their real KV bytes and transfers)",
+    )
+    p.add_argument(
+        "--transfer-backend",
+        choices=("mooncake", "tcp"),
+        default=d.transfer_backend,
+        help="how Messengers move KV bytes",
+    )
     p.add_argument("--run-dir", type=Path, help="logs and etcd data (default: a temp dir)")
     p.add_argument("--endpoints-file", type=Path, help="write the endpoints JSON here")
     p.add_argument("--quiet", action="store_true", help="print only errors")
@@ -66,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             api_keys=args.api_keys,
             engine_flags=tuple(args.engine_flag),
+            messenger_flags=tuple(args.messenger_flag),
+            model_config=args.model_config,
+            transfer_backend=args.transfer_backend,
         )
     except ValueError as exc:
         print(f"kvsched up: {exc}", file=sys.stderr)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsched.core.models import MINI_MODEL, model_config
+from kvsched.core.policies import POLICIES, parse_spec
 from services.common.openai_api import DEFAULT_MODEL
 from services.launcher.etcd_local import etcd_argv, etcd_env
 from services.launcher.ports import Ports
@@ -30,9 +32,14 @@ class ClusterOptions:
     instance_ttl_s: int = 3
     leader_ttl_s: int = 2
     seed: int = 0
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # the served model name
+    # The architecture the engines model (KV bytes per token, layers): by default one whose
+    # real KV bytes fit this machine's memory (see kvsched.core.models).
+    model_config: str = MINI_MODEL
+    transfer_backend: str = "tcp"
     api_keys: Path | None = None  # None: `up` makes one demo tenant and key
     engine_flags: tuple[str, ...] = ()  # passed to every engine as given
+    messenger_flags: tuple[str, ...] = ()  # passed to every Messenger as given
 
     def __post_init__(self) -> None:
         for name in ("conductors", "routers", "nodes", "engines_per_node"):
@@ -40,6 +47,8 @@ class ClusterOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.time_scale <= 0:
             raise ValueError("--time-scale must be positive")
+        model_config(self.model_config)  # raises ValueError naming the known ones
+        parse_spec(self.policy)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class ClusterPlan:
             else:
                 out.setdefault(groups[child.stage], []).append(entry)
         out["api_key"] = self.api_key
+        out["model_config"] = self.options.model_config
         out["policy"] = self.options.policy
         out["block_size"] = self.options.block_size
         out["time_scale"] = self.options.time_scale
@@ -107,7 +117,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += ["--http-listen", http_url.removeprefix("http://"), "--policy", opts.policy]
         argv += ["--block-size", str(opts.block_size), "--seed", str(opts.seed)]
         argv += ["--leader-ttl", str(opts.leader_ttl_s), "--instance-ttl", str(opts.instance_ttl_s)]
-        argv += ["--time-scale", scale, "--model", opts.model]
+        argv += ["--time-scale", scale, "--model", opts.model_config]
         ready = f"{http_url}/api/leader"
         entry = {"url": url, "http_url": http_url}
         children.append(
@@ -115,6 +125,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         )
     conductors = ",".join(conductor_urls)
 
+    roles = engine_roles(opts.policy, opts.nodes * opts.engines_per_node)
     for n in range(opts.nodes):
         node = f"node-{n}"
         engine_urls = []
@@ -127,7 +138,9 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
             argv += ["--kv-events", f"tcp://127.0.0.1:{kv_port}"]
             argv += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
             argv += ["--block-size", str(opts.block_size), "--time-scale", scale]
-            argv += ["--model", opts.model, "--seed", str(opts.seed), *opts.engine_flags]
+            argv += ["--model", opts.model, "--model-config", opts.model_config]
+            argv += ["--role", roles[n * opts.engines_per_node + e]]
+            argv += ["--seed", str(opts.seed), *opts.engine_flags]
             entry = {"id": iid, "url": url, "node": node}
             children.append(Child(f"engine-{iid}", "engine", tuple(argv), f"{url}/health", entry))
         port, http_port = free_port(), free_port()
@@ -135,6 +148,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv = [*py, "services.messenger", "--listen", url, "--node", node]
         argv += ["--http-listen", f"127.0.0.1:{http_port}", "--conductor", conductors]
         argv += ["--engine", ",".join(engine_urls), "--instance-ttl", str(opts.instance_ttl_s)]
+        argv += ["--transfer-backend", opts.transfer_backend, *opts.messenger_flags]
         ready = f"http://127.0.0.1:{http_port}/health"
         entry = {"url": url, "node": node, "http_url": f"http://127.0.0.1:{http_port}"}
         children.append(Child(f"messenger-{node}", "messenger", tuple(argv), ready, entry))
@@ -149,6 +163,13 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         entry = {"url": url, "grpc_url": f"127.0.0.1:{grpc_port}"}
         children.append(Child(f"router-{r}", "router", tuple(argv), f"{url}/health", entry))
     return ClusterPlan(opts, tuple(children), api_key)
+
+
+def engine_roles(policy: str, n: int) -> list[str]:
+    """The role of each engine, in start order: what the policy wants of an n-instance
+    cluster (prefill and decode pools for the disaggregated ones, else all both)."""
+    name, params = parse_spec(policy)
+    return [role.value for role in POLICIES[name].roles(n, params)]
 
 
 def child_env(child: Child, base: dict[str, str]) -> dict[str, str]:

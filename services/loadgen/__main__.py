@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 
 from kvsched.core.cluster import SloConfig
 from kvsched.core.models import model_config
+from kvsched.core.topology import TopologyConfig
 from kvsched.sim.cli import DEFAULT_MODE, ProgressBar, add_trace_arguments, load_trace
 from kvsched.sim.compare import (
     Comparison,
@@ -104,6 +106,7 @@ async def _bench(args: argparse.Namespace) -> int:
         closed_loop=mode == "closed",
         slo=SloConfig(args.ttft_slo, args.tpot_slo),
         warmup_fraction=args.warmup,
+        **live_cluster_shape(ep),
     )
     config = replay_config(cmp)
     bar = None if args.quiet else ProgressBar()
@@ -173,6 +176,19 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"\nreport: {args.out / 'report.json'}")
     failed = row.get("errors", 0)
     return 1 if failed or not math.isfinite(row.get("apc", math.nan)) else 0
+
+
+def live_cluster_shape(ep: dict[str, Any]) -> dict[str, Any]:
+    """What the simulated run takes from the live cluster beyond the trace: the engines'
+    model (their KV bytes per token) and how many share a node (same-node transfers use the
+    GPUs' links)."""
+    shape: dict[str, Any] = {}
+    if ep.get("model_config"):
+        shape["model"] = ep["model_config"]
+    per_node = Counter(e.get("node", "") for e in ep.get("engines", []))
+    if per_node:
+        shape["topology"] = TopologyConfig(instances_per_node=max(per_node.values()))
+    return shape
 
 
 if __name__ == "__main__":

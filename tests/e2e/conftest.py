@@ -4,6 +4,7 @@ all exporting traces to an in-process OTLP receiver."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ class LocalCluster:
     endpoints: dict[str, Any]
     log: Path
     otlp: OtlpReceiver
+    run_dir: Path
 
     @property
     def routers(self) -> list[str]:
@@ -49,10 +51,17 @@ class LocalCluster:
     def engine(self, instance_id: str) -> dict[str, Any]:
         return next(e for e in self.endpoints["engines"] if e["id"] == instance_id)
 
+    @property
+    def salt(self) -> str:
+        """The demo tenant's cache salt (the engines' and the Routers' hashes start from it)."""
+        keys = json.loads((self.run_dir / "api-keys.json").read_text())
+        return str(keys["tenants"]["demo"]["salt"])
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    tmp = tmp_path_factory.mktemp("up")
+
+@contextlib.contextmanager
+def local_cluster(tmp: Path, *flags: str) -> Iterator[LocalCluster]:
+    """`kvsched up` with `flags` (engines at `TIME_SCALE`, leases of `INSTANCE_TTL_S`), its
+    spans sent to an in-process OTLP receiver; stopped with SIGINT on exit."""
     otlp = OtlpReceiver()
     otlp.start()
     endpoints_file = tmp / "endpoints.json"
@@ -64,7 +73,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     )
     args = [sys.executable, "-m", "services.launcher", "--endpoints-file", str(endpoints_file)]
     args += ["--run-dir", str(tmp / "run"), "--time-scale", str(TIME_SCALE)]
-    args += ["--instance-ttl", str(INSTANCE_TTL_S), "--policy", "elastic"]
+    args += ["--instance-ttl", str(INSTANCE_TTL_S), *flags]
     with log.open("wb") as out:
         process = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -73,7 +82,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kvsched up did not start; log:\n{log.read_text()[-4000:]}")
             time.sleep(0.05)  # polling interval
-        yield LocalCluster(process, json.loads(endpoints_file.read_text()), log, otlp)
+        endpoints = json.loads(endpoints_file.read_text())
+        yield LocalCluster(process, endpoints, log, otlp, tmp / "run")
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -82,3 +92,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             except subprocess.TimeoutExpired:
                 process.kill()
         otlp.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with local_cluster(tmp_path_factory.mktemp("up"), "--policy", "elastic") as up:
+        yield up

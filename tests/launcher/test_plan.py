@@ -58,3 +58,42 @@ def test_messengers_own_their_nodes_engines(tmp_path: Path) -> None:
 def test_refuses_empty_roles(field: str) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ClusterOptions(**{field: 0})  # type: ignore[arg-type]
+
+
+def _flag(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize(
+    ("policy", "roles"),
+    [
+        ("elastic", ["both"] * 4),
+        ("static_pd", ["prefill", "prefill", "decode", "decode"]),
+        ("mooncake:colocated=1", ["both"] * 4),
+        ("static_pd:prefill_share=0.25", ["prefill", "decode", "decode", "decode"]),
+    ],
+)
+def test_engines_take_the_roles_their_policy_wants(
+    tmp_path: Path, policy: str, roles: list[str]
+) -> None:
+    plan = plan_cluster(ClusterOptions(policy=policy), tmp_path, tmp_path / "k", "")
+    assert [_flag(e.argv, "--role") for e in plan.stage("engine")] == roles
+
+
+def test_engines_and_the_conductor_model_the_same_kv(tmp_path: Path) -> None:
+    opts = ClusterOptions(transfer_backend="tcp", messenger_flags=("--transfer-rate=1e6",))
+    plan = plan_cluster(opts, tmp_path, tmp_path / "k", "")
+    (conductor,) = plan.stage("conductor")
+    assert _flag(conductor.argv, "--model") == opts.model_config
+    assert {_flag(e.argv, "--model-config") for e in plan.stage("engine")} == {opts.model_config}
+    for messenger in plan.stage("messenger"):
+        assert _flag(messenger.argv, "--transfer-backend") == "tcp"
+        assert "--transfer-rate=1e6" in messenger.argv
+    assert plan.endpoints({})["model_config"] == opts.model_config
+
+
+def test_refuses_unknown_models_and_policies() -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        ClusterOptions(model_config="nope/none")
+    with pytest.raises(ValueError, match="unknown policy"):
+        ClusterOptions(policy="nope")

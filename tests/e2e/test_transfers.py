@@ -1,0 +1,289 @@
+"""KV transfers on a whole `kvsched up` cluster: a session whose host turns hot migrates with
+its next turn (rebound in etcd only once its KV landed verified, then held by its cooldown); a
+Messenger killed mid-migration leaves the session on its source, which serves the turn; a hot
+prefix is replicated and a busy holder's prefix fetched; a disaggregated cluster hands a
+prompt's KV from its prefill instance to its decode instance.
+
+Transfers are paced (`--transfer-rate`) so that a migration is in flight long enough to look
+at etcd in the middle of it. The tests of a module share one cluster and run in file order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from clients.python import ConductorClient
+from kvsched.core.hashing import BlockHasher, salt_bytes
+from services.common.etcd import EtcdStore
+from services.common.store import EtcdSettings
+from services.conductor import keys
+from tests.e2e.conftest import INSTANCE_TTL_S, LocalCluster, local_cluster
+from tests.fixtures.poll import wait_for
+
+pytestmark = pytest.mark.slow
+
+T_HOT = 20_000
+CONTEXT_BYTES = 3200 * 2048  # the migrated context below, in the mini model's KV bytes
+RATE = CONTEXT_BYTES // 2  # about two seconds a migration
+EAR = f"ear:t_hot_tokens={T_HOT},t_cool_s=300"
+_FLOODS = itertools.count(1000)  # every flood's prompts are new: nothing cached shortens them
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with local_cluster(
+        tmp_path_factory.mktemp("up"),
+        "--policy", EAR,
+        "--transfer-backend", "tcp",
+        f"--messenger-flag=--transfer-rate={RATE}",
+    ) as up:  # fmt: skip
+        yield up
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+async def etcd(cluster: LocalCluster) -> AsyncIterator[EtcdStore]:
+    store = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
+    await store.connect()
+    yield store
+    await store.close()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """`n` in-vocabulary token ids of their own (the demo tokenizer has 4,096)."""
+    return [100 + (seed * 797 + i) % 3900 for i in range(n)]
+
+
+async def turn(
+    http: aiohttp.ClientSession, cluster: LocalCluster, session: str, prompt: list[int]
+) -> tuple[str, int]:
+    """One turn through a Router: where it ran and how many prompt tokens were cached."""
+    async with http.post(
+        f"{cluster.routers[0]}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 4},
+        headers={**cluster.auth, "x-session-id": session},
+    ) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        instance = resp.headers["x-kvsched-instance"]
+    return instance, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def flood(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> list[Any]:
+    """Queue ~480K prompt tokens on an engine directly (behind the Router's back), and wait
+    until the Conductor sees it hot. Returns the requests to await."""
+    url = cluster.engine(instance)["url"]
+
+    async def one(k: int) -> None:
+        body = {"prompt": tokens(30_000, next(_FLOODS)), "max_tokens": 1}
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            await resp.read()
+
+    requests = [asyncio.create_task(one(k)) for k in range(16)]
+
+    async def hot() -> bool:
+        row = (await nodes(http, cluster))[instance]
+        return bool(row["pending_prefill_tokens"] > 4 * T_HOT)
+
+    await wait_for(hot, 20.0, interval=0.02, message=f"{instance} is hot")
+    return requests
+
+
+async def set_policy(cluster: LocalCluster, spec: str) -> None:
+    async with ConductorClient([c["url"] for c in cluster.endpoints["conductors"]]) as client:
+        assert (await client.set_policy(spec)).spec == spec
+
+
+async def nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, Any]:
+    async with http.get(f"{cluster.conductor_http}/api/nodes/stats") as resp:
+        body: dict[str, Any] = await resp.json()
+    return {row["instance_id"]: row for row in body["instances"]}
+
+
+async def session_view(http: aiohttp.ClientSession, cluster: LocalCluster, sid: str) -> Any:
+    async with http.get(f"{cluster.conductor_http}/api/sessions/demo%2F{sid}") as resp:
+        return await resp.json()
+
+
+async def bound_in_etcd(etcd: EtcdStore, sid: str) -> str:
+    kv = await etcd.get(keys.session_key(f"demo/{sid}").encode())
+    assert kv is not None
+    return str(json.loads(kv.value)["host"])
+
+
+async def transfers(http: aiohttp.ClientSession, cluster: LocalCluster, kind: str) -> float:
+    async with http.get(f"{cluster.conductor_http}/metrics") as resp:
+        text = await resp.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f'kvsched_conductor_transfers_total{{kind="{kind}",outcome="done"}}'):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
+    cluster: LocalCluster, http: aiohttp.ClientSession, etcd: EtcdStore
+) -> None:
+    context = tokens(3000, 1) + tokens(200, 2)
+    host, _ = await turn(http, cluster, "mig", tokens(3000, 1))
+    assert (await turn(http, cluster, "mig", context))[0] == host
+    assert await bound_in_etcd(etcd, "mig") == host
+    before = await transfers(http, cluster, "migrate_session")
+    busy = await flood(http, cluster, host)
+
+    moving = asyncio.create_task(turn(http, cluster, "mig", [*context, *tokens(100, 3)]))
+    view = await wait_for(
+        lambda: _moving(http, cluster, "mig"), 20.0, interval=0.01, message="a migration"
+    )
+    target = view["moving_to_instance_id"]
+    assert target != host and view["host_instance_id"] == host
+    # Its KV is on the wire: the binding in etcd is still the source's.
+    assert await bound_in_etcd(etcd, "mig") == host
+    assert not moving.done()  # the turn waits for its KV (critical path)
+
+    ran_on, cached = await moving
+    assert ran_on == target
+    assert cached >= len(context) // 16 * 16  # the migrated context hit on the target
+    assert await bound_in_etcd(etcd, "mig") == target  # rebound once verified
+    assert await transfers(http, cluster, "migrate_session") == before + 1
+
+    # Within the cooldown a hot new host keeps the session: no second migration.
+    more = await flood(http, cluster, target)
+    assert (await turn(http, cluster, "mig", [*context, *tokens(150, 4)]))[0] == target
+    assert await transfers(http, cluster, "migrate_session") == before + 1
+    await asyncio.gather(*busy, *more)
+    spans = {s.name for s in cluster.otlp.spans}
+    assert "transfer migrate_session" in spans and "transfer wait" in spans
+
+
+async def _moving(http: aiohttp.ClientSession, cluster: LocalCluster, sid: str) -> Any:
+    view = await session_view(http, cluster, sid)
+    return view if view.get("moving_to_instance_id") else None
+
+
+async def test_a_hot_prefix_is_replicated_and_a_busy_holders_prefix_fetched(
+    cluster: LocalCluster, http: aiohttp.ClientSession
+) -> None:
+    await set_policy(cluster, "mooncake:colocated=1,min_hits=2,hot_score=0.01")
+    system = tokens(4000, 7)  # a shared system prompt
+    replicated = await transfers(http, cluster, "replicate_prefix")
+    fetched = await transfers(http, cluster, "fetch_prefix")
+    for k in range(8):  # sessionless requests reusing the prefix make it hot
+        async with http.post(
+            f"{cluster.routers[1]}/v1/completions",
+            json={"prompt": [*system, *tokens(50, 100 + k)], "max_tokens": 2},
+            headers=cluster.auth,
+        ) as resp:
+            assert resp.status == 200
+        if await _more(http, cluster, "replicate_prefix", replicated, settle_s=1.0):
+            break
+    else:
+        raise AssertionError("the prefix was never replicated")
+    holders = [
+        iid for iid in await nodes(http, cluster) if await _holds(http, cluster, iid, system)
+    ]
+    assert len(holders) == 2, holders  # the first holder, and the replica's target
+
+    # With its holders busy, a request fetches the prefix instead of recomputing it.
+    busy = [r for iid in holders for r in await flood(http, cluster, iid)]
+    async with http.post(
+        f"{cluster.routers[1]}/v1/completions",
+        json={"prompt": [*system, *tokens(50, 200)], "max_tokens": 2},
+        headers=cluster.auth,
+    ) as resp:
+        answer = await resp.json()
+        assert resp.status == 200
+        ran_on = resp.headers["x-kvsched-instance"]
+    assert ran_on not in holders
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4000 // 16 * 16
+    assert await transfers(http, cluster, "fetch_prefix") == fetched + 1
+    await asyncio.gather(*busy)
+
+
+async def _more(
+    http: aiohttp.ClientSession, cluster: LocalCluster, kind: str, was: float, settle_s: float
+) -> bool:
+    """Whether a transfer of `kind` ended (done) since the count was `was`, waiting up to
+    `settle_s` for one ordered just now."""
+    more = functools.partial(_count_above, http, cluster, kind, was)
+    with contextlib.suppress(AssertionError):
+        return bool(await wait_for(more, settle_s))
+    return False
+
+
+async def _count_above(
+    http: aiohttp.ClientSession, cluster: LocalCluster, kind: str, was: float
+) -> bool:
+    return await transfers(http, cluster, kind) > was
+
+
+async def _holds(
+    http: aiohttp.ClientSession, cluster: LocalCluster, instance: str, prompt: list[int]
+) -> bool:
+    """Whether the instance's engine holds every full block of `prompt` (by an export that
+    pins them for an instant)."""
+    url = cluster.engine(instance)["url"]
+    hashes = BlockHasher(16).hash_tokens(prompt, salt_bytes(cluster.salt))
+    body = {"block_hashes": hashes, "hold_s": 1.0}
+    async with http.post(f"{url}/kvsched/kv/export", json=body) as resp:
+        answer = await resp.json()
+    if answer["export_id"]:
+        await http.delete(f"{url}/kvsched/kv/export/{answer['export_id']}")
+    return bool(answer["blocks"] == len(hashes))
+
+
+async def test_a_messenger_killed_mid_migration_leaves_the_session_served_on_its_source(
+    cluster: LocalCluster, http: aiohttp.ClientSession, etcd: EtcdStore
+) -> None:
+    await set_policy(cluster, EAR)
+    context = tokens(3000, 11)
+    host, _ = await turn(http, cluster, "kill", context)
+    node = cluster.engine(host)["node"]
+    sibling = next(
+        e["id"] for e in cluster.endpoints["engines"] if e["node"] == node and e["id"] != host
+    )
+    busy = await flood(http, cluster, host)
+    busy += await flood(http, cluster, sibling)  # the target will be on the other node
+
+    moving = asyncio.create_task(turn(http, cluster, "kill", [*context, *tokens(100, 12)]))
+    view = await wait_for(
+        lambda: _moving(http, cluster, "kill"), 20.0, interval=0.01, message="a migration"
+    )
+    target = view["moving_to_instance_id"]
+    target_node = cluster.engine(target)["node"]
+    assert target_node != node
+    messenger = next(m for m in cluster.endpoints["messengers"] if m["node"] == target_node)
+    os.kill(messenger["pid"], signal.SIGKILL)
+
+    ran_on, _ = await moving
+    assert ran_on == host  # the copy failed: the turn ran where the session's KV is
+    assert await bound_in_etcd(etcd, "kill") == host
+    after = await session_view(http, cluster, "kill")
+    assert after["host_instance_id"] == host and not after["moving_to_instance_id"]
+    # ... and keeps being served there once the dead node's instances left routing.
+    await wait_for(
+        lambda: _gone(http, cluster, target), INSTANCE_TTL_S + 10.0, message="target gone"
+    )
+    assert (await turn(http, cluster, "kill", [*context, *tokens(100, 12), *tokens(50, 13)]))[
+        0
+    ] == host
+    await asyncio.gather(*busy)
+
+
+async def _gone(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> bool:
+    return instance not in await nodes(http, cluster)
