@@ -144,14 +144,7 @@ class Upstream:
     async def _relay_body(
         self, request: web.Request, resp: aiohttp.ClientResponse, extra: Mapping[str, str]
     ) -> tuple[web.StreamResponse, Relayed]:
-        try:
-            data = await resp.read()
-        except TimeoutError as exc:
-            self._metrics.upstream_errors.labels("timeout").inc()
-            raise EngineFailed("timeout", f"the engine did not answer in time: {exc}") from None
-        except aiohttp.ClientError as exc:
-            self._metrics.upstream_errors.labels("broken").inc()
-            raise EngineFailed("broken", f"the engine's answer broke off: {exc}") from None
+        data = await self._read_body(resp)
         out = web.Response(status=resp.status, body=data, headers=_reply_headers(resp, extra))
         first = time.perf_counter()
         ok = resp.status < 400
@@ -213,15 +206,23 @@ class Upstream:
         status. Raises `EngineRefused` / `EngineFailed` as `relay` does."""
         resp = await self._open(url, body, headers)
         try:
-            await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self._metrics.upstream_errors.labels("broken").inc()
-            raise EngineFailed("broken", f"the engine's answer broke off: {exc}") from None
+            await self._read_body(resp)
         finally:
             resp.release()
         if resp.status >= 500:
             self._metrics.upstream_errors.labels("status").inc()
         return resp.status
+
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole answer; a failure is counted and raised as `EngineFailed`."""
+        try:
+            return await resp.read()
+        except TimeoutError as exc:
+            self._metrics.upstream_errors.labels("timeout").inc()
+            raise EngineFailed("timeout", f"the engine did not answer in time: {exc}") from None
+        except aiohttp.ClientError as exc:
+            self._metrics.upstream_errors.labels("broken").inc()
+            raise EngineFailed("broken", f"the engine's answer broke off: {exc}") from None
 
     async def _open(
         self, url: str, body: bytes, headers: Mapping[str, str]

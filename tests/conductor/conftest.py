@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
@@ -23,6 +22,7 @@ from services.conductor.settings import ConductorSettings
 from services.launcher.ports import free_port
 from tests.fixtures.etcd import EtcdServer, start_etcd
 from tests.fixtures.poll import wait_for
+from tests.fixtures.process import ServiceProcess
 
 if TYPE_CHECKING:
     from kvsched.api.conductor.v1.conductor_service_pb2_grpc import ConductorServiceAsyncStub
@@ -101,7 +101,7 @@ async def leader_of(client: ConductorClient) -> str | None:
         return None
 
 
-class ConductorProcess:
+class ConductorProcess(ServiceProcess):
     """A Conductor in its own process (for kill -9)."""
 
     def __init__(self, etcd: EtcdServer, conductor_id: str, log: Path, **flags: Any) -> None:
@@ -118,27 +118,8 @@ class ConductorProcess:
         ]  # fmt: skip
         for key, value in flags.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
-        env = dict(os.environ, KVSCHED_ETCD_ENDPOINTS=etcd.url)
-        self.log = log
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(
-                args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-            )
+        super().__init__(args, log, dict(os.environ, KVSCHED_ETCD_ENDPOINTS=etcd.url))
 
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()

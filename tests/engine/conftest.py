@@ -4,9 +4,15 @@ and a subscriber that misses none of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,7 +26,10 @@ from services.engine.app import EngineApp, build
 from services.engine.runner import LiveEngine
 from services.engine.settings import EngineSettings
 from services.engine.text import Words
+from services.launcher.ports import free_port
 from services.messenger.kv_subscriber import KvEventSubscriber
+from tests.conftest import REPO
+from tests.fixtures.poll import wait_for
 
 # A hundred times faster than the modelled GPU: a few-token answer takes milliseconds.
 FAST = EngineSettings(
@@ -158,3 +167,53 @@ async def events_of() -> AsyncIterator[Callable[[RunningEngine], Any]]:
     yield subscribe
     for events in opened:
         events.close()
+
+
+@dataclass
+class EngineProcess:
+    """An engine started as its own process (`python -m services.engine`)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    http: aiohttp.ClientSession
+    log: Path
+
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        async with self.http.request(method, f"{self.url}{path}", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    async def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return await asyncio.to_thread(self.proc.wait, 10)
+
+
+@contextlib.asynccontextmanager
+async def engine_process(
+    log: Path, *flags: str, env: Mapping[str, str] | None = None
+) -> AsyncIterator[EngineProcess]:
+    """An engine process on a free port with `flags` and, over an environment without our
+    settings, `env`; yielded once it answers /health, killed after if still running."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCHED_", "OTEL_"))}
+    environ.update(env or {})
+    argv = [sys.executable, "-m", "services.engine", "--listen", f"127.0.0.1:{port}", *flags]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=environ, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def healthy() -> bool:
+                assert proc.poll() is None, log.read_text()
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{url}/health") as resp:
+                        return resp.status == 200
+                return False
+
+            await wait_for(healthy, 20.0, message=f"the engine of {log.name} answers /health")
+            yield EngineProcess(proc, url, http, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

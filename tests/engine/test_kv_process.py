@@ -5,73 +5,26 @@ engine's file is swept by the next engine in the same directory."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import aiohttp
 
 from kvsched.core.models import MINI_MODEL
 from services.common.kv_layout import KvLayout, expected_chunk
-from services.launcher.ports import free_port
+from tests.engine.conftest import EngineProcess, engine_process
 from tests.engine.test_kv_transfer import BS, chain, prompt, write_blocks
-from tests.fixtures.poll import wait_for
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class EngineProcess:
-    proc: subprocess.Popen[bytes]
-    url: str
-    http: aiohttp.ClientSession
-    log: Path
-
-    async def call(self, method: str, path: str, body: Any = None) -> Any:
-        async with self.http.request(method, f"{self.url}{path}", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            return await resp.json()
-
-    async def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        return await asyncio.to_thread(self.proc.wait, 10)
 
 
 @contextlib.asynccontextmanager
-async def engine_process(kv_dir: Path, name: str) -> AsyncIterator[EngineProcess]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCHED_", "OTEL_"))}
-    env["KVSCHED_ENGINE_KV_MEMORY_DIR"] = str(kv_dir)  # the flag from the environment
-    log = kv_dir.parent / f"{name.replace('/', '_')}.log"
-    argv = [sys.executable, "-m", "services.engine", "--listen", f"127.0.0.1:{port}",
-            "--instance-id", name, "--model-config", MINI_MODEL, "--capacity-blocks", "64",
-            "--time-scale", "0.01"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as http:
-
-            async def healthy() -> bool:
-                assert proc.poll() is None, log.read_text()
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(f"{url}/health") as resp:
-                        return resp.status == 200
-                return False
-
-            await wait_for(healthy, 20.0, message=f"engine {name} answers /health")
-            yield EngineProcess(proc, url, http, log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+async def kv_engine(kv_dir: Path, name: str) -> AsyncIterator[EngineProcess]:
+    async with engine_process(
+        kv_dir.parent / f"{name.replace('/', '_')}.log",
+        "--instance-id", name, "--model-config", MINI_MODEL, "--capacity-blocks", "64",
+        "--time-scale", "0.01",
+        env={"KVSCHED_ENGINE_KV_MEMORY_DIR": str(kv_dir)},  # the flag from the environment
+    ) as engine:  # fmt: skip
+        yield engine
 
 
 def read(path: Path, offset: int, size: int) -> bytes:
@@ -83,7 +36,7 @@ def read(path: Path, offset: int, size: int) -> bytes:
 async def test_another_process_reads_and_writes_the_engines_kv_bytes(tmp_path: Path) -> None:
     kv_dir = tmp_path / "kv"
     kv_dir.mkdir()
-    async with engine_process(kv_dir, "node-0/e0") as eng:
+    async with kv_engine(kv_dir, "node-0/e0") as eng:
         mem = (await eng.call("GET", "/kvsched/info"))["kv_memory"]
         path = Path(mem["path"])
         assert path.parent == kv_dir and path.name.startswith(f"kvsched-kv-{eng.proc.pid}-")
@@ -119,11 +72,11 @@ async def test_another_process_reads_and_writes_the_engines_kv_bytes(tmp_path: P
 async def test_a_killed_engines_file_is_swept_by_the_next_engine(tmp_path: Path) -> None:
     kv_dir = tmp_path / "kv"
     kv_dir.mkdir()
-    async with engine_process(kv_dir, "e-killed") as killed:
+    async with kv_engine(kv_dir, "e-killed") as killed:
         path = Path((await killed.call("GET", "/kvsched/info"))["kv_memory"]["path"])
         assert await killed.stop(signal.SIGKILL) == -signal.SIGKILL
     assert path.exists()  # a killed process cannot clean up
-    async with engine_process(kv_dir, "e-next") as nxt:
+    async with kv_engine(kv_dir, "e-next") as nxt:
         mine = Path((await nxt.call("GET", "/kvsched/info"))["kv_memory"]["path"])
         assert not path.exists() and mine.exists()
         assert [p.name for p in kv_dir.iterdir()] == [mine.name]

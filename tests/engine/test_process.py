@@ -3,66 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from services.common.telemetry import TelemetrySettings, get_tracer, setup_tracing, shutdown_tracing
-from services.launcher.ports import free_port
-from tests.engine.conftest import RunningEngine
+from tests.engine.conftest import RunningEngine, engine_process
 from tests.engine.test_api import sse
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan
-from tests.fixtures.poll import wait_for
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_the_engine_process_serves_and_drains_on_sigterm(tmp_path: Path) -> None:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCHED_", "OTEL_"))}
-    env["KVSCHED_ENGINE_TIME_SCALE"] = "0.05"  # flags also come from the environment
-    log = tmp_path / "engine.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.engine", "--listen", f"127.0.0.1:{port}"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as http:
-
-            async def healthy() -> bool:
-                assert proc.poll() is None, log.read_text()
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(f"{url}/health") as resp:
-                        return resp.status == 200
-                return False
-
-            await wait_for(healthy, 20.0, message="the engine answers /health")
-            body = {"prompt": "from another process", "max_tokens": 4}
-            async with http.post(f"{url}/v1/completions", json=body) as resp:
-                assert resp.status == 200
-                answer = await resp.json()
-            assert answer["usage"]["completion_tokens"] == 4
-            # SIGTERM mid-stream: the open stream still finishes, then the process exits 0.
-            body = {"prompt": "a longer one", "max_tokens": 1000, "stream": True}
-            async with http.post(f"{url}/v1/completions", json=body) as resp:
-                first = await resp.content.readline()
-                proc.send_signal(signal.SIGTERM)
-                chunks = sse(first + await resp.read())
-            assert sum(len(c["choices"][0]["text"].split()) for c in chunks) == 1000
-        assert await asyncio.to_thread(proc.wait, 10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    env = {"KVSCHED_ENGINE_TIME_SCALE": "0.05"}  # flags also come from the environment
+    async with engine_process(tmp_path / "engine.log", env=env) as eng:
+        body = {"prompt": "from another process", "max_tokens": 4}
+        answer = await eng.call("POST", "/v1/completions", body)
+        assert answer["usage"]["completion_tokens"] == 4
+        # SIGTERM mid-stream: the open stream still finishes, then the process exits 0.
+        body = {"prompt": "a longer one", "max_tokens": 1000, "stream": True}
+        async with eng.http.post(f"{eng.url}/v1/completions", json=body) as resp:
+            first = await resp.content.readline()
+            eng.proc.send_signal(signal.SIGTERM)
+            chunks = sse(first + await resp.read())
+        assert sum(len(c["choices"][0]["text"].split()) for c in chunks) == 1000
+        assert await asyncio.to_thread(eng.proc.wait, 10) == 0
 
 
 async def test_a_request_span_continues_the_callers_trace(

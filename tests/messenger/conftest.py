@@ -5,8 +5,6 @@ this process, and what the Conductor's index should hold given an engine's snaps
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
@@ -29,6 +27,7 @@ from services.messenger.settings import MessengerSettings
 from services.messenger.translate import EventTranslator, cache_salt
 from tests.conductor.conftest import etcd, start_conductor
 from tests.fixtures.poll import wait_for
+from tests.fixtures.process import ServiceProcess
 
 __all__ = ["etcd", "start_conductor"]
 
@@ -37,9 +36,9 @@ BLOCK = 16
 MODEL = "kvsched-test"
 
 
-class EngineProcess:
+class EngineProcess(ServiceProcess):
     """A simulated engine (`python -m services.engine`) on free loopback ports, running ten
-    times faster than a GPU would; its ports stay the same across `restart`."""
+    times faster than a GPU would; its ports stay the same across `start` after a `kill`."""
 
     def __init__(
         self,
@@ -52,8 +51,7 @@ class EngineProcess:
     ) -> None:
         self.instance_id = instance_id
         self.port = free_port()
-        self.log = log
-        self.argv = [
+        argv = [
             sys.executable, "-m", "services.engine",
             "--listen", f"127.0.0.1:{self.port}",
             "--instance-id", instance_id,
@@ -65,37 +63,15 @@ class EngineProcess:
             *flags,
         ]  # fmt: skip
         if replay:
-            self.argv += ["--kv-replay", f"tcp://127.0.0.1:{free_port()}"]
-        self.process: subprocess.Popen[bytes] | None = None
-        self.start()
+            argv += ["--kv-replay", f"tcp://127.0.0.1:{free_port()}"]
+        super().__init__(argv, log)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                self.argv, cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT
-            )
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
     async def ready(self, http: aiohttp.ClientSession, timeout: float = 20.0) -> None:
         async def answers() -> bool:
-            assert self.process is not None
             if self.process.poll() is not None:
                 raise AssertionError(f"engine exited; log: {self.log.read_text()[-2000:]}")
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -123,14 +99,13 @@ class EngineProcess:
             return await r.json()
 
 
-class MessengerProcess:
+class MessengerProcess(ServiceProcess):
     """A Messenger (`python -m services.messenger`) on free loopback ports."""
 
     def __init__(
         self, log: Path, conductor: str, node: str, engines: Sequence[str], flags: Sequence[str]
     ) -> None:
         self.port, self.http_port = free_port(), free_port()
-        self.log = log
         argv = [
             sys.executable, "-m", "services.messenger",
             "--listen", f"127.0.0.1:{self.port}",
@@ -141,10 +116,7 @@ class MessengerProcess:
             "--instance-ttl", "10",
             *flags,
         ]  # fmt: skip
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(
-                argv, cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT
-            )
+        super().__init__(argv, log)
 
     @property
     def url(self) -> str:
@@ -153,20 +125,6 @@ class MessengerProcess:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
     async def metrics(self, http: aiohttp.ClientSession) -> str:
         async with http.get(self.http_url + "/metrics") as r:

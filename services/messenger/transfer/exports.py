@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.messenger.transfer.backend import SourceExport
 from services.messenger.transfer.region import KvRegion
 
 
@@ -80,3 +81,12 @@ class ExportTable:
 
     def get(self, export_id: str) -> Grant | None:
         return self._grants.get(export_id)
+
+    def describe(
+        self, region: KvRegion, export_id: str, endpoint: str, base_address: int
+    ) -> SourceExport:
+        """What a reader is told of `region` exported as `export_id` by the backend at
+        `endpoint`. Raises `ValueError` for an unregistered region."""
+        if not self.registered(region):
+            raise ValueError(f"{region} is not registered with this backend")
+        return SourceExport(endpoint, base_address, region.layout, export_id)

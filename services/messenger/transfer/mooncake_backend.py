@@ -148,9 +148,7 @@ class MooncakeBackend:
         return self.table.revoke(export_id)
 
     def source_export(self, region: KvRegion, export_id: str) -> SourceExport:
-        if not self.table.registered(region):
-            raise ValueError(f"{region} is not registered with this backend")
-        return SourceExport(self.endpoint, region.address, region.layout, export_id)
+        return self.table.describe(region, export_id, self.endpoint, region.address)
 
     async def open_reader(self, export: SourceExport) -> MooncakeReader:
         self._started()

@@ -60,9 +60,7 @@ class TcpBackend:
         return self.table.revoke(export_id)
 
     def source_export(self, region: KvRegion, export_id: str) -> SourceExport:
-        if not self.table.registered(region):
-            raise ValueError(f"{region} is not registered with this backend")
-        return SourceExport(self.endpoint, 0, region.layout, export_id)
+        return self.table.describe(region, export_id, self.endpoint, 0)
 
     async def open_reader(self, export: SourceExport) -> TcpReader:
         reader = await TcpReader.open(
