@@ -14,7 +14,7 @@ the right ones without asking the sender.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,3 +103,29 @@ def checksum(chunk: bytes | memoryview) -> int:
     """A chunk's checksum: XXH3-64 of its bytes (what a receiver verifies before a block
     becomes visible)."""
     return int(xxhash.xxh3_64_intdigest(chunk))
+
+
+def chunk_checksums(pieces: Iterable[memoryview], chunk_bytes: int) -> list[int]:
+    """`checksum` of each chunk of `pieces`, each a whole number of consecutive chunks, in
+    order."""
+    digest = xxhash.xxh3_64_intdigest
+    return [
+        digest(piece[at : at + chunk_bytes])
+        for piece in pieces
+        for at in range(0, len(piece), chunk_bytes)
+    ]
+
+
+def checksums(
+    memory: memoryview, layout: KvLayout, layers: Iterable[int], pages: Sequence[int]
+) -> list[int]:
+    """`checksum` of the chunk of each page in `pages`, layer by layer (index layer ×
+    len(pages) + i), in `memory` laid out as `layout`. The hot loop of every transfer on both
+    ends: one slice and one hash a chunk, nothing else."""
+    size, per_layer = layout.chunk_bytes, layout.pages
+    digest = xxhash.xxh3_64_intdigest
+    out: list[int] = []
+    for layer in layers:
+        base = layer * per_layer
+        out.extend(digest(memory[(base + p) * size : (base + p + 1) * size]) for p in pages)
+    return out

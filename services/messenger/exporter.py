@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.kv_layout import checksum
+from services.common.kv_layout import checksums
 from services.messenger.engine_api import EngineApi, EngineError
 from services.messenger.local_kv import LocalKv, TransferRefused
 from services.messenger.transfer.region import KvRegion
@@ -89,7 +89,12 @@ class Exporter:
             return answer
         pages = exported.pages
         try:
-            sums = await asyncio.to_thread(_checksums, region, pages)
+            # A backend that sends each chunk's checksum with its bytes needs none up front.
+            sums = (
+                []
+                if backend.sends_checksums
+                else await asyncio.to_thread(_checksums, region, pages)
+            )
             backend.allow(exported.export_id, region, pages)
         except (ValueError, IndexError, BufferError) as exc:
             await _quietly(api.release_export(exported.export_id))
@@ -135,7 +140,12 @@ _BACKENDS = {pb.TRANSFER_BACKEND_MOONCAKE: "mooncake", pb.TRANSFER_BACKEND_TCP: 
 
 def _checksums(region: KvRegion, pages: Sequence[int]) -> list[int]:
     """Every exported chunk's checksum, layer by layer (index layer × blocks + block)."""
-    return [checksum(region.view(layer, p)) for layer in range(region.layout.layers) for p in pages]
+    layout = region.layout
+    memory = region.whole()
+    try:
+        return checksums(memory, layout, range(layout.layers), pages)
+    finally:
+        memory.release()
 
 
 def _seconds(d: Duration) -> float:

@@ -27,8 +27,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -40,7 +40,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
-from services.common.kv_layout import KvLayout, checksum
+from services.common.kv_layout import KvLayout, checksums
 from services.messenger.engine_api import EngineApi, EngineError, EngineNoRoom
 from services.messenger.local_kv import LocalKv, TransferRefused
 from services.messenger.transfer.backend import Reader, SourceExport
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _PeerStub: TypeAlias = "pb_grpc.MessengerServiceAsyncStub"  # exists only in the stubs
 ENDED_KEPT = 4096  # ended transfers a late WatchTransfer can still see
 PEER_CALL_S = 5.0  # an ExportBlocks call beyond the time it may wait for a prefill
+READ_AHEAD = 4  # layers requested ahead of the one being verified
 _ENDED = frozenset({pb.TRANSFER_STATE_DONE, pb.TRANSFER_STATE_FAILED, pb.TRANSFER_STATE_CANCELLED})
 _BACKENDS = {"mooncake": pb.TRANSFER_BACKEND_MOONCAKE, "tcp": pb.TRANSFER_BACKEND_TCP}
 
@@ -429,7 +430,7 @@ class Transfers:
             dst.block_size,
         ):
             raise _Failed(f"the source's KV layout {src} does not match the target's {dst}")
-        if len(export.pages) != n or len(export.checksums) != n * src.layers:
+        if len(export.pages) != n or len(export.checksums) not in (0, n * src.layers):
             raise _Failed("the source's export is inconsistent (pages or checksums missing)")
         try:
             reader = await self._local.backend.open_reader(
@@ -440,14 +441,13 @@ class Transfers:
         segment = _Segment(reader, region, list(export.pages), list(pages[:n]), export.checksums)
         transfer.layers_done = 0
         layers = transfer.layers
-        pending: asyncio.Task[None] | None = asyncio.create_task(segment.read(layers[0]))
+        # Later layers are on the wire while a layer is verified (`READ_AHEAD` in flight).
+        pending = deque(asyncio.create_task(segment.read(x)) for x in layers[:READ_AHEAD])
         try:
             for k, layer in enumerate(layers):
-                assert pending is not None
-                await pending
-                pending = None
-                if k + 1 < len(layers):  # on the wire while this layer is verified
-                    pending = asyncio.create_task(segment.read(layers[k + 1]))
+                await pending.popleft()
+                if k + READ_AHEAD < len(layers):
+                    pending.append(asyncio.create_task(segment.read(layers[k + READ_AHEAD])))
                 self._damage(region, layer, segment.dst_pages)
                 await self._verify(transfer, segment, layer)
                 transfer.layers_done = k + 1
@@ -460,16 +460,17 @@ class Transfers:
         except TransferError as exc:
             raise _Failed(f"reading from the source failed: {exc}") from None
         finally:
-            if pending is not None:
-                pending.cancel()
+            for task in pending:
+                task.cancel()
+            for task in pending:
                 with contextlib.suppress(BaseException):
-                    await pending
+                    await task
             await reader.close()
         transfer.mark(f"read {n} blocks")
 
     async def _verify(self, transfer: Transfer, segment: _Segment, layer: int) -> None:
         """Check each chunk of `layer`; read a bad one again, up to `chunk_retries` times."""
-        bad = segment.bad_chunks(layer, range(len(segment.dst_pages)))
+        bad = segment.bad_chunks(layer)
         for _ in range(self.limits.chunk_retries):
             if not bad:
                 return
@@ -508,34 +509,50 @@ class Transfers:
 
 @dataclass(slots=True)
 class _Segment:
-    """One export being read: its reader, the pages on both sides, the chunks' checksums."""
+    """One export being read: its reader, the pages on both sides, and the chunks' checksums:
+    the export's (layer × blocks + block), or, from a backend that sends them with the
+    bytes, those of each layer's last read."""
 
     reader: Reader
     region: KvRegion
     src_pages: list[int]
     dst_pages: list[int]
-    checksums: Sequence[int]  # index layer × blocks + block
+    checksums: Sequence[int]
     runs: list[Run] = field(init=False)
+    sent: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> block -> sum
 
     def __post_init__(self) -> None:
         self.runs = coalesce(self.src_pages, self.dst_pages)
 
     async def read(self, layer: int, blocks: Sequence[int] | None = None) -> None:
         """Read `layer` of every block (coalesced), or of `blocks` (indices) one by one."""
+        picked = range(len(self.dst_pages)) if blocks is None else blocks
         runs = (
             self.runs
             if blocks is None
             else [Run(self.src_pages[i], self.dst_pages[i], 1) for i in blocks]
         )
-        await self.reader.read(layer, runs, self.region)
+        sums = await self.reader.read(layer, runs, self.region)
+        if sums is not None:  # in run order, which is block order
+            if len(sums) != len(picked):
+                raise TransferError(f"{len(sums)} checksums for {len(picked)} chunks")
+            self.sent.setdefault(layer, {}).update(zip(picked, sums, strict=True))
 
-    def bad_chunks(self, layer: int, blocks: Iterable[int]) -> list[int]:
-        """The blocks among `blocks` whose chunk of `layer` does not match its checksum."""
-        n = len(self.dst_pages)
-        sums, view = self.checksums, self.region.view
-        return [
-            i for i in blocks if checksum(view(layer, self.dst_pages[i])) != sums[layer * n + i]
-        ]
+    def bad_chunks(self, layer: int, blocks: Sequence[int] | None = None) -> list[int]:
+        """The blocks (indices; default all) whose chunk of `layer` does not match its
+        checksum."""
+        picked = range(len(self.dst_pages)) if blocks is None else blocks
+        pages = [self.dst_pages[i] for i in picked]
+        memory = self.region.whole()
+        try:
+            got = checksums(memory, self.region.layout, (layer,), pages)
+        finally:
+            memory.release()
+        sent = self.sent.get(layer)
+        if sent is not None:
+            return [i for i, g in zip(picked, got, strict=True) if g != sent[i]]
+        want, base = self.checksums, layer * len(self.dst_pages)
+        return [i for i, g in zip(picked, got, strict=True) if g != want[base + i]]
 
 
 class _Failed(Exception):

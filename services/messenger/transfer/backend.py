@@ -41,12 +41,15 @@ class Reader(Protocol):
     keep the source streaming. The per-run work of a read is done once for a `Runs`, or for
     the same list handed again (as for every layer of a transfer)."""
 
-    async def read(self, layer: int, runs: Sequence[Run], dst: KvRegion) -> None:
+    async def read(self, layer: int, runs: Sequence[Run], dst: KvRegion) -> Sequence[int] | None:
         """Copy the chunks of `layer` at the runs' source pages into `dst` at (`layer`, the
         runs' destination pages); nothing else in `dst` changes. Returns once every byte is
-        there. Raises `ValueError` when the runs do not fit the layouts (a caller bug) and
-        `TransferError` when the source is gone, refuses, or the connection breaks (the
-        reader is then closed; the targeted pages hold undefined bytes)."""
+        there, with the checksum of each chunk read (run after run) when the backend carries
+        them with the bytes (computed by the source as it sent them), else None (the reader
+        verifies against the export's). Raises `ValueError` when the runs do not fit the
+        layouts (a caller bug) and `TransferError` when the source is gone, refuses, or the
+        connection breaks (the reader is then closed; the targeted pages hold undefined
+        bytes)."""
         ...
 
     async def close(self) -> None:
@@ -66,6 +69,12 @@ class Backend(Protocol):
     @property
     def endpoint(self) -> str:
         """The "host:port" peers reach this backend at (valid after `start`)."""
+        ...
+
+    @property
+    def sends_checksums(self) -> bool:
+        """Whether its readers get each chunk's checksum with the bytes (then an export need
+        not checksum up front)."""
         ...
 
     async def start(self) -> None:

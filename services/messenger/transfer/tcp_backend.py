@@ -20,6 +20,7 @@ class TcpBackend:
     (None: the kernel's autotuning)."""
 
     name = "tcp"
+    sends_checksums = True
 
     def __init__(
         self,

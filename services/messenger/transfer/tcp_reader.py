@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 
 from services.common.kv_layout import KvLayout
@@ -91,8 +93,8 @@ class TcpReader:
             raise TransferError(f"{where} serves layout {served}, the export says {lay}")
         return cls(sock, export, idle_s)
 
-    async def read(self, layer: int, runs: Sequence[Run], dst: KvRegion) -> None:
-        """See `Reader.read`."""
+    async def read(self, layer: int, runs: Sequence[Run], dst: KvRegion) -> list[int]:
+        """See `Reader.read`: the source sends each chunk's checksum ahead of the chunks."""
         plan = self._prepare(runs)
         check_read(layer, plan, self.export.layout, dst.layout)
         self._check_usable()
@@ -101,7 +103,8 @@ class TcpReader:
         )
         chunk = dst.layout.chunk_bytes
         views = dst.slices(layer, plan.spans("dst", chunk))
-        expected = plan.pages * chunk
+        sums = array("Q", bytes(plan.pages * wire.SUM_BYTES))
+        expected = plan.pages * (wire.SUM_BYTES + chunk)
         loop = asyncio.get_running_loop()
         mine: asyncio.Future[None] = loop.create_future()
         self._active += 1
@@ -116,7 +119,8 @@ class TcpReader:
             size = await _reply(self._sock, where, self.idle_s)
             if size != expected:
                 raise TransferError(f"{where}: {size} bytes announced, {expected} expected")
-            await recv_pieces(self._sock, views, self.idle_s)
+            with memoryview(sums) as into:
+                await recv_pieces(self._sock, [into.cast("B"), *views], self.idle_s)
         except TransferError as e:
             raise self._fail(str(e)) from None
         except Stalled as e:
@@ -136,6 +140,9 @@ class TcpReader:
                 v.release()
             self._active -= 1
             self._close_if_idle()
+        if sys.byteorder == "big":
+            sums.byteswap()
+        return sums.tolist()
 
     def _check_usable(self) -> None:
         if self._broken is not None:

@@ -13,8 +13,11 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
+from array import array
 from dataclasses import dataclass
 
+from services.common.kv_layout import chunk_checksums
 from services.messenger.transfer import tcp_wire as wire
 from services.messenger.transfer.exports import ExportTable, Grant
 from services.messenger.transfer.runs import Span, merge_spans
@@ -183,9 +186,13 @@ class TcpServer:
             pages = self._check_runs(grant, runs)
             last = _Prepared(bytes(raw), grant, merge_spans(runs, lay.chunk_bytes), pages)
         views = grant.region.slices(layer, last.spans)
-        reply = wire.REPLY.pack(wire.OK, last.pages * lay.chunk_bytes)
         try:
-            await send_pieces(sock, [memoryview(reply), *views], self.idle_s)
+            sums = array("Q", chunk_checksums(views, lay.chunk_bytes))
+            if sys.byteorder == "big":
+                sums.byteswap()
+            payload = last.pages * (wire.SUM_BYTES + lay.chunk_bytes)
+            reply = memoryview(wire.REPLY.pack(wire.OK, payload) + sums.tobytes())
+            await send_pieces(sock, [reply, *views], self.idle_s)
         finally:
             for v in views:
                 v.release()  # the region may be closed once no request uses it

@@ -6,8 +6,9 @@ source layout as LAYOUT, or REFUSED with a UTF-8 reason, after which it closes.
 
 Then each read is one REQUEST (magic "KVRQ", layer, number of runs) followed by that many RUN
 (source page, count). The server answers each request, in order, with a REPLY: OK followed by
-exactly the runs' chunks of that layer, run after run, or REFUSED with a reason (and closes).
-Requests may be pipelined.
+the XXH3-64 checksum of each chunk the runs move (little-endian u64, computed from the source
+memory as it is sent) and then exactly those chunks of that layer, run after run; or REFUSED
+with a reason (and closes). Requests may be pipelined.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ REQUEST = struct.Struct("!4sII")  # magic, layer, runs
 RUN = struct.Struct("!II")  # source page, count
 REPLY = struct.Struct("!IQ")  # status, payload bytes
 LAYOUT = struct.Struct("!IIQ")  # layers, pages, chunk_bytes
+SUM_BYTES = 8  # one chunk's checksum in an answer
 OK = 0
 REFUSED = 1
 MAX_EXPORT_ID = 256  # bytes

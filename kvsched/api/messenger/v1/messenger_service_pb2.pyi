@@ -411,7 +411,9 @@ class ExportBlocksResponse(_message.Message):
 
     @_builtins.property
     def checksums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """XXH3-64 of every exported chunk, layer by layer: index layer × blocks + block."""
+        """XXH3-64 of every exported chunk, layer by layer: index layer × blocks + block. Empty
+        when the backend sends each chunk's checksum with its bytes (TCP).
+        """
 
     def __init__(
         self,
