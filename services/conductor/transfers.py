@@ -170,6 +170,10 @@ class TransferRunner:
     async def _follow(self, plan: TransferPlan, deadline_s: float) -> mpb.WatchTransferResponse:
         """Order the transfer from the target's Messenger and follow it to its end; returns
         its last progress message. Raises `_Failed` when it cannot be ordered or followed."""
+        if plan.n_blocks <= 0:  # e.g. a hand-off of a prompt shorter than a block
+            return mpb.WatchTransferResponse(
+                transfer_id=plan.transfer_id, state=mpb.TRANSFER_STATE_DONE
+            )
         state = self.c.state
         source = state.instances.get(state.id_of(plan.source))
         target = state.instances.get(state.id_of(plan.target))

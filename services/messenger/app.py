@@ -94,6 +94,7 @@ class Messenger:
             tracer=get_tracer(self.tracer_provider),
             on_end=self.metrics.on_transfer_end,
         )
+        self.metrics.watch_transfers(self.transfers)
         self._peers: dict[str, tuple[grpc.aio.Channel, _PeerStub]] = {}
 
     @property

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -17,7 +17,7 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 
 if TYPE_CHECKING:
     from services.messenger.relay import EngineRelay
-    from services.messenger.transfers import Transfer
+    from services.messenger.transfers import Transfer, Transfers
 
 PREFIX = "kvsched_messenger_"
 
@@ -103,6 +103,19 @@ class MessengerMetrics:
             buckets=_TRANSFER_BUCKETS,
         )
         r.register(_Collector(relays, stream))
+
+    def watch_transfers(self, transfers: Transfers) -> None:
+        """Report how many transfers run and wait on this Messenger (read at scrape time)."""
+        running = Gauge(
+            PREFIX + "transfers_running", "KV transfers moving bytes now.", registry=self.registry
+        )
+        running.set_function(lambda: transfers.running)
+        queued = Gauge(
+            PREFIX + "transfers_queued",
+            "KV transfers accepted and waiting for a slot (--max-transfers).",
+            registry=self.registry,
+        )
+        queued.set_function(lambda: transfers.queued)
 
     def on_transfer_end(self, transfer: Transfer) -> None:
         """A transfer this Messenger ran ended (the `Transfers` hook)."""

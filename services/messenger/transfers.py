@@ -5,14 +5,15 @@ node, to the target instance, an engine of this node) goes:
 
 1. Reserve pages on the target engine for the blocks it lacks (`begin_import`); an engine that
    holds them all already ends the transfer at once, done.
-2. Segment by segment, ask the source's Messenger to pin blocks (`ExportBlocks`: their pages,
-   token ids and every chunk's checksum) and read them through the backend into the reserved
-   pages, layer by layer in order: layer l+1 is on the wire while layer l's chunks are
+2. Segment by segment, ask the source's Messenger to pin blocks (`ExportBlocks`: their pages
+   and token ids, and for Mooncake every chunk's checksum; the TCP backend brings each
+   chunk's checksum with its bytes) and read them through the backend into the reserved
+   pages, layer by layer in order: the next layers are on the wire while a layer's chunks are
    verified, and each verified layer is reported at once, so a consumer may start on layer 0
    while later layers are in flight. A chunk whose checksum does not match is read again, up
    to `chunk_retries` times, then the transfer fails. A hand-off's source is still
    prefilling: its Messenger waits for each next block, so the KV streams while the prefill
-   runs.
+   runs. A source holding fewer blocks of the chain moves what it holds.
 3. Commit the import: the engine checks the tokens hash to the blocks; only then are they
    cached (visible, evictable) and published as BlockStored.
 

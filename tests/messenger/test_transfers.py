@@ -247,6 +247,8 @@ async def test_a_corrupted_chunk_is_read_again(pair_of: Callable[..., Any]) -> N
     assert last.state == mpb.TRANSFER_STATE_DONE, last.error
     metrics = await pair.target_messenger.metrics(pair.http)
     assert "kvsched_messenger_transfer_chunks_retried_total 3.0" in metrics
+    assert 'kvsched_messenger_transfers_total{outcome="done"} 1.0' in metrics
+    assert "kvsched_messenger_transfers_running 0.0" in metrics
     pages = await pair.visible(pair.target, hashes)
     assert pages is not None
     path, layout = await pair.layout(pair.target)
