@@ -70,12 +70,17 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 async def turn(
-    http: aiohttp.ClientSession, cluster: LocalCluster, session: str, prompt: list[int]
+    http: aiohttp.ClientSession,
+    cluster: LocalCluster,
+    session: str,
+    prompt: list[int],
+    *,
+    max_tokens: int = 4,
 ) -> tuple[str, int]:
     """One turn through a Router: where it ran and how many prompt tokens were cached."""
     async with http.post(
         f"{cluster.routers[0]}/v1/completions",
-        json={"prompt": prompt, "max_tokens": 4},
+        json={"prompt": prompt, "max_tokens": max_tokens},
         headers={**cluster.auth, "x-session-id": session},
     ) as resp:
         answer = await resp.json()

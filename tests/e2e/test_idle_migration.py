@@ -1,0 +1,104 @@
+"""`elastic`'s idle-gap migration on a whole `kvsched up` cluster: a session whose host turns
+hot while its turn runs has its KV moved while the agent is busy between turns, off every
+turn's critical path; its next turn finds it on the new host."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from services.common.etcd import EtcdStore
+from services.common.store import EtcdSettings
+from tests.e2e.conftest import LocalCluster, local_cluster
+from tests.e2e.test_transfers import bound_in_etcd, flood, nodes, session_view, tokens, turn
+from tests.fixtures.poll import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with local_cluster(tmp_path_factory.mktemp("up-idle"), "--policy", "elastic:admission=0") as up:
+        yield up
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+async def etcd(cluster: LocalCluster) -> AsyncIterator[EtcdStore]:
+    store = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
+    await store.connect()
+    yield store
+    await store.close()
+
+
+async def test_a_session_moves_in_its_idle_gap_off_the_critical_path(
+    cluster: LocalCluster, http: aiohttp.ClientSession, etcd: EtcdStore
+) -> None:
+    context = tokens(3000, 21)
+    host, _ = await turn(http, cluster, "idle", context)
+    # The host's load report shows the turn done (until then its charge stands).
+    await wait_for(lambda: _idle(http, cluster, host), 10.0, message="the host reports idle")
+    context += tokens(100, 22)
+    assert (await turn(http, cluster, "idle", context))[0] == host
+    waits = await _router_waits(http, cluster)
+    # A turn with a long new prompt: placed on its cool host, it is still prefilling when
+    # the host turns hot (its queue then outlasts the session's idle gap), so when it ends
+    # the session's KV moves during the gap before the next turn.
+    context += tokens(100_000, 23)
+    long_turn = asyncio.create_task(turn(http, cluster, "idle", context))
+    engine = cluster.engine(host)["url"]
+    await wait_for(lambda: _prefilling(http, engine), 20.0, message="the long turn prefills")
+    busy = await flood(http, cluster, host)
+    assert (await long_turn)[0] == host
+    view = await wait_for(
+        lambda: _moved_off(http, cluster, "idle", host), 30.0, message="an idle-gap migration"
+    )
+    target = view["host_instance_id"]
+    assert view["migrations"] == 1
+    await wait_for(lambda: _bound_to(etcd, "idle", target), 5.0, message="the binding reaches etcd")
+    ran_on, cached = await turn(http, cluster, "idle", [*context, *tokens(50, 24)])
+    assert ran_on == target and cached >= len(context) // 16 * 16 - 16
+    assert await _router_waits(http, cluster) == waits  # no turn waited for the move
+    await asyncio.gather(*busy)
+
+
+async def _bound_to(etcd: EtcdStore, sid: str, instance: str) -> bool:
+    return await bound_in_etcd(etcd, sid) == instance
+
+
+async def _idle(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> bool:
+    return bool((await nodes(http, cluster))[instance]["pending_prefill_tokens"] == 0)
+
+
+async def _prefilling(http: aiohttp.ClientSession, engine: str) -> bool:
+    async with http.get(f"{engine}/kvsched/load") as resp:
+        return bool((await resp.json())["pending_prefill_tokens"] > 0)
+
+
+async def _moved_off(
+    http: aiohttp.ClientSession, cluster: LocalCluster, sid: str, host: str
+) -> Any:
+    view = await session_view(http, cluster, sid)
+    return view if view["host_instance_id"] not in ("", host) else None
+
+
+async def _router_waits(http: aiohttp.ClientSession, cluster: LocalCluster) -> float:
+    """How many times the Routers waited for a migration's KV."""
+    total = 0.0
+    for router in cluster.routers:
+        async with http.get(f"{router}/metrics") as resp:
+            for line in (await resp.text()).splitlines():
+                if line.startswith(
+                    'kvsched_router_transfer_wait_seconds_count{kind="migrate_session"}'
+                ):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
