@@ -1,4 +1,5 @@
-"""Print the compact markdown tables of docs/evaluation.md from out/eval/*/report.json.
+"""Print the compact markdown tables of docs/evaluation.md from out/eval/*/report.json (a
+sweep's report as SLO attainment per load and goodput).
 
 .venv/bin/python tools/eval_tables.py [out/eval]
 """
@@ -51,11 +52,32 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(report: dict[str, Any]) -> str:
+    """SLO attainment per swept load and the goodput, one row a policy (a sweep's report)."""
+    sweep = report["goodput"]
+    loads = sweep["loads"]
+    rows = sweep["policies"]
+    best = [max(row["slo_attainment"][i] for row in rows.values()) for i in range(len(loads))]
+    top = max(row["goodput_load"] for row in rows.values())
+    head = " | ".join(f"load {load:g}" for load in loads)
+    lines = [f"| policy | {head} | goodput |", "|---|" + "---:|" * (len(loads) + 1)]
+    for name, row in rows.items():
+        cells = [
+            f"**{v:.3f}**" if v == best[i] else f"{v:.3f}"
+            for i, v in enumerate(row["slo_attainment"])
+        ]
+        g = f"{row['goodput_load']:g}"
+        cells.append(f"**{g}**" if row["goodput_load"] == top else g)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "out/eval")
     for path in sorted(root.glob("*/report.json")):
+        report = json.loads(path.read_text())
         print(f"### {path.parent.name}\n")
-        print(table(json.loads(path.read_text())))
+        print(goodput_table(report) if "goodput" in report else table(report))
         print()
 
 

@@ -319,7 +319,7 @@ class Replay:
         have_dst = dst.cache.match(hashes, len(hashes))
         if have_src <= have_dst:
             if plan.kind is TransferKind.MIGRATE_SESSION:
-                self._count_migration(plan, 0, now, now, None)
+                self._count_migration(plan, 0, now, now, job)
             self.scheduler.transfer_done(plan, True, now)
             return True
         dst.cache.lock_prefix(hashes, have_dst, now)  # before reserving: eviction must spare it

@@ -14,6 +14,7 @@ from services.common.openai_api import ApiError
 from services.router import keys
 from services.router.app import session_key
 from services.router.auth import ANONYMOUS, Authenticator, Tenant, key_digest
+from services.router.kv_moves import prefill_body
 from services.router.metrics import RouterMetrics
 from services.router.placement import KnownInstance, PlacementQuery, Placer, rendezvous
 from services.router.proxy import with_cache_salt
@@ -172,3 +173,15 @@ def test_session_keys_are_scoped_by_tenant_and_safe_as_header_values() -> None:
     odd = session_key("acme", "a b\r\nx-evil: 1\ud800é%")
     assert odd.isascii() and odd.isprintable() and " " not in odd
     assert odd != session_key("globex", "a b\r\nx-evil: 1\ud800é%")
+
+
+def test_a_hand_offs_prefill_asks_one_token_and_no_stream() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90,
+            "max_completion_tokens": 90, "stream": True, "stream_options": {"include_usage": 1},
+            "cache_salt": "s", "temperature": 0.2}  # fmt: skip
+    assert prefill_body(body) == {"model": "m", "messages": body["messages"], "max_tokens": 1,
+                                  "max_completion_tokens": 1, "cache_salt": "s",
+                                  "temperature": 0.2}  # fmt: skip
+    assert prefill_body({"prompt": "x"}) == {"prompt": "x", "max_tokens": 1}
+    with pytest.raises(ValueError, match="not a JSON object"):
+        prefill_body(["not", "an", "object"])
