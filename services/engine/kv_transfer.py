@@ -99,8 +99,9 @@ class KvTransfers:
 
     `sync` must apply the cache's pending events to the KV memory and the names (the live
     engine's `sync_cache`): it runs after every change here that stores or evicts blocks, and
-    the caller then publishes the queued events. `clock` is the cache's clock (model
-    seconds)."""
+    the caller then publishes the queued events. `freed` runs whenever pages may have come
+    free (an export released, an import ended): a request waiting for memory may fit now.
+    `clock` is the cache's clock (model seconds)."""
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class KvTransfers:
         hasher: BlockHasher,
         clock: Callable[[], float],
         sync: Callable[[], None],
+        freed: Callable[[], None] = lambda: None,
     ) -> None:
         self.cache = cache
         self.memory = memory
@@ -118,6 +120,7 @@ class KvTransfers:
         self.hasher = hasher
         self.clock = clock
         self.sync = sync
+        self.freed = freed
         self.exports: dict[str, _Export] = {}
         self.imports: dict[str, _Import] = {}
         self._stored_waiters: set[asyncio.Future[None]] = set()
@@ -159,6 +162,7 @@ class KvTransfers:
             return False
         record.timer.cancel()
         self.cache.unlock_prefix(record.hashes, record.pinned, self.clock(), touch=False)
+        self.freed()
         return True
 
     def blocks_stored(self) -> None:
@@ -271,6 +275,7 @@ class KvTransfers:
         memory.free(duplicates)
         self.sync()
         names.release(hashes[have:upto])
+        self.freed()
         return ImportCommitted(sum(new), upto - have)
 
     def import_abort(self, import_id: str) -> bool:
@@ -283,6 +288,7 @@ class KvTransfers:
         self.cache.unlock_prefix(record.hashes, record.have, self.clock(), touch=False)
         self.cache.release(record.upto - record.have)
         self.memory.free(record.pages)
+        self.freed()
         return True
 
     def _check_tokens(

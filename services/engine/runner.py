@@ -98,6 +98,7 @@ class LiveEngine:
             hasher=self.hasher,
             clock=self.now,
             sync=self.sync_cache,
+            freed=self._wakeup,
         )
         self.requests: dict[int, Request] = {}
         self.failed: str | None = None  # why the loop stopped, once it has

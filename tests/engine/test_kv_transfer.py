@@ -400,3 +400,28 @@ async def test_bodies_that_are_not_json_objects_and_nan_seconds(start_engine: An
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "wait_s"
     status, answer = await call(eng, "DELETE", "/kvsched/kv/export/nope")
     assert (status, answer) == (200, {"released": False})
+
+
+@pytest.mark.parametrize("ending", ["release", "abort"])
+async def test_a_request_waiting_for_memory_runs_once_a_transfer_gives_pages_back(
+    start_engine: Any, ending: str
+) -> None:
+    """Pages pinned by an export (or reserved by an import) keep a request waiting; ending
+    the transfer wakes the engine, which then admits it (without any other request)."""
+    eng: RunningEngine = await start_engine(**MINI)
+    held = prompt(40, 6)
+    await eng.complete({"prompt": held, "max_tokens": 1})
+    if ending == "release":
+        grant = await ok(eng, "POST", "/kvsched/kv/export", {"block_hashes": chain(held)})
+        end = f"/kvsched/kv/export/{grant['export_id']}"
+    else:
+        other = chain(prompt(40, 7))
+        grant = await ok(eng, "POST", "/kvsched/kv/import", {"block_hashes": other})
+        end = f"/kvsched/kv/import/{grant['import_id']}"
+    # 40 of the 64 pages are taken: a 30-block request waits.
+    waiting = asyncio.create_task(eng.complete({"prompt": prompt(30, 8), "max_tokens": 1}))
+    await wait_for(lambda: eng.live.engine.waiting, 5.0, message="the request waits")
+    assert not waiting.done()
+    await ok(eng, "DELETE", end)
+    answer = await asyncio.wait_for(waiting, 10.0)
+    assert answer["usage"]["prompt_tokens"] == 30 * BS + 1
