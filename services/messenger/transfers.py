@@ -467,7 +467,7 @@ class Transfers:
                 with contextlib.suppress(BaseException):
                     await task
             await reader.close()
-        transfer.mark(f"read {n} blocks")
+        transfer.mark(f"read {n} blocks in {len(segment.runs)} runs a layer")
 
     async def _verify(self, transfer: Transfer, segment: _Segment, layer: int) -> None:
         """Check each chunk of `layer`; read a bad one again, up to `chunk_retries` times."""
