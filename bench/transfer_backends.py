@@ -92,7 +92,7 @@ class RawCopy:
 
 async def read_all(reader: Reader, runs: Sequence[Run], dst: KvRegion, depth: int = 2) -> None:
     """Every layer, `depth` reads in flight (as the runner pipelines them)."""
-    in_flight: list[asyncio.Task[None]] = []
+    in_flight: list[asyncio.Future[Sequence[int] | None]] = []
     for layer in range(dst.layout.layers):
         in_flight.append(asyncio.ensure_future(reader.read(layer, runs, dst)))
         if len(in_flight) >= depth:

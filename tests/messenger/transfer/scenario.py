@@ -34,7 +34,7 @@ def fill_background(dst: KvRegion) -> None:
 async def read_layers(
     reader: Reader, runs: Sequence[Run], dst: KvRegion, layers: Sequence[int], depth: int = 2
 ) -> None:
-    in_flight: list[asyncio.Task[None]] = []
+    in_flight: list[asyncio.Task[Sequence[int] | None]] = []
     try:
         for layer in layers:
             in_flight.append(asyncio.create_task(reader.read(layer, runs, dst)))

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from services.common.kv_layout import checksum
 from services.messenger.transfer import tcp_wire as wire
 from services.messenger.transfer.backend import SourceExport
 from services.messenger.transfer.errors import TransferError
@@ -70,6 +71,19 @@ async def test_many_reads_in_flight_each_land_in_their_layer(
     ]
     await asyncio.gather(*reads)
     assert mismatches(dst, range(LAYOUT.layers), dst_pages, HASHES) == []
+
+
+async def test_each_chunk_comes_with_the_checksum_of_what_the_source_sent(
+    backend: Callable[..., Any], region: Callable[..., KvRegion]
+) -> None:
+    _, src, dest, dst, export = await _pair(backend, region, "scattered")
+    reader = await dest.open_reader(export)
+    src_pages, dst_pages = SHAPES["scattered"]
+    runs = [Run(s, d, 1) for s, d in zip(src_pages, dst_pages, strict=True)]
+    sums = await reader.read(2, runs, dst)
+    assert sums == [checksum(src.view(2, p)) for p in src_pages]
+    assert sums == [checksum(dst.view(2, p)) for p in dst_pages]  # the bytes as they landed
+    await reader.close()
 
 
 async def test_a_revoked_export_is_refused_and_others_still_served(
