@@ -5,7 +5,6 @@ cancel leaves nothing half-committed; a hand-off streams while the prefill runs.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import mmap
@@ -63,7 +62,7 @@ def nodes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Nodes]:
     tmp = tmp_path_factory.mktemp("transfers")
-    flags = ("--capacity-blocks", "96", "--chunk-tokens", str(4 * BLOCK))
+    flags = ("--capacity-blocks", "96")
     with start_etcd(tmp / "etcd") as etcd:
         conductor = ConductorProcess(etcd, "c1", tmp / "conductor.log", max_instances=4)
         source = EngineProcess(tmp / "source.log", SOURCE, flags=flags)
@@ -347,20 +346,25 @@ async def test_a_cancelled_transfer_commits_nothing(
 async def test_a_handoff_streams_the_prompt_while_its_prefill_runs(
     pair_of: Callable[..., Any],
 ) -> None:
-    # Four blocks per forward pass (the engines' flags): the prefill stores the prompt in
-    # six steps.
     pair: Pair = await pair_of()
     tokens = prompt(7)
     hashes = BlockHasher(BLOCK).hash_tokens(tokens)
     tid = await pair.start(hashes, kind=common.TRANSFER_KIND_HANDOFF)  # before the prefill
     watching = [p async for p in _first(pair, tid)]
     assert watching[-1].state == mpb.TRANSFER_STATE_RUNNING and watching[-1].blocks_done == 0
-    following = asyncio.create_task(pair.watch(tid))  # every change from here on
+    # The prefill computes the first half of the prompt: those blocks move at once...
+    half = BLOCKS // 2
+    await pair.source.complete(pair.http, tokens[: half * BLOCK + 1])
+    request = mpb.WatchTransferRequest(transfer_id=tid)
+    async for progress in pair.stub.WatchTransfer(request, timeout=20.0):
+        if progress.blocks_done >= half:
+            break
+    assert progress.state == mpb.TRANSFER_STATE_RUNNING and progress.blocks_done == half
+    # ... and the rest as soon as they are computed.
     await pair.source.complete(pair.http, tokens)
-    progress = await following
-    assert progress[-1].state == mpb.TRANSFER_STATE_DONE, progress[-1].error
-    done = {p.blocks_done for p in progress}
-    assert any(0 < d < BLOCKS for d in done), done  # blocks arrived in pieces, as computed
+    last = (await pair.watch(tid))[-1]
+    assert last.state == mpb.TRANSFER_STATE_DONE, last.error
+    assert last.blocks_done == BLOCKS
     assert await pair.visible(pair.target, hashes) is not None
 
 
