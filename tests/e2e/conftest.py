@@ -11,13 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
+from services.common.etcd import EtcdStore
+from services.common.store import EtcdSettings
 from tests.conftest import REPO
 from tests.fixtures.otlp import OtlpReceiver
 
@@ -98,3 +101,18 @@ def local_cluster(tmp: Path, *flags: str) -> Iterator[LocalCluster]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with local_cluster(tmp_path_factory.mktemp("up"), "--policy", "elastic") as up:
         yield up
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+async def etcd_client(cluster: LocalCluster) -> AsyncIterator[EtcdStore]:
+    """A client of the cluster's etcd (each module's `cluster`)."""
+    store = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
+    await store.connect()
+    yield store
+    await store.close()

@@ -5,14 +5,13 @@ turn's critical path; its next turn finds it on the new host."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from services.common.etcd import EtcdStore
-from services.common.store import EtcdSettings
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.e2e.test_transfers import bound_in_etcd, flood, nodes, session_view, tokens, turn
 from tests.fixtures.poll import wait_for
@@ -26,22 +25,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield up
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
-@pytest.fixture
-async def etcd(cluster: LocalCluster) -> AsyncIterator[EtcdStore]:
-    store = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
-    await store.connect()
-    yield store
-    await store.close()
-
-
 async def test_a_session_moves_in_its_idle_gap_off_the_critical_path(
-    cluster: LocalCluster, http: aiohttp.ClientSession, etcd: EtcdStore
+    cluster: LocalCluster, http: aiohttp.ClientSession, etcd_client: EtcdStore
 ) -> None:
     context = tokens(3000, 21)
     host, _ = await turn(http, cluster, "idle", context)
@@ -64,15 +49,17 @@ async def test_a_session_moves_in_its_idle_gap_off_the_critical_path(
     )
     target = view["host_instance_id"]
     assert view["migrations"] == 1
-    await wait_for(lambda: _bound_to(etcd, "idle", target), 5.0, message="the binding reaches etcd")
+    await wait_for(
+        lambda: _bound_to(etcd_client, "idle", target), 5.0, message="the binding reaches etcd"
+    )
     ran_on, cached = await turn(http, cluster, "idle", [*context, *tokens(50, 24)])
     assert ran_on == target and cached >= len(context) // 16 * 16 - 16
     assert await _router_waits(http, cluster) == waits  # no turn waited for the move
     await asyncio.gather(*busy)
 
 
-async def _bound_to(etcd: EtcdStore, sid: str, instance: str) -> bool:
-    return await bound_in_etcd(etcd, sid) == instance
+async def _bound_to(etcd_client: EtcdStore, sid: str, instance: str) -> bool:
+    return await bound_in_etcd(etcd_client, sid) == instance
 
 
 async def _idle(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> bool:

@@ -16,7 +16,7 @@ import itertools
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -25,7 +25,6 @@ import pytest
 from clients.python import ConductorClient
 from kvsched.core.hashing import BlockHasher, salt_bytes
 from services.common.etcd import EtcdStore
-from services.common.store import EtcdSettings
 from services.conductor import keys
 from tests.e2e.conftest import INSTANCE_TTL_S, LocalCluster, local_cluster
 from tests.fixtures.poll import wait_for
@@ -48,20 +47,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         f"--messenger-flag=--transfer-rate={RATE}",
     ) as up:  # fmt: skip
         yield up
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
-@pytest.fixture
-async def etcd(cluster: LocalCluster) -> AsyncIterator[EtcdStore]:
-    store = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
-    await store.connect()
-    yield store
-    await store.close()
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -125,8 +110,8 @@ async def session_view(http: aiohttp.ClientSession, cluster: LocalCluster, sid: 
         return await resp.json()
 
 
-async def bound_in_etcd(etcd: EtcdStore, sid: str) -> str:
-    kv = await etcd.get(keys.session_key(f"demo/{sid}").encode())
+async def bound_in_etcd(etcd_client: EtcdStore, sid: str) -> str:
+    kv = await etcd_client.get(keys.session_key(f"demo/{sid}").encode())
     assert kv is not None
     return str(json.loads(kv.value)["host"])
 
@@ -142,12 +127,12 @@ async def transfers(http: aiohttp.ClientSession, cluster: LocalCluster, kind: st
 
 
 async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
-    cluster: LocalCluster, http: aiohttp.ClientSession, etcd: EtcdStore
+    cluster: LocalCluster, http: aiohttp.ClientSession, etcd_client: EtcdStore
 ) -> None:
     context = tokens(3000, 1) + tokens(200, 2)
     host, _ = await turn(http, cluster, "mig", tokens(3000, 1))
     assert (await turn(http, cluster, "mig", context))[0] == host
-    assert await bound_in_etcd(etcd, "mig") == host
+    assert await bound_in_etcd(etcd_client, "mig") == host
     before = await transfers(http, cluster, "migrate_session")
     busy = await flood(http, cluster, host)
 
@@ -158,13 +143,13 @@ async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
     target = view["moving_to_instance_id"]
     assert target != host and view["host_instance_id"] == host
     # Its KV is on the wire: the binding in etcd is still the source's.
-    assert await bound_in_etcd(etcd, "mig") == host
+    assert await bound_in_etcd(etcd_client, "mig") == host
     assert not moving.done()  # the turn waits for its KV (critical path)
 
     ran_on, cached = await moving
     assert ran_on == target
     assert cached >= len(context) // 16 * 16  # the migrated context hit on the target
-    assert await bound_in_etcd(etcd, "mig") == target  # rebound once verified
+    assert await bound_in_etcd(etcd_client, "mig") == target  # rebound once verified
     assert await transfers(http, cluster, "migrate_session") == before + 1
 
     # Within the cooldown a hot new host keeps the session: no second migration.
@@ -253,7 +238,7 @@ async def _holds(
 
 
 async def test_a_messenger_killed_mid_migration_leaves_the_session_served_on_its_source(
-    cluster: LocalCluster, http: aiohttp.ClientSession, etcd: EtcdStore
+    cluster: LocalCluster, http: aiohttp.ClientSession, etcd_client: EtcdStore
 ) -> None:
     await set_policy(cluster, EAR)
     context = tokens(3000, 11)
@@ -277,7 +262,7 @@ async def test_a_messenger_killed_mid_migration_leaves_the_session_served_on_its
 
     ran_on, _ = await moving
     assert ran_on == host  # the copy failed: the turn ran where the session's KV is
-    assert await bound_in_etcd(etcd, "kill") == host
+    assert await bound_in_etcd(etcd_client, "kill") == host
     after = await session_view(http, cluster, "kill")
     assert after["host_instance_id"] == host and not after["moving_to_instance_id"]
     # ... and keeps being served there once the dead node's instances left routing.
