@@ -1,7 +1,7 @@
 """Properties of the shipped step-time profiles (kvsched/data/latency/*.json).
 
 Only the shipped JSON is read. Reference numbers in this file are quoted from the profile data
-(/work/shared/profiles, see docs/latency-model.md) and the model architecture, never from the
+(../shared/profiles, see docs/latency-model.md) and the model architecture, never from the
 fitted output: they bound what the constants may be, so a bad refit fails here.
 """
 
