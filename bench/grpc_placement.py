@@ -69,6 +69,7 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.cluster import Role
+from services.common import durations
 from services.conductor import convert
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
@@ -135,7 +136,7 @@ def build_workload(
     loads = [
         common.LoadReport(
             pending_prefill_tokens=rng.randrange(0, 20_000),
-            pending_prefill=convert.duration(rng.random()),
+            pending_prefill=durations.duration(rng.random()),
             waiting=2,
             running=8,
             decode_tokens=40_000,
@@ -192,8 +193,8 @@ def finish_message(req: pb.ScheduleRequest, decision: pb.Decision) -> pb.FinishR
         prompt_tokens=req.prompt_tokens,
         output_tokens=req.output_tokens,
         cached_tokens=decision.cached_tokens,
-        time_to_first_token=convert.duration(TTFT_S),
-        end_to_end=convert.duration(E2E_S),
+        time_to_first_token=durations.duration(TTFT_S),
+        end_to_end=durations.duration(E2E_S),
         ok=True,
     )
     if req.session_id:  # the session's context, for the policy's migration planning

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-from google.protobuf.duration_pb2 import Duration
-
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
@@ -15,6 +13,7 @@ from kvsched.core.hashing import BlockHasher
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.core.sessions import NO_HOST, Session
+from services.common.durations import duration, seconds
 from services.conductor.keys import InstanceSpec
 from services.conductor.state import (
     ClearedEvent,
@@ -46,17 +45,6 @@ KINDS = {
     TransferKind.REPLICATE_PREFIX: common.TRANSFER_KIND_REPLICATE_PREFIX,
     TransferKind.HANDOFF: common.TRANSFER_KIND_HANDOFF,
 }
-
-
-def duration(seconds: float) -> Duration:
-    d = Duration()
-    if math.isfinite(seconds):
-        d.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
-    return d
-
-
-def seconds(d: Duration) -> float:
-    return float(d.seconds) + d.nanos * 1e-9
 
 
 def role(value: int) -> Role:

@@ -20,6 +20,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.decision import Decision, RequestInfo
 from kvsched.core.policies import POLICIES
+from services.common import durations
 from services.common.store import Lease, StoreError
 from services.conductor import convert, keys
 from services.conductor.keys import InstanceRecord
@@ -142,7 +143,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             lease = await self._register(request, context)
         return pb.RegisterInstanceResponse(
             instance=convert.instance_status(self.state, request.spec.instance_id),
-            lease_ttl=convert.duration(lease.ttl_s),
+            lease_ttl=durations.duration(lease.ttl_s),
         )
 
     async def _register(self, request: pb.RegisterInstanceRequest, context: Context) -> Lease:
@@ -152,7 +153,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             slot = self.state.free_slot(spec.instance_id)
         except RequestError as exc:
             await abort(context, exc)
-        ttl = max(round(convert.seconds(request.lease_ttl) or self.c.settings.instance_ttl_s), 1)
+        ttl = max(round(durations.seconds(request.lease_ttl) or self.c.settings.instance_ttl_s), 1)
         previous = self.state.instances.get(spec.instance_id)
         old_lease = previous.record.lease_id if previous else 0
         store = self.c.store
@@ -189,7 +190,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
                 f"the lease of instance {request.instance_id!r} lapsed; register it again",
             )
         return pb.KeepAliveInstanceResponse(
-            lease_ttl=convert.duration(remaining), next_event_sequence=inst.next_sequence
+            lease_ttl=durations.duration(remaining), next_event_sequence=inst.next_sequence
         )
 
     async def DeregisterInstance(
@@ -383,7 +384,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
                 request.ok,
                 self.c.clock(),
                 nbytes=request.bytes,
-                seconds=convert.seconds(request.duration) / self.c.settings.time_scale,
+                seconds=durations.seconds(request.duration) / self.c.settings.time_scale,
             )
         except RequestError as exc:
             await abort(context, exc)
@@ -395,7 +396,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         self, request: pb.AwaitTransferRequest, context: Context
     ) -> pb.AwaitTransferResponse:
         await self._require_leader(context)
-        timeout = convert.seconds(request.timeout) or DEFAULT_AWAIT_S
+        timeout = durations.seconds(request.timeout) or DEFAULT_AWAIT_S
         if not 0 < timeout <= MAX_AWAIT_S:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -415,7 +416,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             transfer_id=tid,
             status=pb.TRANSFER_STATUS_DONE if outcome.ok else pb.TRANSFER_STATUS_FAILED,
             bytes=outcome.nbytes,
-            duration=convert.duration(outcome.seconds),
+            duration=durations.duration(outcome.seconds),
             error=outcome.error,
             session_moved=outcome.session_moved,
         )

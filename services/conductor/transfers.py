@@ -32,6 +32,7 @@ from opentelemetry.trace import Status, StatusCode
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.decision import TransferKind, TransferPlan
+from services.common import durations
 from services.common.store import StoreError
 from services.common.telemetry import client_interceptors, get_tracer
 from services.common.tls import aio_channel
@@ -184,7 +185,7 @@ class TransferRunner:
         stub = self._stub(target.spec.messenger_url)
         request = mpb.StartTransferRequest(
             plan=convert.transfer_message(state, plan),
-            timeout=convert.duration(deadline_s),
+            timeout=durations.duration(deadline_s),
             source_messenger_url=source.spec.messenger_url,
         )
         tid = plan.transfer_id

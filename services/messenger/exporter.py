@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
+from services.common.durations import seconds
 from services.common.kv_layout import checksums
 from services.messenger.engine_api import EngineApi, EngineError
 from services.messenger.local_kv import LocalKv, TransferRefused
@@ -45,13 +45,7 @@ class Exporter:
     async def export(self, request: pb.ExportBlocksRequest) -> pb.ExportBlocksResponse:
         """Pin, checksum and grant the asked blocks; raises `TransferRefused`."""
         backend = self._local.backend
-        wanted = request.backend or pb.TRANSFER_BACKEND_UNSPECIFIED
-        if wanted != pb.TRANSFER_BACKEND_UNSPECIFIED and _BACKENDS.get(wanted) != backend.name:
-            raise TransferRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this Messenger moves KV with {backend.name}, not "
-                f"{pb.TransferBackend.Name(wanted) if wanted in _BACKENDS else wanted}",
-            )
+        self._local.require_backend(request.backend)
         hashes = list(request.block_hashes)
         end = request.end_block or len(hashes)
         if not 0 <= request.start_block < end <= len(hashes):
@@ -59,8 +53,8 @@ class Exporter:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"blocks {request.start_block}..{end} are not within the {len(hashes)} hashes",
             )
-        hold = _seconds(request.hold) or DEFAULT_HOLD_S
-        wait = _seconds(request.wait)
+        hold = seconds(request.hold) or DEFAULT_HOLD_S
+        wait = seconds(request.wait)
         if not 0 < hold <= MAX_HOLD_S or not 0 <= wait <= MAX_HOLD_S:
             raise TransferRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -135,9 +129,6 @@ class Exporter:
             await self.release(export_id)
 
 
-_BACKENDS = {pb.TRANSFER_BACKEND_MOONCAKE: "mooncake", pb.TRANSFER_BACKEND_TCP: "tcp"}
-
-
 def _checksums(region: KvRegion, pages: Sequence[int]) -> list[int]:
     """Every exported chunk's checksum, layer by layer (index layer × blocks + block)."""
     layout = region.layout
@@ -146,10 +137,6 @@ def _checksums(region: KvRegion, pages: Sequence[int]) -> list[int]:
         return checksums(memory, layout, range(layout.layers), pages)
     finally:
         memory.release()
-
-
-def _seconds(d: Duration) -> float:
-    return float(d.seconds) + d.nanos * 1e-9
 
 
 async def _quietly(call: Awaitable[object]) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from services.messenger.engine_api import EngineApi
 from services.messenger.transfer.backend import Backend
 from services.messenger.transfer.region import KvRegion
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from services.messenger.relay import EngineRelay
 
 log = logging.getLogger(__name__)
+_BACKENDS = {"mooncake": pb.TRANSFER_BACKEND_MOONCAKE, "tcp": pb.TRANSFER_BACKEND_TCP}
 
 
 class TransferRefused(Exception):
@@ -38,6 +40,22 @@ class LocalKv:
         self._relays = relays
         self.backend = backend
         self._regions: dict[str, KvRegion] = {}  # instance id -> its mapped memory
+
+    @property
+    def backend_value(self) -> pb.TransferBackend.ValueType:
+        """The backend as the API names it."""
+        return _BACKENDS[self.backend.name]
+
+    def require_backend(self, wanted: pb.TransferBackend.ValueType) -> None:
+        """Raises `TransferRefused` FAILED_PRECONDITION unless `wanted` (a `TransferBackend`;
+        unspecified: any) is the one this Messenger moves KV with."""
+        if wanted and wanted != self.backend_value:
+            named = wanted in pb.TransferBackend.values()
+            raise TransferRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this Messenger moves KV with {self.backend.name}, not "
+                f"{pb.TransferBackend.Name(wanted) if named else wanted}",
+            )
 
     def engine(self, instance_id: str) -> tuple[EngineApi, KvRegion]:
         """The engine that is `instance_id` and its mapped, registered KV memory. Raises

@@ -16,6 +16,7 @@ from clients.python import ConductorClient, ConductorError, NotFound
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from services.common.durations import seconds
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Membership:
                 log.warning("cannot register %s yet: %s", self.instance_id, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._asked_ttl_s / 3)
-        ttl = answer.lease_ttl.seconds + answer.lease_ttl.nanos * 1e-9
+        ttl = seconds(answer.lease_ttl)
         self.lease_ttl_s = ttl or self._asked_ttl_s
         first = answer.instance.next_event_sequence
         self._stream.open(self.instance_id, first)

@@ -31,6 +31,7 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.hashing import BlockHasher
 from kvsched.core.load import LoadReport
+from services.common.durations import duration
 from services.common.kv_events import EventBatch
 from services.messenger.batcher import Batcher
 from services.messenger.engine_api import (
@@ -61,8 +62,8 @@ def load_event(load: LoadReport) -> pb.KvEvent:
         running=load.running,
         decode_tokens=load.decode_tokens,
         free_blocks=load.free_blocks,
+        pending_prefill=duration(load.pending_prefill_s),
     )
-    report.pending_prefill.FromNanoseconds(round(load.pending_prefill_s * 1e9))
     return pb.KvEvent(load=report)
 
 

@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
+from services.common.durations import duration, seconds
 from services.common.kv_layout import KvLayout, checksums
 from services.messenger.engine_api import EngineApi, EngineError, EngineNoRoom
 from services.messenger.local_kv import LocalKv, TransferRefused
@@ -55,7 +55,6 @@ ENDED_KEPT = 4096  # ended transfers a late WatchTransfer can still see
 PEER_CALL_S = 5.0  # an ExportBlocks call beyond the time it may wait for a prefill
 READ_AHEAD = 4  # layers requested ahead of the one being verified
 _ENDED = frozenset({pb.TRANSFER_STATE_DONE, pb.TRANSFER_STATE_FAILED, pb.TRANSFER_STATE_CANCELLED})
-_BACKENDS = {"mooncake": pb.TRANSFER_BACKEND_MOONCAKE, "tcp": pb.TRANSFER_BACKEND_TCP}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +98,7 @@ class Transfer:
 
     def progress(self) -> pb.WatchTransferResponse:
         elapsed = self.elapsed_s
-        out = pb.WatchTransferResponse(
+        return pb.WatchTransferResponse(
             transfer_id=self.transfer_id,
             state=self.state,
             layers_done=self.layers_done,
@@ -108,9 +107,8 @@ class Transfer:
             error=self.error,
             blocks_done=self.blocks_done,
             blocks=self.blocks,
+            elapsed=duration(elapsed),
         )
-        out.elapsed.FromNanoseconds(round(elapsed * 1e9))
-        return out
 
     def mark(self, phase: str) -> None:
         """Note when a step ended (in the transfer's span and its end-of-transfer log)."""
@@ -190,12 +188,7 @@ class Transfers:
             raise TransferRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, "source_messenger_url is required"
             )
-        wanted = request.backend
-        if wanted and wanted != _BACKENDS.get(self._local.backend.name):
-            raise TransferRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this Messenger moves KV with {self._local.backend.name} only",
-            )
+        self._local.require_backend(request.backend)
         if plan.source_instance_id == plan.target_instance_id:
             raise TransferRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, "source and target are the same instance"
@@ -208,7 +201,7 @@ class Transfers:
                 f"layers must name each of the model's {region.layout.layers} layers once (in "
                 "the order they should move): a block becomes visible only with all of them",
             )
-        deadline = _seconds(request.timeout)
+        deadline = seconds(request.timeout)
         if deadline <= 0:
             raise TransferRefused(grpc.StatusCode.INVALID_ARGUMENT, "timeout must be positive")
         if self.queued >= self.limits.max_queued:
@@ -374,14 +367,14 @@ class Transfers:
                 instance_id=plan.source_instance_id,
                 block_hashes=hashes,
                 start_block=start,
-                hold=_duration(max(remaining, 1.0)),
-                backend=_BACKENDS[self._local.backend.name],
+                hold=duration(max(remaining, 1.0)),
+                backend=self._local.backend_value,
             )
             if handoff:  # the prefill may still be computing block `start`
-                request.wait.CopyFrom(_duration(max(remaining - 0.5, 0.0)))
+                request.wait.CopyFrom(duration(max(remaining - 0.5, 0.0)))
             try:
                 export = await stub.ExportBlocks(
-                    request, timeout=_seconds(request.wait) + PEER_CALL_S
+                    request, timeout=seconds(request.wait) + PEER_CALL_S
                 )
             except grpc.aio.AioRpcError as exc:
                 raise _Failed(
@@ -558,16 +551,6 @@ class _Segment:
 
 class _Failed(Exception):
     """The transfer cannot complete (its message says why)."""
-
-
-def _seconds(d: Duration) -> float:
-    return float(d.seconds) + d.nanos * 1e-9
-
-
-def _duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
-    return d
 
 
 async def _quietly(api: EngineApi, import_id: str) -> None:

@@ -34,7 +34,6 @@ from urllib.parse import quote
 
 import grpc
 from aiohttp import web
-from google.protobuf import duration_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
@@ -48,6 +47,7 @@ from clients.python import ConductorClient, Interceptor
 from kvsched.api.conductor.v1 import conductor_service_pb2 as cpb
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from kvsched.core.hashing import BlockHasher, salt_bytes
+from services.common.durations import duration
 from services.common.http_site import start_site
 from services.common.openai_api import (
     MAX_BODY_BYTES,
@@ -464,8 +464,8 @@ class Router:
                 output_tokens=output,
                 cached_tokens=min(cached, query.prompt_tokens),
                 block_hashes=query.block_hashes,
-                time_to_first_token=_duration(ttft),
-                end_to_end=_duration(now - arrived),
+                time_to_first_token=duration(ttft),
+                end_to_end=duration(now - arrived),
                 ok=relayed is not None and relayed.ok,
             )
         )
@@ -560,9 +560,3 @@ def _annotate(span: trace.Span, placement: Placement) -> None:
         span.set_attribute("kvsched.policy", placement.policy)
     if placement.fallback is not None:
         span.set_attribute("kvsched.fallback", placement.fallback)
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(max(round(seconds * 1e9), 0))
-    return d

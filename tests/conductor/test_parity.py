@@ -25,6 +25,7 @@ from kvsched.core.load import LoadReport
 from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.replay import Replay, ReplayConfig
 from kvsched.sim.traces import transform
+from services.common import durations
 from services.conductor import convert
 from services.conductor.app import Conductor
 from tests.conductor.conftest import settings
@@ -95,7 +96,7 @@ class RemoteScheduler:
         assert answer.request_id == request.request_id
         if answer.HasField("rejection"):
             r = answer.rejection
-            ttft = convert.seconds(r.estimated_ttft)
+            ttft = durations.seconds(r.estimated_ttft)
             return Decision(req.request_id, -1, -1, 0, 0, ttft, r.rule, rejected=True)
         d = answer.decision
         return Decision(
@@ -104,7 +105,7 @@ class RemoteScheduler:
             decode_instance=self.slots[d.decode_instance_id],
             cached_tokens=d.cached_tokens,
             fetched_tokens=d.fetched_tokens,
-            estimated_ttft_s=convert.seconds(d.estimated_ttft),
+            estimated_ttft_s=durations.seconds(d.estimated_ttft),
             rule=d.rule,
             transfers=tuple(self._plan(t) for t in d.transfers),
         )
@@ -118,7 +119,7 @@ class RemoteScheduler:
             skip_blocks=t.skip_blocks,
             tokens=t.tokens,
             nbytes=t.bytes,
-            est_seconds=convert.seconds(t.estimated_duration),
+            est_seconds=durations.seconds(t.estimated_duration),
             on_critical_path=t.on_critical_path,
             session_id=t.session_id or None,
             request_id=int(t.request_id) if t.request_id else None,
@@ -137,8 +138,8 @@ class RemoteScheduler:
                 output_tokens=done.output_tokens,
                 cached_tokens=done.cached_tokens,
                 block_hashes=done.block_hashes,
-                time_to_first_token=convert.duration(done.first_token_at - done.arrival),
-                end_to_end=convert.duration(done.finished_at - done.arrival),
+                time_to_first_token=durations.duration(done.first_token_at - done.arrival),
+                end_to_end=durations.duration(done.finished_at - done.arrival),
                 ok=done.ok,
             )
         )
@@ -166,7 +167,7 @@ class RemoteScheduler:
     def report_load(self, slot: int, report: LoadReport) -> None:
         load = common.LoadReport(
             pending_prefill_tokens=report.pending_prefill_tokens,
-            pending_prefill=convert.duration(report.pending_prefill_s),
+            pending_prefill=durations.duration(report.pending_prefill_s),
             waiting=report.waiting,
             running=report.running,
             decode_tokens=report.decode_tokens,
