@@ -41,8 +41,8 @@ import grpc
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
-from kvsched.core.hashing import BlockHasher
 from kvsched.core.models import DEFAULT_MODEL, MINI_MODEL
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.launcher.__main__ import demo_keys
 from services.launcher.plan import ClusterOptions, plan_cluster
 from services.launcher.supervisor import Supervisor
@@ -143,7 +143,7 @@ async def throughput(backend: str, geometry: Geometry, repeat: int) -> dict[str,
                     json={"prompt": prompt, "max_tokens": 1},
                 ) as resp:
                     assert resp.status == 200, await resp.text()
-                hashes = BlockHasher(geometry.block_size).hash_tokens(prompt)
+                hashes = VllmBlockHasher(geometry.block_size).hash_prompt(prompt)
                 first, whole, nbytes = await transfer_once(stub, ep, hashes)
                 if r:
                     firsts.append(first)

@@ -188,10 +188,13 @@ class KvEventStream:
         events: Sequence[pb.KvEvent],
         *,
         resync: bool = False,
+        merge: bool = False,
         engine_ts: float | None = None,
     ) -> int | None:
         """Cut a batch for the instance; returns its sequence number, or None when it is
-        dropped (instance not open, waiting for a resync, or not known to the Conductor)."""
+        dropped (instance not open, waiting for a resync, or not known to the Conductor). A
+        `resync` batch restarts the sequence and replaces the instance's index, or, with
+        `merge`, is applied on top of it."""
         log = self._logs.get(instance_id)
         if (
             log is None
@@ -214,6 +217,7 @@ class KvEventStream:
             resync=resync,
             events=events,
             created_at=created,
+            merge=resync and merge,
         )
         log.append(_Entry(pb.StreamKvEventsRequest(batch=batch), len(events), engine_ts))
         if resync:

@@ -51,7 +51,6 @@ class ClusterConfig:
     roles: tuple[Role, ...] = ()  # empty: every instance does both
     slo: SloConfig = field(default_factory=SloConfig)
     speculative_ttl_s: float = 5.0
-    hash_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.n_instances <= 0:

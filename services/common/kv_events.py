@@ -12,7 +12,7 @@ Decoding never trusts the sender: a message that is not a well-formed batch rais
 `MalformedFrames` (the relay counts it and moves on); an event of an unknown type, of the
 wrong shape or over the size limits is skipped and counted in the batch; unknown fields are
 ignored. Encoding reproduces vLLM's bytes exactly (msgspec's field order, defaults left out
-of maps). Pure: no sockets here.
+of maps, map headers sized as msgspec sizes them). Pure: no sockets here.
 """
 
 from __future__ import annotations
@@ -254,9 +254,12 @@ def encode_frames(
     dp_rank: int | None = 0,
     *,
     shape: Shape = "map",
+    stored_fields: int = 16,
 ) -> list[bytes]:
-    """The three frames vLLM sends for `events`: maps as vLLM ≥ 0.33 does (fields at their
-    default left out), or tagged arrays as vLLM 0.11 did (fields it did not have yet dropped)."""
+    """The three frames vLLM sends for `events`: maps as vLLM ≥ 0.32 does (fields at their
+    default left out), or tagged arrays as vLLM 0.11 did (fields it did not have yet dropped).
+    `stored_fields` is how many fields vLLM's BlockStored struct declares, its tag included:
+    16 from vLLM 0.33 on, 15 in 0.32; only the size of a BlockStored map's header follows it."""
     packer = msgpack.Packer(use_bin_type=True)
     parts = [
         packer.pack_array_header(2 if dp_rank is None else 3),
@@ -269,15 +272,22 @@ def encode_frames(
             continue
         fields = _event_map(event)
         if isinstance(event, BlockStored):
-            # msgspec sizes a struct's map header for all its fields: BlockStored has more
-            # than 15, so its header is always a map16 even when few fields are written.
-            parts.append(b"\xde" + len(fields).to_bytes(2, "big"))
+            parts.append(_struct_map_header(stored_fields, len(fields)))
             parts.extend(packer.pack(k) + packer.pack(v) for k, v in fields.items())
         else:
             parts.append(packer.pack(fields))
     if dp_rank is not None:
         parts.append(packer.pack(dp_rank))
     return [topic, seq.to_bytes(8, "big"), b"".join(parts)]
+
+
+def _struct_map_header(declared: int, written: int) -> bytes:
+    """msgspec reserves a struct's map header for all `declared` fields, then writes into it
+    how many it did not leave out: from 16 declared fields on, that is a map16 header even
+    when fewer than 16 are written (a fixmap below)."""
+    if declared < 16:
+        return bytes([0x80 | written])
+    return b"\xde" + written.to_bytes(2, "big")
 
 
 def _event_map(event: Event) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """OpenAI-compatible completions as vLLM reads them, for the Router and the simulated engine.
 
-Both sides must turn a request body into the same prompt token ids (the Router hashes them to
-place the request, the engine hashes them to cache it), so parsing, chat rendering and
-tokenization live here once. Errors are `ApiError`s that render as OpenAI's error JSON
-(`{"error": {"message", "type", "param", "code"}}`), never as a stack trace.
+Both sides must turn a request body into the token ids a real vLLM engine would feed its model
+(the Router hashes them to place the request, the engine hashes them to cache it), so parsing,
+chat rendering (`chat_prompt`) and tokenization live here once. Errors are `ApiError`s that
+render as OpenAI's error JSON, never as a stack trace.
 """
 
 from __future__ import annotations
@@ -11,78 +11,28 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
-from tokenizers import Tokenizer
+
+from services.common.api_errors import ApiError, bad_request, rate_limited, unavailable
+from services.common.chat_prompt import ChatRenderer, ChatRequest, parse_chat
+from services.common.tokenizer_dir import TokenizerDir
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL", "MAX_BODY_BYTES", "ApiError", "CompletionRequest",
+    "Kind", "PromptTokenizer", "bad_request", "check_length", "parse_request", "rate_limited",
+    "read_json", "unavailable",
+]  # fmt: skip
 
 # The simulated engines model this one (its KV size and step times); only the tokenizer is a
 # small stand-in (`kvsched/data/tokenizer/`).
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # completions: OpenAI's legacy default
 MAX_BODY_BYTES = 32 << 20
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 Kind = Literal["completion", "chat"]
-
-
-class ApiError(Exception):
-    """A request the server refuses; `status` and the OpenAI error fields say why."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
-
-    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
-        """The error as an aiohttp response (with Retry-After on a 429)."""
-        out = dict(headers or {})
-        if self.retry_after_s is not None:
-            out["Retry-After"] = str(max(1, round(self.retry_after_s + 0.4999)))
-        return web.json_response(self.body(), status=self.status, headers=out)
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, type_="service_unavailable", code="service_unavailable")
-
-
-def rate_limited(message: str, retry_after_s: float) -> ApiError:
-    return ApiError(
-        429,
-        message,
-        type_="rate_limit_error",
-        code="rate_limit_exceeded",
-        retry_after_s=retry_after_s,
-    )
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -108,8 +58,12 @@ class CompletionRequest:
 
     kind: Kind
     model: str | None
-    prompt_text: str | None  # rendered chat, or the completion prompt given as text
+    prompt_text: str | None  # the completion prompt given as text
     prompt_ids: tuple[int, ...] | None  # the completion prompt given as token ids
+    chat: ChatRequest | None  # a chat request's prompt, rendered by `PromptTokenizer`
+    # Whether the tokenizer adds its special tokens (BOS): vLLM's default is yes for a
+    # completion, no for a chat (its template writes BOS).
+    add_special_tokens: bool
     max_tokens: int
     stream: bool
     include_usage: bool
@@ -118,16 +72,24 @@ class CompletionRequest:
 
 
 def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
-    """Validate the fields we read (others pass through untouched); raises `ApiError` 400."""
+    """Validate the fields we read (others pass through untouched); raises `ApiError` 400.
+    A chat's messages are checked when rendered (`PromptTokenizer.prompt_ids`)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    chat: ChatRequest | None = None
     if kind == "chat":
-        text = render_chat(body.get("messages"))
+        chat = parse_chat(body)
     else:
-        text, ids = _prompt(body.get("prompt"))
+        text, ids = _prompt(body)
+    if body.get("truncate_prompt_tokens") is not None:
+        # vLLM would cut the prompt to that many tokens; hashing the cut prompt is not done.
+        raise bad_request("'truncate_prompt_tokens' is not supported", "truncate_prompt_tokens")
+    add_special_tokens = body.get("add_special_tokens", kind == "completion")
+    if not isinstance(add_special_tokens, bool):
+        raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
     n = body.get("n", 1)
     if n not in (1, None):
         raise bad_request("only n=1 is supported", "n")
@@ -148,29 +110,14 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
         model=model,
         prompt_text=text,
         prompt_ids=ids,
+        chat=chat,
+        add_special_tokens=add_special_tokens,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         session_id=_session_of(body),
         cache_salt=_optional_str(body, "cache_salt"),
     )
-
-
-def render_chat(messages: object) -> str:
-    """The demo model's chat template: one `<|role|>` header line per message, then the
-    assistant's header. Content may be a string or a list of `{"type": "text"}` parts."""
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    parts = ["<|begin_of_text|>"]
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {sorted(_ROLES)}", "messages")
-        parts.append(f"<|{role}|>\n{_content(message.get('content'), i)}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
 
 
 def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -186,62 +133,77 @@ def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> Non
 
 
 class PromptTokenizer:
-    """The model's tokenizer (HF `tokenizers`); thread-safe, so calls can run off the loop."""
+    """A model's tokenizer and chat templates (see `tokenizer_dir`): the token ids vLLM feeds
+    its model for a request. Thread-safe, so calls can run off the event loop."""
 
     def __init__(self, path: str | Path | None = None) -> None:
-        if path is None:
-            ref = resources.files("kvsched").joinpath("data", "tokenizer", "tokenizer.json")
-            self._tok = Tokenizer.from_str(ref.read_text(encoding="utf-8"))
-        else:
-            self._tok = Tokenizer.from_file(str(path))
+        """`path`: a tokenizer directory or a `tokenizer.json` (with the files beside it);
+        `None`: the demo model's. Raises `OSError` or `ValueError` (see `TokenizerDir`)."""
+        files = TokenizerDir.load(path)
+        self._tok = files.tokenizer
+        self._chat = ChatRenderer(files.chat_templates, files.special_tokens)
         self.vocab_size = self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
+    def render_chat(self, chat: ChatRequest) -> str:
+        """A chat request's prompt text; raises `ApiError` 400 (malformed messages, media
+        parts, a template that refuses them)."""
+        return self._chat.render(chat)
+
     def prompt_ids(self, request: CompletionRequest) -> list[int]:
-        """The prompt's token ids; raises `ApiError` 400 for ids outside the vocabulary."""
-        if request.prompt_ids is not None:
-            bad = next((t for t in request.prompt_ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise bad_request(f"token id {bad} is out of vocabulary", "prompt")
-            return list(request.prompt_ids)
-        assert request.prompt_text is not None
-        return self.encode(request.prompt_text)
+        """The prompt's token ids; raises `ApiError` 400 (ids outside the vocabulary, and
+        see `render_chat`)."""
+        ids = request.prompt_ids
+        if request.chat is not None:
+            if request.chat.forwarded_ids is None:
+                return self.encode(self.render_chat(request.chat), request.add_special_tokens)
+            ids = request.chat.forwarded_ids
+        if ids is None:
+            assert request.prompt_text is not None
+            return self.encode(request.prompt_text, request.add_special_tokens)
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of vocabulary", "prompt")
+        return list(ids)  # token ids are the prompt as they are, as vLLM takes them
 
 
-def _prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
+# Completion fields vLLM would use that no prompt here can follow, and why.
+_COMPLETION_REFUSALS = {
+    # vLLM's words for a model without FIM rendering.
+    "suffix": "suffix is only supported for models with FIM completion rendering",
+    # vLLM takes them only when started with --enable-prompt-embeds; nothing to hash here.
+    "prompt_embeds": "'prompt_embeds' is not supported",
+}
+
+
+def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+    for key, refusal in _COMPLETION_REFUSALS.items():
+        if body.get(key) is not None:
+            raise bad_request(refusal, key)
+    text, ids = _prompt_of(body.get("prompt"))
+    if text == "":
+        raise bad_request(
+            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
+    return text, ids
+
+
+def _prompt_of(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return _prompt(prompt[0])  # a batch of one
+        return _prompt_of(prompt[0])  # a batch of one
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         return None, tuple(prompt)
     raise bad_request(
         "'prompt' must be a string or a non-empty list of token ids (batches are not supported)",
         "prompt",
     )
-
-
-def _content(content: object, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad_request(f"messages[{i}].content parts must be text parts", "messages")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"messages[{i}].content[].text must be a string", "messages")
-            texts.append(text)
-        return "".join(texts)
-    if content is None:
-        return ""
-    raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
 
 
 def _session_of(body: Mapping[str, Any]) -> str | None:

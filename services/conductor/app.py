@@ -66,6 +66,7 @@ class Conductor:
         self.clock = clock or (lambda: time.time() / settings.time_scale)
         self.store: Store = store or EtcdStore(settings.etcd)
         self.state = self._new_state()
+        self.hasher = settings.block_hashes.hasher(settings.block_size)  # explains token ids
         self.serving = False
         self.metrics = ConductorMetrics(self)
         self.tracer_provider = tracer_provider or setup_tracing(

@@ -9,10 +9,10 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
 from kvsched.core.decision import Decision, RequestInfo, TransferKind, TransferPlan
-from kvsched.core.hashing import BlockHasher
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.core.sessions import NO_HOST, Session
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.durations import duration, seconds
 from services.conductor.keys import InstanceSpec
 from services.conductor.state import (
@@ -214,15 +214,17 @@ def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatu
     )
 
 
-def explain_request(state: ConductorState, request: pb.ExplainRequest) -> RequestInfo:
-    """The placement request an Explain describes; raises RequestError."""
+def explain_request(
+    state: ConductorState, request: pb.ExplainRequest, hasher: VllmBlockHasher
+) -> RequestInfo:
+    """The placement request an Explain describes (token ids hashed by `hasher`, as the
+    engines do); raises RequestError."""
     if request.block_hashes and request.token_ids:
         raise RequestError("invalid", "give block_hashes or token_ids, not both")
     bs = state.config.block_size
     hashes: list[int] = list(request.block_hashes)
     if request.token_ids:
-        hasher = BlockHasher(bs, state.config.hash_seed)
-        hashes = hasher.hash_tokens(request.token_ids)
+        hashes = hasher.hash_prompt(request.token_ids)
     prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
     if not hashes:
         raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")

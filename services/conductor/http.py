@@ -129,7 +129,7 @@ class AdminHttp:
         except (ValueError, TypeError, json.JSONDecodeError) as exc:
             return _error(400, f"bad explain request: {exc}")
         try:
-            req = convert.explain_request(self.c.state, msg)
+            req = convert.explain_request(self.c.state, msg, self.c.hasher)
             decision = self.c.state.explain(req, self.c.clock())
         except RequestError as exc:
             return _error(_STATUS[exc.kind], str(exc))

@@ -223,7 +223,9 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         metrics = self.c.metrics
         try:
             events = convert.kv_events(batch)
-            nxt = self.state.apply_events(batch.instance_id, batch.sequence, batch.resync, events)
+            nxt = self.state.apply_events(
+                batch.instance_id, batch.sequence, batch.resync, events, merge=batch.merge
+            )
         except RequestError:
             metrics.event_batches.labels("refused").inc()
             raise
@@ -460,7 +462,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
 
     async def Explain(self, request: pb.ExplainRequest, context: Context) -> pb.ExplainResponse:
         try:
-            req = convert.explain_request(self.state, request)
+            req = convert.explain_request(self.state, request, self.c.hasher)
             decision = self.state.explain(req, self.c.clock())
         except RequestError as exc:
             await abort(context, exc)

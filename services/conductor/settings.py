@@ -12,6 +12,8 @@ from functools import partial
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import DEFAULT_LATENCY
+from services.common import block_hashes
+from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flag
 from services.common.store import EtcdSettings
 from services.common.tls import ClientTls, ServerTls
@@ -32,6 +34,7 @@ class ConductorSettings:
     seed: int = 0
     max_instances: int = 64
     block_size: int = 16
+    block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     latency_profile: str = DEFAULT_LATENCY
     ttft_slo_s: float = 2.0
@@ -79,6 +82,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "seed", d.seed, "seed of the policy's random source")
     _flag(p, "max-instances", d.max_instances, "instance slots")
     _flag(p, "block-size", d.block_size, "tokens per KV block")
+    block_hashes.add_flags(_flag, p)
     _flag(p, "model", d.model, "served model (sizes KV transfers)")
     _flag(p, "latency-profile", d.latency_profile, "latency model profile")
     _flag(p, "ttft-slo", d.ttft_slo_s, "time-to-first-token objective, seconds")
@@ -115,6 +119,10 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         if a.messenger_tls_ca
         else None
     )
+    try:
+        hashes = block_hashes.from_args(a)
+    except ValueError as exc:
+        p.error(str(exc))
     return ConductorSettings(
         conductor_id=a.id or ConductorSettings().conductor_id,
         listen=a.listen,
@@ -124,6 +132,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         seed=a.seed,
         max_instances=a.max_instances,
         block_size=a.block_size,
+        block_hashes=hashes,
         model=a.model,
         latency_profile=a.latency_profile,
         ttft_slo_s=a.ttft_slo,

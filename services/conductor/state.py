@@ -204,10 +204,17 @@ class ConductorState:
     # ---- KV events -----------------------------------------------------------------------
 
     def apply_events(
-        self, instance_id: str, sequence: int, resync: bool, events: Sequence[KvEvent]
+        self,
+        instance_id: str,
+        sequence: int,
+        resync: bool,
+        events: Sequence[KvEvent],
+        *,
+        merge: bool = False,
     ) -> int:
         """Apply one batch in order; returns the next expected sequence. A batch out of
-        sequence is refused whole, naming where to resume."""
+        sequence is refused whole, naming where to resume. A resync batch restarts the
+        sequence and replaces the instance's index, or, with `merge`, applies on top of it."""
         inst = self.instance(instance_id)
         expected = inst.next_sequence
         if not resync and sequence != expected:
@@ -229,7 +236,7 @@ class ConductorState:
                 )
         slot = inst.slot
         scheduler = self.scheduler
-        if resync:
+        if resync and not merge:
             self._clear_blocks(inst)
         for event in events:
             if isinstance(event, StoredEvent):

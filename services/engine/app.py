@@ -30,7 +30,6 @@ from services.common.openai_api import (
     PromptTokenizer,
     parse_request,
     read_json,
-    render_chat,
     unavailable,
 )
 from services.engine.kv_memory import KvMemory
@@ -77,6 +76,8 @@ class EngineApp:
                 web.post("/tokenize", self.tokenize),
                 web.get("/health", self.health),
                 web.get("/metrics", self.prometheus),
+                web.get("/load", self.server_load),
+                web.get("/kv_event_sources", self.kv_event_sources),
                 web.get("/kvsched/info", self.info),
                 web.get("/kvsched/load", self.load),
                 web.get("/kvsched/kv/snapshot", self.snapshot),
@@ -140,9 +141,9 @@ class EngineApp:
 
     async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         text = req.prompt_text
-        if text is None or len(text) <= _INLINE_TOKENIZE_CHARS:
+        if req.chat is None and (text is None or len(text) <= _INLINE_TOKENIZE_CHARS):
             return self.tokenizer.prompt_ids(req)
-        # Long prompts take milliseconds: off the loop (HF tokenizers releases the GIL).
+        # Long prompts and chats (their template renders too) take milliseconds: off the loop.
         return await asyncio.get_running_loop().run_in_executor(
             None, self.tokenizer.prompt_ids, req
         )
@@ -194,10 +195,7 @@ class EngineApp:
         body = await read_json(request)
         model = body.get("model")
         self._check_model(model if isinstance(model, str) else None)
-        if "messages" in body:
-            req = parse_request("completion", {"prompt": render_chat(body["messages"])})
-        else:
-            req = parse_request("completion", {"prompt": body.get("prompt")})
+        req = parse_request("chat" if "messages" in body else "completion", body)
         ids = await self._prompt_ids(req)
         return web.json_response(
             {"count": len(ids), "max_model_len": self.live.model.max_model_len, "tokens": ids}
@@ -241,6 +239,17 @@ class EngineApp:
                 },
             }
         )
+
+    async def server_load(self, request: web.Request) -> web.Response:
+        """vLLM's `/load`: requests the server holds now."""
+        return web.json_response({"server_load": len(self.live.requests)})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """vLLM's `/kv_event_sources`: the KV-event publisher's settings by DP rank."""
+        pub = self.live.publisher
+        source = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub.endpoint,
+                  "replay_endpoint": pub.replay_endpoint, "topic": pub.topic.decode()}  # fmt: skip
+        return web.json_response({"0": source})
 
     async def load(self, request: web.Request) -> web.Response:
         """`Engine.report()`: the load a scheduler reads (seconds are model seconds)."""
@@ -300,14 +309,23 @@ def build(
     except BaseException:
         memory.close()
         raise
+    metrics = EngineMetrics(settings.model)
+    metrics.cache_config(
+        {
+            "block_size": str(model.block_size),
+            "num_gpu_blocks": str(model.capacity_blocks),
+            "enable_prefix_caching": "True",
+            "prefix_caching_hash_algo": settings.block_hashes.algo,
+        }
+    )
     live = LiveEngine(
         model,
         publisher,
-        EngineMetrics(settings.model),
+        metrics,
         memory,
         time_scale=settings.time_scale,
         stream_interval=settings.stream_interval,
-        engine_hash_seed=settings.engine_hash_seed,
+        hasher=settings.block_hashes.hasher(settings.block_size),
     )
     tokenizer = tokenizer or PromptTokenizer(settings.tokenizer)
     words = words or Words(tokenizer, settings.seed)

@@ -1,6 +1,9 @@
 """Publishing KV events the way vLLM's `ZmqEventPublisher` does: a PUB socket sending
 `[topic, seq, payload]`, and a ROUTER socket answering replay requests from a buffer of the
-latest batches (`[start_seq]` → `[seq, payload]`… then the end marker, seq −1)."""
+latest batches. A DEALER asks with `[b"", start_seq]` and receives, as from vLLM 0.32, every
+buffered batch from `start_seq` on as `[b"", topic, seq, payload]`, then the end marker
+`[b"", b"", seq −1, b""]`; with `shape="array"` (vLLM ≤ 0.11), as that vLLM answered, without
+the topic: `[b"", seq, payload]`, then `[b"", seq −1, b""]`."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ class KvEventPublisher:
         self.topic = topic
         self.shape: Shape = shape
         self.dp_rank = dp_rank
-        self._buffer: deque[tuple[int, list[bytes]]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)  # (seq, payload)
         self.next_seq = 0  # sequence number of the next batch
         self._serving: asyncio.Task[None] | None = None
 
@@ -66,7 +69,7 @@ class KvEventPublisher:
         seq = self.next_seq
         self.next_seq += 1
         frames = encode_frames(self.topic, seq, ts, events, self.dp_rank, shape=self.shape)
-        self._buffer.append((seq, frames))
+        self._buffer.append((seq, frames[2]))
         await self._pub.send_multipart(frames)
         return seq
 
@@ -78,10 +81,17 @@ class KvEventPublisher:
             if len(request) != 3 or len(request[2]) != 8:
                 continue  # not a replay request: ignore it
             client, start = request[0], int.from_bytes(request[2], "big")
-            for seq, frames in list(self._buffer):
+            # Like vLLM, replies carry the publisher's topic at reply time, not the one a batch
+            # was published under, and the end marker an empty one; vLLM ≤ 0.11 sent neither.
+            legacy = self.shape == "array"
+            topic: list[bytes] = [] if legacy else [self.topic]
+            end_topic: list[bytes] = [] if legacy else [b""]
+            for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await replay.send_multipart([client, b"", frames[1], frames[2]])
-            await replay.send_multipart([client, b"", END_SEQ, b""])
+                    await replay.send_multipart(
+                        [client, b"", *topic, seq.to_bytes(8, "big"), payload]
+                    )
+            await replay.send_multipart([client, b"", *end_topic, END_SEQ, b""])
 
     async def close(self) -> None:
         if self._serving is not None:

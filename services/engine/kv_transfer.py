@@ -24,7 +24,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvsched.core.hashing import BlockHasher, salt_bytes
+from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
 from kvsched.sim.cache import PrefixCache
 from services.engine.kv_memory import KvMemory
 from services.engine.kv_names import EngineNames
@@ -109,7 +109,7 @@ class KvTransfers:
         *,
         memory: KvMemory,
         names: EngineNames,
-        hasher: BlockHasher,
+        hasher: VllmBlockHasher,
         clock: Callable[[], float],
         sync: Callable[[], None],
         freed: Callable[[], None] = lambda: None,
@@ -252,7 +252,7 @@ class KvTransfers:
                     f"expected the token ids of 1 to {reserved - have} whole blocks of {bs}, "
                     f"got {len(token_ids)}"
                 )
-            self._check_tokens(hashes, have, upto, token_ids, salt)
+            digests = self._check_tokens(hashes, have, upto, token_ids, salt)
         except WrongBlocks:
             self.import_abort(import_id)
             raise
@@ -261,7 +261,7 @@ class KvTransfers:
         cache, memory, names = self.cache, self.memory, self.names
         new = [h not in cache.nodes for h in hashes[have:upto]]
         # Token ids must be known before the stored event is named, and are let go after.
-        names.hold(hashes[have:upto], token_ids, salt)
+        names.hold(hashes[have:upto], digests, token_ids, salt)
         now = self.clock()
         cache.commit(hashes, have, upto, have, now)
         cache.unlock_prefix(hashes, upto, now)
@@ -298,17 +298,21 @@ class KvTransfers:
         upto: int,
         token_ids: Sequence[int],
         salt: str | None,
-    ) -> None:
+    ) -> list[bytes]:
+        """The digests of blocks `have..upto` from their `token_ids`; raises `WrongBlocks`
+        unless they hash to `hashes`."""
         bs = self.hasher.block_size
-        parent = hashes[have - 1] if have else self.hasher.root(salt_bytes(salt) if salt else b"")
+        parent = self.names.digest(hashes[have - 1]) if have else None
+        digests: list[bytes] = []
         for i in range(have, upto):
             block = token_ids[(i - have) * bs : (i - have + 1) * bs]
-            try:
-                parent = self.hasher.extend(parent, block)
-            except ValueError as exc:  # a token id that is not a u32
-                raise WrongBlocks(str(exc)) from None
-            if parent != hashes[i]:
+            if not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in block):
+                raise WrongBlocks(f"the token ids of block {i} are not all u32")
+            parent = self.hasher.next_digest(parent, block, salt)
+            if event_hash(parent) != hashes[i]:
                 raise WrongBlocks(f"the token ids of block {i} do not hash to its hash")
+            digests.append(parent)
+        return digests
 
     # ---- life --------------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ class EngineMetrics:
         def counter(name: str, text: str) -> Counter:
             return Counter(name, text, LABELS, registry=r).labels(*values)
 
+        self._registry = r
         self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
@@ -115,3 +116,16 @@ class EngineMetrics:
             "vllm:e2e_request_latency_seconds", "End to end request latency.", E2E_BUCKETS, values
         )
         r.register(_Histograms((self.ttft, self.itl, self.e2e)))
+
+    def cache_config(self, config: dict[str, str]) -> None:
+        """Publish `vllm:cache_config_info`: the engine's cache settings as labels (vLLM's
+        CacheConfig fields, as strings) on a gauge set to 1, where vLLM's clients find the
+        block size, the KV capacity and the prefix-caching settings."""
+        labels = {**config, "engine": "0"}
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(labels),
+            registry=self._registry,
+        )
+        info.labels(**labels).set(1)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvsched.core.hashing import BlockHasher, salt_bytes
+from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
 from kvsched.sim.engine import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
 from services.common.openai_api import unavailable
@@ -80,7 +80,7 @@ class LiveEngine:
         *,
         time_scale: float = 1.0,
         stream_interval: int = 1,
-        engine_hash_seed: int = 0,
+        hasher: VllmBlockHasher | None = None,
     ) -> None:
         self.model = model
         self.engine = model.new_engine()
@@ -88,8 +88,8 @@ class LiveEngine:
         self.metrics = metrics
         self.scale = time_scale
         self.stream_interval = stream_interval
-        self.hasher = BlockHasher(model.block_size)
-        self.names = EngineNames(model.block_size, engine_hash_seed)
+        self.hasher = hasher or VllmBlockHasher(model.block_size)
+        self.names = EngineNames(model.block_size)
         self.memory = memory
         self.transfers = KvTransfers(
             self.engine.cache,
@@ -142,10 +142,11 @@ class LiveEngine:
         the loop has stopped."""
         if self.failed is not None:
             raise unavailable(self.failed)
-        hashes = self.hasher.hash_tokens(prompt_ids, salt_bytes(salt) if salt else b"")
+        digests = self.hasher.digests(prompt_ids, salt)
+        hashes = [event_hash(d) for d in digests]
         job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), self.now())
         request = Request(job, prompt_ids)
-        self.names.hold(hashes, prompt_ids, salt, session)
+        self.names.hold(hashes, digests, prompt_ids, salt, session)
         self.requests[job.rid] = request
         self.engine.submit(job)
         self._arrived = True

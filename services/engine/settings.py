@@ -24,6 +24,9 @@ from typing import get_args
 from kvsched.core.cluster import ClusterConfig, Role
 from kvsched.core.latency import DEFAULT_LATENCY
 from kvsched.core.models import MINI_MODEL
+from kvsched.core.vllm_hashing import resolve_seed
+from services.common import block_hashes
+from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flag
 from services.common.kv_events import Shape
 from services.common.openai_api import DEFAULT_MODEL
@@ -62,7 +65,7 @@ class EngineSettings:
     kv_events: str = "tcp://127.0.0.1:*"  # ZMQ PUB endpoint (`*` port: any free one)
     kv_replay: str | None = None  # ZMQ ROUTER endpoint answering replay requests
     event_shape: Shape = "map"
-    engine_hash_seed: int = field(default_factory=lambda: secrets.randbits(64))
+    block_hashes: BlockHashes = field(default_factory=BlockHashes)  # as vLLM names blocks
     seed: int = 0
     shutdown_grace_s: float = 5.0  # SIGTERM: how long running streams may still finish
     otlp_endpoint: str | None = None
@@ -76,8 +79,6 @@ class EngineSettings:
             raise ValueError("--stream-interval must be at least 1")
         if self.event_shape not in get_args(Shape):
             raise ValueError(f"--event-shape must be one of {get_args(Shape)}")
-        if not 0 <= self.engine_hash_seed < 1 << 64:
-            raise ValueError("--engine-hash-seed must fit in an unsigned 64-bit integer")
         if self.capacity_blocks < 0 or self.max_model_len < 0:
             raise ValueError("--capacity-blocks and --max-model-len must not be negative")
         if not self.kv_memory_dir:
@@ -112,8 +113,17 @@ def latency_profile_for_gpu(gpu: str, model: str) -> str:
     return min(found)[1]
 
 
+def _seed(args: argparse.Namespace) -> str | None:
+    """The engine's PYTHONHASHSEED: the flag's, else (for vLLM's XXH3 algorithms, which then
+    seed themselves at random) a random one, else unset."""
+    seed = args.prefix_hash_seed or None
+    if resolve_seed(args.prefix_caching_hash_algo, seed) is None:
+        return secrets.token_hex(16)
+    return seed
+
+
 def parse(argv: Sequence[str] | None = None) -> EngineSettings:
-    d = EngineSettings(instance_id="", engine_hash_seed=0)
+    d = EngineSettings(instance_id="")
     p = argparse.ArgumentParser(
         prog="kvsched engine", description="Run a simulated vLLM-compatible engine."
     )
@@ -134,7 +144,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "kv-events", d.kv_events, "ZMQ endpoint publishing KV events")
     _flag(p, "kv-replay", "", "ZMQ endpoint answering KV-event replay requests (default off)")
     _flag(p, "event-shape", d.event_shape, "KV event encoding: map (vLLM >= 0.33) or array")
-    _flag(p, "engine-hash-seed", -1, "seed of the engine's block hashes (default: random)")
+    block_hashes.add_flags(_flag, p)
     _flag(p, "seed", d.seed, "seed of the engine's output text")
     _flag(p, "shutdown-grace", d.shutdown_grace_s, "seconds streams may finish on SIGTERM")
     _flag(p, "kv-memory-dir", d.kv_memory_dir, "directory of the KV memory file (shared memory)")
@@ -170,9 +180,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             kv_events=a.kv_events,
             kv_replay=a.kv_replay or None,
             event_shape=a.event_shape,
-            engine_hash_seed=(
-                a.engine_hash_seed if a.engine_hash_seed >= 0 else secrets.randbits(64)
-            ),
+            block_hashes=BlockHashes(a.prefix_caching_hash_algo, _seed(a)),
             seed=a.seed,
             shutdown_grace_s=a.shutdown_grace,
             otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,

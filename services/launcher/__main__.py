@@ -13,8 +13,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.block_hashes import BlockHashes
 from services.common.files import write_private
-from services.launcher.plan import ClusterOptions, ClusterPlan, plan_cluster
+from services.common.openai_api import DEFAULT_MODEL
+from services.launcher.plan import ENGINES, ClusterOptions, ClusterPlan, plan_cluster
 from services.launcher.supervisor import StartError, Supervisor
 from services.router.keys import new_key
 
@@ -62,6 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.transfer_backend,
         help="how Messengers move KV bytes",
     )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=d.engine,
+        help="simulated engines, or stock vLLM servers (needs --model and scripts/setup --vllm)",
+    )
+    p.add_argument("--model", type=Path, help="model directory: vLLM serves it, Routers use "
+                   "its tokenizer and chat template (e.g. out/models/tiny-llama)")  # fmt: skip
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the "
+                   "model directory's name, or the simulated engines' model)")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument("--vllm-python", type=Path, default=d.vllm_python, help="vLLM's Python")
+    p.add_argument("--prefix-caching-hash-algo", default=d.block_hashes.algo,
+                   help="the engines' block hash algorithm (vLLM's flag)")  # fmt: skip
+    p.add_argument("--prefix-hash-seed", help="the engines' PYTHONHASHSEED (default: unset)")
     p.add_argument("--run-dir", type=Path, help="logs and etcd data (default: a temp dir)")
     p.add_argument("--endpoints-file", type=Path, help="write the endpoints JSON here")
     p.add_argument("--quiet", action="store_true", help="print only errors")
@@ -86,6 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             messenger_flags=tuple(args.messenger_flag),
             model_config=args.model_config,
             transfer_backend=args.transfer_backend,
+            engine=args.engine,
+            model_dir=args.model,
+            model=args.served_model_name or (args.model.name if args.model else DEFAULT_MODEL),
+            vllm_python=args.vllm_python,
+            max_model_len=args.max_model_len,
+            block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
         )
     except ValueError as exc:
         print(f"kvsched up: {exc}", file=sys.stderr)

@@ -10,9 +10,15 @@ from typing import Any
 
 from kvsched.core.models import MINI_MODEL, model_config
 from kvsched.core.policies import POLICIES, parse_spec
+from services.common.block_hashes import BlockHashes
 from services.common.openai_api import DEFAULT_MODEL
 from services.launcher.etcd_local import etcd_argv, etcd_env
 from services.launcher.ports import Ports
+from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
+from services.launcher.vllm import VllmServer, core_share
+
+ENGINES = ("sim", "vllm")
+READY_TIMEOUT_S = 60.0  # for a process to serve, unless its Child says otherwise
 
 # Start order; stopping goes the other way, so nothing loses what it depends on first.
 STAGES = ("etcd", "conductor", "engine", "messenger", "router")
@@ -37,6 +43,11 @@ class ClusterOptions:
     # real KV bytes fit this machine's memory (see kvsched.core.models).
     model_config: str = MINI_MODEL
     transfer_backend: str = "tcp"
+    engine: str = "sim"  # sim: our simulated engines; vllm: stock vLLM servers
+    model_dir: Path | None = None  # the model vLLM serves (its tokenizer is the Routers')
+    vllm_python: Path = DEFAULT_VLLM_PYTHON  # the Python of vLLM's own environment
+    max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
+    block_hashes: BlockHashes = field(default_factory=BlockHashes)
     api_keys: Path | None = None  # None: `up` makes one demo tenant and key
     engine_flags: tuple[str, ...] = ()  # passed to every engine as given
     messenger_flags: tuple[str, ...] = ()  # passed to every Messenger as given
@@ -49,6 +60,17 @@ class ClusterOptions:
             raise ValueError("--time-scale must be positive")
         model_config(self.model_config)  # raises ValueError naming the known ones
         parse_spec(self.policy)
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
+        if self.engine == "vllm" and self.model_dir is None:
+            raise ValueError("--engine vllm needs --model DIR (e.g. tools/make_tiny_model.py's)")
+        if self.engine == "vllm" and self.block_size % 32:
+            raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32")
+        if self.engine == "vllm" and any(r != "both" for r in engine_roles(self.policy, 2)):
+            raise ValueError(
+                f"policy {self.policy} hands KV from prefill to decode engines: stock vLLM "
+                "engines cannot move KV yet (no KV connector); pick a colocated policy"
+            )
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,7 @@ class Child:
     endpoint: dict[str, Any]  # its entry in the endpoints file (without the pid)
     env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
     clean_env: bool = False  # start from `etcd_env()` rather than os.environ
+    ready_timeout_s: float = READY_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -90,7 +113,14 @@ class ClusterPlan:
         out["policy"] = self.options.policy
         out["block_size"] = self.options.block_size
         out["time_scale"] = self.options.time_scale
+        out["engine"] = self.options.engine
         return out
+
+
+def hash_flags(hashes: BlockHashes) -> list[str]:
+    """The flags that tell a service how the engines name blocks."""
+    flags = ["--prefix-caching-hash-algo", hashes.algo]
+    return flags + (["--prefix-hash-seed", hashes.seed] if hashes.seed is not None else [])
 
 
 def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: str) -> ClusterPlan:
@@ -107,6 +137,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     )
     etcd_env_vars = {"KVSCHED_ETCD_ENDPOINTS": etcd_url}
     scale = repr(opts.time_scale)
+    hashing = hash_flags(opts.block_hashes)
 
     conductor_urls = []
     for i in range(opts.conductors):
@@ -117,7 +148,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += ["--http-listen", http_url.removeprefix("http://"), "--policy", opts.policy]
         argv += ["--block-size", str(opts.block_size), "--seed", str(opts.seed)]
         argv += ["--leader-ttl", str(opts.leader_ttl_s), "--instance-ttl", str(opts.instance_ttl_s)]
-        argv += ["--time-scale", scale, "--model", opts.model_config]
+        argv += ["--time-scale", scale, "--model", opts.model_config, *hashing]
         ready = f"{http_url}/api/leader"
         entry = {"url": url, "http_url": http_url}
         children.append(
@@ -128,26 +159,21 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     roles = engine_roles(opts.policy, opts.nodes * opts.engines_per_node)
     for n in range(opts.nodes):
         node = f"node-{n}"
-        engine_urls = []
+        engines = []  # the Messenger's --engine values
         for e in range(opts.engines_per_node):
-            iid = f"{node}-e{e}"
-            port, kv_port, replay_port = free_port(), free_port(), free_port()
-            url = f"http://127.0.0.1:{port}"
-            engine_urls.append(url)
-            argv = [*py, "services.engine", "--listen", f"127.0.0.1:{port}", "--instance-id", iid]
-            argv += ["--kv-events", f"tcp://127.0.0.1:{kv_port}"]
-            argv += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
-            argv += ["--block-size", str(opts.block_size), "--time-scale", scale]
-            argv += ["--model", opts.model, "--model-config", opts.model_config]
-            argv += ["--role", roles[n * opts.engines_per_node + e]]
-            argv += ["--seed", str(opts.seed), *opts.engine_flags]
-            entry = {"id": iid, "url": url, "node": node}
-            children.append(Child(f"engine-{iid}", "engine", tuple(argv), f"{url}/health", entry))
+            index = n * opts.engines_per_node + e
+            child, engine = _engine(
+                opts, free_port, node=node, iid=f"{node}-e{e}", role=roles[index], index=index
+            )
+            children.append(child)
+            engines.append(engine)
         port, http_port = free_port(), free_port()
         url = f"127.0.0.1:{port}"
         argv = [*py, "services.messenger", "--listen", url, "--node", node]
         argv += ["--http-listen", f"127.0.0.1:{http_port}", "--conductor", conductors]
-        argv += ["--engine", ",".join(engine_urls), "--instance-ttl", str(opts.instance_ttl_s)]
+        for engine in engines:
+            argv += ["--engine", engine]
+        argv += ["--instance-ttl", str(opts.instance_ttl_s), *hashing]
         argv += ["--transfer-backend", opts.transfer_backend, *opts.messenger_flags]
         ready = f"http://127.0.0.1:{http_port}/health"
         entry = {"url": url, "node": node, "http_url": f"http://127.0.0.1:{http_port}"}
@@ -159,10 +185,52 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv = [*py, "services.router", "--listen", f"127.0.0.1:{port}"]
         argv += ["--grpc-listen", f"127.0.0.1:{grpc_port}", "--conductor", conductors]
         argv += ["--api-keys", str(api_keys), "--block-size", str(opts.block_size)]
-        argv += ["--model", opts.model]
+        argv += ["--model", opts.model, *hashing]
+        if opts.model_dir is not None:  # the served model's own tokenizer and chat template
+            argv += ["--tokenizer", str(opts.model_dir)]
+        if opts.max_model_len:
+            argv += ["--max-model-len", str(opts.max_model_len)]
         entry = {"url": url, "grpc_url": f"127.0.0.1:{grpc_port}"}
         children.append(Child(f"router-{r}", "router", tuple(argv), f"{url}/health", entry))
     return ClusterPlan(opts, tuple(children), api_key)
+
+
+def _engine(
+    opts: ClusterOptions, free_port: Ports, *, node: str, iid: str, role: str, index: int
+) -> tuple[Child, str]:
+    """Engine `iid`, the `index`th (a simulated one, or a vLLM server: minutes to start on a
+    CPU), and its Messenger's `--engine` value."""
+    port, kv_port, replay_port = free_port(), free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    entry = {"id": iid, "url": url, "node": node}
+    name, ready = f"engine-{iid}", f"{url}/health"
+    if opts.engine == "vllm":
+        assert opts.model_dir is not None  # checked by ClusterOptions
+        server = VllmServer(
+            python=opts.vllm_python,
+            model_dir=opts.model_dir,
+            served_name=opts.model,
+            port=port,
+            kv_port=kv_port,
+            replay_port=replay_port,
+            block_size=opts.block_size,
+            hash_algo=opts.block_hashes.algo,
+            hash_seed=opts.block_hashes.seed,
+            max_model_len=opts.max_model_len,
+            cpu_cores=core_share(index, opts.nodes * opts.engines_per_node),
+        )
+        argv = (*server.argv(), *opts.engine_flags)
+        child = Child(name, "engine", argv, ready, entry, server.env(), ready_timeout_s=900.0)
+        return child, f"{url},kind=vllm,id={iid},role={role}"
+    sim = [sys.executable, "-m", "services.engine", "--listen", f"127.0.0.1:{port}"]
+    sim += ["--instance-id", iid, "--kv-events", f"tcp://127.0.0.1:{kv_port}"]
+    sim += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
+    sim += ["--block-size", str(opts.block_size), "--time-scale", repr(opts.time_scale)]
+    sim += ["--model", opts.model, "--model-config", opts.model_config, "--role", role]
+    sim += ["--seed", str(opts.seed), *hash_flags(opts.block_hashes), *opts.engine_flags]
+    if opts.model_dir is not None:
+        sim += ["--tokenizer", str(opts.model_dir)]
+    return Child(name, "engine", tuple(sim), ready, entry), f"{url},kind=sim"
 
 
 def engine_roles(policy: str, n: int) -> list[str]:

@@ -15,9 +15,8 @@ from typing import IO, Any
 
 import aiohttp
 
-from services.launcher.plan import STAGES, Child, ClusterPlan, child_env
+from services.launcher.plan import READY_TIMEOUT_S, STAGES, Child, ClusterPlan, child_env
 
-READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.05
 
@@ -77,14 +76,16 @@ class Supervisor:
 
     async def _wait_ready(self, http: aiohttp.ClientSession, child: Child) -> None:
         run = self.running[child.name]
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + child.ready_timeout_s
         while time.monotonic() < deadline:
             if run.process.poll() is not None:
                 raise StartError(self._exit_message(run))
             if await _serves(http, child):
                 return
             await asyncio.sleep(POLL_S)  # polling interval
-        raise StartError(f"{child.name} not ready after {READY_TIMEOUT_S:g} s; log: {run.log_path}")
+        raise StartError(
+            f"{child.name} not ready after {child.ready_timeout_s:g} s; log: {run.log_path}"
+        )
 
     async def _wait_registered(self, http: aiohttp.ClientSession) -> None:
         """Every engine is registered with the Conductor (its Messenger did it)."""

@@ -148,8 +148,8 @@ class Messenger:
         self.stream.start()
         self._session = aiohttp.ClientSession()
         self.relays = [
-            EngineRelay(url, s, client=self.client, stream=self.stream, http=self._session)
-            for url in s.engines
+            EngineRelay(target, s, client=self.client, stream=self.stream, http=self._session)
+            for target in s.engines
         ]
         self._tasks = [
             asyncio.create_task(relay.run(), name=f"relay {relay.engine_url}")

@@ -31,6 +31,10 @@ class EngineUnreachable(EngineError):
     """No answer: connection refused or reset, a timeout, or an HTTP error status."""
 
 
+class EngineLacksRoute(EngineUnreachable):
+    """The engine answers 404: it is not the kind of engine that serves that route."""
+
+
 class EngineMalformed(EngineError):
     """An answer that is not what the contract says."""
 
@@ -103,7 +107,10 @@ class Snapshot:
 
 
 class EngineApi:
-    """HTTP calls to one engine at `base_url` on a shared session."""
+    """HTTP calls to one simulated engine at `base_url` on a shared session (its engine port,
+    and its KV memory's exports and imports)."""
+
+    has_snapshot = True
 
     def __init__(
         self,
@@ -143,6 +150,8 @@ class EngineApi:
     async def _read(self, path: str, timeout: aiohttp.ClientTimeout) -> bytes:
         """A GET's body; an error status raises `EngineUnreachable` too."""
         status, data = await self._request("GET", path, None, timeout)
+        if status == 404:
+            raise EngineLacksRoute(f"GET {self.base_url + path}: HTTP 404")
         if status != 200:
             raise EngineUnreachable(f"GET {self.base_url + path}: HTTP {status}")
         return data

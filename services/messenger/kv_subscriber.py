@@ -4,6 +4,14 @@ instance then needs a full resync). Malformed messages are counted and skipped. 
 number that goes back means the engine restarted (its numbering starts again): that is
 reported like a gap that cannot be filled.
 
+The replay socket is asked with `[b"", start_seq]` from a DEALER and answers each buffered
+batch from `start_seq` on, then an end marker (sequence number −1), in either framing vLLM has
+used: `[b"", topic, seq, payload]` and `[b"", b"", -1, b""]` (vLLM 0.32), or `[b"", seq,
+payload]` and `[b"", -1, b""]` (older vLLM). A reply in neither framing, or with a topic the
+subscription would not match, is counted as malformed and skipped; a replay ends at the end
+marker, at a batch out of order, or once `replay_timeout_s` pass without a well-formed reply
+(so a peer sending garbage cannot keep it going).
+
 A gap shows only when a later batch arrives, so a lost last batch (or the first ones,
 published while the SUB socket was still joining) would stay unnoticed while the engine is
 idle. With a replay socket, an idle subscriber therefore asks it every `tail_probe_s` for
@@ -34,6 +42,17 @@ class Resync:
     restarted: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class History:
+    """What the replay socket held: `batches` in order, the first batch after them
+    (`next_seq`; None when the engine said nothing), and whether they are the engine's whole
+    history (they start at its first batch, or it answered that it has none)."""
+
+    batches: list[EventBatch]
+    next_seq: int | None
+    whole: bool
+
+
 class KvEventSubscriber:
     """One engine's event stream; counters say what was dropped or recovered."""
 
@@ -46,7 +65,9 @@ class KvEventSubscriber:
         limits: Limits | None = None,
         replay_timeout_s: float = 1.0,
         tail_probe_s: float = 0.25,
+        drop: int = 0,
     ) -> None:
+        """`drop`: lose the next this many live messages as a network would (tests)."""
         self._ctx = zmq.asyncio.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -55,11 +76,12 @@ class KvEventSubscriber:
             zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self._sub.connect(endpoint)
+        self.topic = topic
         self.replay_endpoint = replay_endpoint
         self.limits = limits
         self.replay_timeout_s = replay_timeout_s
         self.tail_probe_s = tail_probe_s
-        self.malformed = 0  # messages that were not KV-event batches
+        self.malformed = 0  # messages (live or replayed) that were not KV-event batches
         self.skipped_events = 0  # events dropped inside good batches
         self.duplicates = 0
         self.replayed = 0  # batches recovered from the replay socket
@@ -68,6 +90,8 @@ class KvEventSubscriber:
         self.tail_probes = 0  # replay requests made while idle
         self.last_seq: int | None = None  # batches up to it are delivered or covered
         self._received: int | None = None  # the last sequence number the SUB socket gave
+        self._replay_ended = False  # the last replay reached the end marker
+        self._drop = drop
 
     def skip_to(self, next_seq: int) -> None:
         """Batches before `next_seq` are covered elsewhere (a snapshot of the engine): drop
@@ -110,6 +134,9 @@ class KvEventSubscriber:
                     yield item
                 continue
             frames = await self._sub.recv_multipart()
+            if self._drop > 0:
+                self._drop -= 1
+                continue
             batch = self._decode(frames)
             if batch is None:
                 continue
@@ -149,10 +176,11 @@ class KvEventSubscriber:
             async with contextlib.aclosing(self._replay(start)) as replayed:
                 async for frames in replayed:
                     seq = int.from_bytes(frames[1], "big")
-                    if seq < expected or (upto is not None and seq >= upto):
-                        continue  # older or newer than asked for
-                    if seq > expected:  # a hole: the replay buffer lost it too
-                        upto = seq if upto is None else upto
+                    # The replay answers in order from `start`: anything but the next batch
+                    # ends it (a later one: the replay buffer lost the ones between too).
+                    if seq != expected or (upto is not None and seq >= upto):
+                        if upto is None and seq > expected:
+                            upto = seq
                         break
                     batch = self._decode(frames)
                     if batch is None:
@@ -164,24 +192,69 @@ class KvEventSubscriber:
             self.resyncs += 1
             yield Resync(expected - 1, upto)
 
+    async def history(self) -> History:
+        """Every batch the engine's replay socket still holds, from its first on (an engine
+        without one has no history to give). Moves nothing: the caller decides, then calls
+        `skip_to`."""
+        if self.replay_endpoint is None:
+            return History([], None, whole=False)
+        batches: list[EventBatch] = []
+        self._replay_ended = False
+        async with contextlib.aclosing(self._replay(0)) as replayed:
+            async for frames in replayed:
+                batch = self._decode(frames)
+                if batch is None or (batches and batch.seq != batches[-1].seq + 1):
+                    break  # a replay answers in order; anything else cuts the history here
+                batches.append(batch)
+        self.replayed += len(batches)
+        if batches:
+            return History(batches, batches[-1].seq + 1, whole=batches[0].seq == 0)
+        ended = self._replay_ended  # an end marker with nothing before it: no batch yet
+        return History([], 0 if ended else None, whole=ended)
+
     async def _replay(self, start: int) -> AsyncGenerator[list[bytes], None]:
-        """The replayed messages as [topic, seq, payload], until the end marker or timeout."""
+        """The replayed messages as [topic, seq, payload], until the end marker or until
+        `replay_timeout_s` pass without a well-formed reply; malformed replies are counted."""
         assert self.replay_endpoint is not None
+        loop = asyncio.get_running_loop()
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = loop.time() + self.replay_timeout_s
             while True:
                 try:
-                    reply = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                    async with asyncio.timeout_at(deadline):
+                        reply = await dealer.recv_multipart()
                 except TimeoutError:
                     return
-                if len(reply) != 3 or reply[1] == END_SEQ:
+                frames = self._parse_reply(reply)
+                if frames is None:
+                    self.malformed += 1  # and the deadline stays where it was
+                    continue
+                if frames[1] == END_SEQ:
+                    self._replay_ended = True
                     return
-                yield [b"", reply[1], reply[2]]
+                yield frames
+                deadline = loop.time() + self.replay_timeout_s
         finally:
             dealer.close()
+
+    def _parse_reply(self, reply: list[bytes]) -> list[bytes] | None:
+        """One replay reply as [topic, seq, payload] (the legacy framing has no topic: b"");
+        None when it is in neither framing or its topic is not subscribed to."""
+        if len(reply) == 4 and reply[0] == b"":
+            topic, seq, payload = reply[1:]
+            # The SUB socket's filter: the subscribed topic is a prefix. The end marker's
+            # topic is empty.
+            if seq != END_SEQ and not topic.startswith(self.topic):
+                return None
+        elif len(reply) == 3 and reply[0] == b"":
+            topic, seq, payload = b"", reply[1], reply[2]
+        else:
+            return None
+        return [topic, seq, payload] if len(seq) == 8 else None
 
     def close(self) -> None:
         self._stop_monitor()

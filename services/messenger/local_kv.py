@@ -67,8 +67,8 @@ class LocalKv:
                 grpc.StatusCode.NOT_FOUND,
                 f"instance {instance_id!r} is not an engine of this node that answers now",
             )
-        memory = relay.info.kv_memory
-        if memory is None:
+        memory, kv = relay.info.kv_memory, relay.kv
+        if memory is None or kv is None:
             raise TransferRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"instance {instance_id!r} keeps no KV memory a Messenger can move",
@@ -90,7 +90,7 @@ class LocalKv:
             self.backend.register(region)
             self._regions[instance_id] = region
             log.info("registered the KV memory of %s (%d bytes)", instance_id, region.size)
-        return relay.api, region
+        return kv, region
 
     def _drop(self, instance_id: str) -> None:
         region = self._regions.pop(instance_id)

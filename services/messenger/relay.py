@@ -1,16 +1,23 @@
 """One engine's relay: keep it registered with the Conductor while it answers, and carry its
 KV events and load there.
 
-A session with the engine goes: read `/kvsched/info`; register the instance (with a lease,
-kept alive every third of its TTL, registered again when the Conductor says the lease
-lapsed); subscribe to its KV events; start with a full resync (the engine's snapshot
-replaces the instance's whole index, events the snapshot already holds are dropped); then
-translate every batch of events into ours and hand them, coalesced, to the Messenger's one
-event stream, together with the engine's load whenever it changes. A gap that the replay
-socket cannot fill, an engine restart, blocks whose parent was never seen, or a resume point
-the stream no longer holds, each lead to another resync. When the engine stops answering
-for `engine_dead_after_s`, the instance is deregistered at once and the engine probed until
-it answers again; then a new session starts.
+A session with the engine goes: ask it who it is (its engine port: vLLM's own API, or the
+simulated engine's); register the instance (with a lease, kept alive every third of its TTL,
+registered again when the Conductor says the lease lapsed); subscribe to its KV events;
+start with a full sync; then translate every batch of events into ours and hand them,
+coalesced, to the Messenger's one event stream, together with the engine's load whenever it
+changes.
+
+A full sync rebuilds the instance's index from what the engine can tell: its snapshot where it
+has one (the simulated engine), else its replay buffer from the first batch on (vLLM keeps the
+latest 10,000 batches). When the buffer still starts at the engine's first batch, the history
+is whole and replaces the index; when it does not, the replayed batches are applied on top of
+what the Conductor holds (replaying an event twice changes nothing), so a Messenger restart or
+a lost batch costs at most the blocks whose events are gone, never the rest of the cache. A
+gap the replay socket cannot fill is counted (and, where there is a snapshot, resynced); an
+engine restart or a resume point the stream no longer holds leads to another full sync. When
+the engine stops answering for `engine_dead_after_s`, the instance is deregistered at once and
+the engine probed until it answers again; then a new session starts.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable
 from typing import Any
@@ -29,7 +35,6 @@ from clients.python import ConductorClient
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.hashing import BlockHasher
 from kvsched.core.load import LoadReport
 from services.common.durations import duration
 from services.common.kv_events import EventBatch
@@ -37,13 +42,17 @@ from services.messenger.batcher import Batcher
 from services.messenger.engine_api import (
     EngineApi,
     EngineInfo,
+    EngineLacksRoute,
     EngineMalformed,
     EngineUnreachable,
+    Snapshot,
 )
+from services.messenger.engines import EnginePort, EngineTarget
 from services.messenger.kv_subscriber import KvEventSubscriber, Resync
 from services.messenger.membership import ROLES, Membership
 from services.messenger.settings import MessengerSettings
-from services.messenger.translate import EventTranslator, cache_salt
+from services.messenger.translate import EventTranslator
+from services.messenger.vllm_engine import VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +77,11 @@ def load_event(load: LoadReport) -> pb.KvEvent:
 
 
 class EngineRelay:
-    """The relay of the engine at `engine_url`; `run()` until cancelled, then `leave()`."""
+    """The relay of the engine `target`; `run()` until cancelled, then `leave()`."""
 
     def __init__(
         self,
-        engine_url: str,
+        target: EngineTarget,
         settings: MessengerSettings,
         *,
         client: ConductorClient,
@@ -80,14 +89,22 @@ class EngineRelay:
         http: aiohttp.ClientSession,
     ) -> None:
         s = settings
-        self.engine_url = engine_url.rstrip("/")
+        self.target = target
+        self.engine_url = target.url
         self.settings = s
-        self.api = EngineApi(
-            self.engine_url,
-            http,
-            timeout_s=min(s.engine_timeout_s, s.engine_dead_after_s / 2),
-            snapshot_timeout_s=s.snapshot_timeout_s,
+        timeout_s = min(s.engine_timeout_s, s.engine_dead_after_s / 2)
+        self._sim = EngineApi(
+            self.engine_url, http, timeout_s=timeout_s, snapshot_timeout_s=s.snapshot_timeout_s
         )
+        self._vllm = VllmEngine(
+            target,
+            http,
+            node=s.node,
+            block_hashes=s.block_hashes,
+            timeout_s=timeout_s,
+            metrics_interval_s=s.vllm_metrics_interval_s,
+        )
+        self.api: EnginePort = self._vllm if target.kind == "vllm" else self._sim
         self._client = client
         self._stream = stream
         self.info: EngineInfo | None = None
@@ -105,7 +122,11 @@ class EngineRelay:
         self._load: LoadReport | None = None  # the engine's latest
         self._load_sent: LoadReport | None = None
         self._floor = 0  # engine batches below it are in the last snapshot
-        self._last_parent_resync = -float("inf")
+
+    @property
+    def kv(self) -> EngineApi | None:
+        """The engine's KV memory API (the simulated engine's), if it has one."""
+        return self._sim if self.api is self._sim else None
 
     @property
     def instance_id(self) -> str | None:
@@ -177,7 +198,7 @@ class EngineRelay:
         said = ""
         while True:
             try:
-                return await self.api.info()
+                return await self._identify()
             except (EngineUnreachable, EngineMalformed) as exc:
                 if isinstance(exc, EngineMalformed):
                     self.totals["malformed_answers"] += 1
@@ -185,6 +206,17 @@ class EngineRelay:
                     said = str(exc)
                     log.warning("engine %s is not ready: %s", self.engine_url, exc)
             await asyncio.sleep(self.settings.probe_interval_s)
+
+    async def _identify(self) -> EngineInfo:
+        """Who the engine is; with `kind=auto`, a 404 from the simulated engine's route
+        means a vLLM server."""
+        if self.target.kind == "auto":
+            try:
+                self.api = self._sim
+                return await self._sim.info()
+            except EngineLacksRoute:
+                self.api = self._vllm
+        return await self.api.info()
 
     async def _session(self, info: EngineInfo) -> None:
         """Serve one engine session; raises `SessionEnded` when it is over."""
@@ -269,8 +301,14 @@ class EngineRelay:
 
     async def _relay_events(self, info: EngineInfo) -> None:
         kv = info.kv_events
-        sub = KvEventSubscriber(kv.endpoint, kv.replay_endpoint, topic=kv.topic.encode())
+        sub = KvEventSubscriber(
+            kv.endpoint,
+            kv.replay_endpoint,
+            topic=kv.topic.encode(),
+            drop=self.settings.fault_drop_batches,
+        )
         self._sub = sub
+        self._translator = EventTranslator(info.block_size)
         # Batches published before the subscription reaches the engine are missed; taking the
         # first snapshot once the socket is connected keeps that window tiny (and the
         # subscriber's tail probes close it where the engine can replay).
@@ -308,20 +346,17 @@ class EngineRelay:
         if isinstance(item, Resync):
             if item.restarted:
                 await self._check_same_engine(info)
-            self.want_resync("engine_restarted" if item.restarted else "gap")
+                self.want_resync("engine_restarted")
+            elif self.api.has_snapshot:
+                self.want_resync("gap")
+            else:  # the batches are gone: their blocks stay unknown (counted by the subscriber)
+                assert self._sub is not None
+                self._sub.skip_to(item.next_seq)
             return
         if item.seq < self._floor or self._translator is None:
             self.totals["stale_batches"] += 1  # already in the snapshot
             return
-        translator = self._translator
-        unknown = translator.counters.unknown_parents
-        events = translator.translate(item.events)
-        if translator.counters.unknown_parents > unknown:
-            now = time.monotonic()
-            if now - self._last_parent_resync >= self.settings.resync_min_interval_s:
-                self._last_parent_resync = now
-                self.want_resync("unknown_parent")
-        self._batcher.add(events, item.ts)
+        self._batcher.add(self._translator.translate(item.events), item.ts)
 
     async def _check_same_engine(self, info: EngineInfo) -> None:
         """After a restart the engine may be another (id, block size, endpoints)."""
@@ -333,15 +368,49 @@ class EngineRelay:
             raise SessionEnded("restarted with another identity or endpoints")
 
     async def _resync(self, info: EngineInfo, sub: KvEventSubscriber) -> None:
-        """Replace the instance's whole index with the engine's snapshot."""
+        """Rebuild the instance's index from the engine's snapshot, or else from its replay
+        buffer."""
         reason = self._resync_reason or "asked"
         self._resync_wanted.clear()
         self._resync_reason = ""
+        translator = self._translator
+        assert translator is not None
+        next_seq: int | None
+        if self.api.has_snapshot:
+            snapshot = await self._snapshot(info)
+            events = translator.translate(snapshot.events)
+            whole, next_seq, what = True, snapshot.next_seq, f"{snapshot.blocks} blocks"
+        else:
+            history = await sub.history()
+            events = [e for batch in history.batches for e in translator.translate(batch.events)]
+            whole, next_seq = history.whole, history.next_seq
+            what = f"{len(history.batches)} replayed batches ({'whole' if whole else 'partial'})"
+        if self._load is not None:
+            self._load_sent = self._load
+            events.append(load_event(self._load))
+        self._batcher.clear()
+        sequence = self._stream.send(info.instance_id, events, resync=True, merge=not whole)
+        if next_seq is not None:
+            self._floor = next_seq
+            sub.skip_to(next_seq)
+        self.resyncs[reason] += 1
+        log.info(
+            "sync of %s (%s): %s up to engine batch %s, sent as batch %s",
+            info.instance_id,
+            reason,
+            what,
+            next_seq,
+            sequence,
+        )
+
+    async def _snapshot(self, info: EngineInfo) -> Snapshot:
+        """The engine's snapshot, asked until it gives one (the load watcher decides whether
+        the engine is gone)."""
         while True:
             try:
                 snapshot = await self.api.snapshot()
                 break
-            except EngineUnreachable as exc:  # the load watcher decides whether it is gone
+            except EngineUnreachable as exc:
                 log.debug("snapshot of %s: %s", info.instance_id, exc)
             except EngineMalformed as exc:
                 self.totals["malformed_answers"] += 1
@@ -354,28 +423,7 @@ class EngineRelay:
                 snapshot.block_size,
                 info.block_size,
             )
-        self._retire_translator()
-        translator = EventTranslator(
-            BlockHasher(info.block_size, self.settings.hash_seed), cache_salt
-        )
-        self._translator = translator
-        events = translator.translate(snapshot.events)
-        if self._load is not None:
-            self._load_sent = self._load
-            events.append(load_event(self._load))
-        self._batcher.clear()
-        sequence = self._stream.send(info.instance_id, events, resync=True)
-        self._floor = snapshot.next_seq
-        sub.skip_to(snapshot.next_seq)
-        self.resyncs[reason] += 1
-        log.info(
-            "resync of %s (%s): %d blocks from engine batch %d, sent as batch %s",
-            info.instance_id,
-            reason,
-            snapshot.blocks,
-            snapshot.next_seq,
-            sequence,
-        )
+        return snapshot
 
 
 def _sub_counts(sub: KvEventSubscriber | None) -> dict[str, int]:
@@ -394,12 +442,7 @@ def _sub_counts(sub: KvEventSubscriber | None) -> dict[str, int]:
 def _translator_counts(translator: EventTranslator | None) -> dict[str, int]:
     if translator is None:
         return {}
-    c = translator.counters
-    return {
-        "unknown_parents": c.unknown_parents,
-        "short_tokens": c.short_tokens,
-        "unknown_removals": c.unknown_removals,
-    }
+    return {"wrong_block_size": translator.counters.wrong_block_size}
 
 
 async def _first_failure(*steps: Awaitable[None]) -> None:

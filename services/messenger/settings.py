@@ -10,8 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from services.common import block_hashes
+from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flag
 from services.common.tls import ClientTls, ServerTls
+from services.messenger.engines import EngineTarget, parse_engines
 from services.messenger.transfer.factory import BACKENDS
 
 ENV = "KVSCHED_MESSENGER_"
@@ -26,7 +29,7 @@ class MessengerSettings:
     http_listen: str = "127.0.0.1:8082"
     advertise: str = ""  # gRPC address the Conductor and engines reach (default: --listen)
     conductors: tuple[str, ...] = ("127.0.0.1:50051",)
-    engines: tuple[str, ...] = ()  # base URLs of the engines of this node
+    engines: tuple[EngineTarget, ...] = ()  # the engines of this node
     node: str = field(default_factory=socket.gethostname)
     instance_ttl_s: float = 10.0  # lease of each registered instance
     load_interval_s: float = 0.05  # how often each engine's load is read
@@ -37,8 +40,8 @@ class MessengerSettings:
     batch_window_s: float = 0.005  # events wait at most this long to share a batch
     batch_max_events: int = 256
     resend_batches: int = 1024  # batches kept per instance to resend after a resume point
-    resync_min_interval_s: float = 1.0  # between resyncs caused by blocks of unknown parents
-    hash_seed: int = 0  # seed of our block hashes (the Conductor's and the Routers')
+    block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
+    vllm_metrics_interval_s: float = 1.0  # how often a vLLM engine's /metrics is read
     # How KV bytes move: our TCP stream (the faster on loopback and plain Ethernet, see
     # bench.transfer), or mooncake (RDMA where the NICs have it; needs libibverbs).
     transfer_backend: str = "tcp"
@@ -49,6 +52,7 @@ class MessengerSettings:
     transfer_rate: float = 0.0  # bytes per second each transfer may move (0: no limit)
     chunk_retries: int = 3  # reads of a chunk whose checksum did not match
     fault_corrupt_chunks: int = 0  # fault injection for tests: damage this many chunks
+    fault_drop_batches: int = 0  # fault injection for tests: lose each engine's next N batches
     tls: ClientTls | None = None  # towards the Conductors and the other Messengers
     server_tls: ServerTls | None = None  # its own gRPC server's (MessengerService)
     otlp_endpoint: str | None = None
@@ -63,23 +67,22 @@ class MessengerSettings:
             "--probe-interval": self.probe_interval_s,
             "--batch-max-events": self.batch_max_events,
             "--resend-batches": self.resend_batches,
+            "--vllm-metrics-interval": self.vllm_metrics_interval_s,
         }
         for flag, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
-        if self.batch_window_s < 0 or self.resync_min_interval_s < 0:
-            raise ValueError("--batch-window and --resync-min-interval must not be negative")
+        if self.batch_window_s < 0:
+            raise ValueError("--batch-window must not be negative")
         if not self.conductors:
             raise ValueError("--conductor needs at least one host:port")
-        if not 0 <= self.hash_seed < 1 << 64:
-            raise ValueError("--hash-seed must fit in an unsigned 64-bit integer")
         if self.transfer_backend not in BACKENDS:
             raise ValueError(f"--transfer-backend must be one of {', '.join(BACKENDS)}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError("--mooncake-protocol must be tcp or rdma")
         if self.transfer_io_timeout_s <= 0 or self.max_transfers <= 0:
             raise ValueError("--transfer-io-timeout and --max-transfers must be positive")
-        if self.transfer_rate < 0 or self.chunk_retries < 0 or self.fault_corrupt_chunks < 0:
+        if min(self.transfer_rate, self.chunk_retries, self.fault_corrupt_chunks) < 0:
             raise ValueError(
                 "--transfer-rate, --chunk-retries and --fault-corrupt-chunks must not be negative"
             )
@@ -116,7 +119,8 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
         "--engine",
         action="append",
         default=[],
-        help=f"base URL of an engine on this node; repeat or comma-separate (env {engine_env})",
+        help="an engine of this node: URL[,kind=auto|sim|vllm][,id=ID][,role=R][,events=ZMQ]"
+        f"[,replay=ZMQ][,topic=T]; repeat, or comma-separate URLs (env {engine_env})",
     )
     _flag(p, "node", "", "this node's name (default: the host name)")
     _flag(p, "instance-ttl", d.instance_ttl_s, "lease of each registered instance, seconds")
@@ -128,8 +132,8 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "batch-window", d.batch_window_s, "seconds events may wait to share a batch")
     _flag(p, "batch-max-events", d.batch_max_events, "events that cut a batch at once")
     _flag(p, "resend-batches", d.resend_batches, "batches kept per instance for resending")
-    _flag(p, "resync-min-interval", d.resync_min_interval_s, "seconds between parent resyncs")
-    _flag(p, "hash-seed", d.hash_seed, "seed of the block hashes (as the Conductor's)")
+    block_hashes.add_flags(_flag, p)
+    _flag(p, "vllm-metrics-interval", d.vllm_metrics_interval_s, "seconds between /metrics reads")
     _flag(p, "transfer-backend", d.transfer_backend, f"how KV moves: {' or '.join(BACKENDS)}")
     _flag(p, "mooncake-protocol", d.mooncake_protocol, "Mooncake transport: tcp or rdma")
     _flag(p, "mooncake-device", d.mooncake_device, "Mooncake RDMA device(s), e.g. mlx5_0")
@@ -138,6 +142,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "transfer-rate", d.transfer_rate, "bytes/s per transfer at most (0: no limit)")
     _flag(p, "chunk-retries", d.chunk_retries, "reads of a chunk that failed its checksum")
     _flag(p, "fault-corrupt-chunks", d.fault_corrupt_chunks, "tests: damage this many chunks")
+    _flag(p, "fault-drop-batches", 0, "tests: lose each engine's next N KV-event messages")
     _flag(p, "tls-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
     _flag(p, "tls-cert", "", "this Messenger's client certificate (PEM), for mTLS")
     _flag(p, "tls-key", "", "this Messenger's client private key (PEM), for mTLS")
@@ -157,8 +162,8 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
         if a.serve_tls_cert
         else None
     )
-    engines = _split(a.engine or [os.environ.get(engine_env, "")])
     try:
+        engines = parse_engines(a.engine or [os.environ.get(engine_env, "")])
         return MessengerSettings(
             listen=a.listen,
             http_listen=a.http_listen,
@@ -175,8 +180,8 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             batch_window_s=a.batch_window,
             batch_max_events=a.batch_max_events,
             resend_batches=a.resend_batches,
-            resync_min_interval_s=a.resync_min_interval,
-            hash_seed=a.hash_seed,
+            block_hashes=block_hashes.from_args(a),
+            vllm_metrics_interval_s=a.vllm_metrics_interval,
             transfer_backend=a.transfer_backend,
             mooncake_protocol=a.mooncake_protocol,
             mooncake_device=a.mooncake_device,
@@ -185,6 +190,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             transfer_rate=a.transfer_rate,
             chunk_retries=a.chunk_retries,
             fault_corrupt_chunks=a.fault_corrupt_chunks,
+            fault_drop_batches=a.fault_drop_batches,
             tls=tls,
             server_tls=server_tls,
             otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,

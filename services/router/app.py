@@ -46,7 +46,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from clients.python import ConductorClient, Interceptor
 from kvsched.api.conductor.v1 import conductor_service_pb2 as cpb
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
-from kvsched.core.hashing import BlockHasher, salt_bytes
 from services.common.durations import duration
 from services.common.http_site import start_site
 from services.common.openai_api import (
@@ -138,7 +137,7 @@ class Router:
             )
         self.auth = authenticator
         self.tokenizer = PromptTokenizer(s.tokenizer)
-        self.hasher = BlockHasher(s.block_size)
+        self.hasher = s.block_hashes.hasher(s.block_size)
         self._pool = ThreadPoolExecutor(s.tokenizer_threads, thread_name_prefix="kvsched-tok")
         self.client = ConductorClient(
             s.conductors,
@@ -351,7 +350,7 @@ class Router:
             param = "messages" if req.kind == "chat" else "prompt"
             raise bad_request("The prompt is empty.", param)
         check_length(len(ids), req.max_tokens, self.settings.max_model_len)
-        hashes = self.hasher.hash_tokens(ids, salt_bytes(salt))
+        hashes = self.hasher.hash_prompt(ids, salt or None)
         return Prepared(len(ids), hashes, with_cache_salt(raw, body, salt))
 
     async def _forward(

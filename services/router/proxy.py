@@ -263,14 +263,19 @@ def _reply_headers(resp: aiohttp.ClientResponse, extra: Mapping[str, str]) -> CI
 
 
 def with_cache_salt(raw: bytes, body: Mapping[str, object], salt: str) -> bytes:
-    """The request body to forward: `raw` itself when its `cache_salt` is already `salt`
-    (or both are empty), else `raw` with `cache_salt` set.
+    """The request body to forward: `raw` itself when its `cache_salt` is already `salt`,
+    else `raw` with `cache_salt` set; with no salt (an anonymous tenant), without any
+    `cache_salt` (vLLM refuses an empty one, and a client's own would split the cache from
+    what we hash).
 
     A body without `cache_salt` gets the member appended before its closing brace, so every
     other byte stays as the client sent it. A body with another `cache_salt` is re-serialised
     (appending would leave a duplicate key, which parsers resolve differently)."""
-    current = body.get("cache_salt")
-    if (current or "") == salt:
+    if not salt:
+        if "cache_salt" not in body:
+            return raw
+        return json.dumps({k: v for k, v in body.items() if k != "cache_salt"}).encode()
+    if body.get("cache_salt") == salt:
         return raw
     if "cache_salt" in body:
         return json.dumps({**body, "cache_salt": salt}).encode()

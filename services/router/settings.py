@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from services.common import block_hashes
+from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flag
 from services.common.openai_api import DEFAULT_MODEL
 from services.common.tls import ClientTls
@@ -33,8 +35,9 @@ class RouterSettings:
     conductor_tls: ClientTls | None = None
     api_keys: str | None = None  # path of the tenants file; None needs `no_auth`
     no_auth: bool = False
-    tokenizer: str | None = None  # tokenizer.json; None: the shipped demo tokenizer
+    tokenizer: str | None = None  # tokenizer directory or tokenizer.json; None: the demo one
     block_size: int = 16
+    block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
     model: str = DEFAULT_MODEL
     max_model_len: int = 131_072
     placement_timeout_s: float = 0.25
@@ -87,8 +90,9 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "conductor-key", "", "client private key (PEM) for mTLS to the Conductors")
     _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.keys)")
     _flag(p, "no-auth", False, "serve without API keys (one anonymous tenant, no salt)")
-    _flag(p, "tokenizer", "", "tokenizer.json of the served model (default: the demo one)")
+    _flag(p, "tokenizer", "", "tokenizer directory or tokenizer.json (default: the demo one)")
     _flag(p, "block-size", d.block_size, "tokens per KV block (as the Conductor's)")
+    block_hashes.add_flags(_flag, p)
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
     _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
     _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before the local fallback")
@@ -116,6 +120,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             no_auth=a.no_auth,
             tokenizer=a.tokenizer or None,
             block_size=a.block_size,
+            block_hashes=block_hashes.from_args(a),
             model=a.model,
             max_model_len=a.max_model_len,
             placement_timeout_s=a.placement_timeout,

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.hashing import BlockHasher
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.conductor.app import Conductor
 from tests.conductor.conftest import chain, instance, stub
 from tests.fixtures.poll import wait_for
@@ -157,7 +157,7 @@ async def test_session_endpoint_known_and_unknown(start_conductor: Start) -> Non
 async def test_explain_by_query_hashes_and_prompt(start_conductor: Start) -> None:
     c = await start_conductor()
     text = "The quick brown fox jumps over the lazy dog, again and again and again."
-    prompt_hashes = BlockHasher(BS, 0).hash_tokens(list(text.encode()))
+    prompt_hashes = VllmBlockHasher(BS).hash_prompt(list(text.encode()))
     assert len(prompt_hashes) == len(text.encode()) // BS
     hashes = chain(1, 5)
     async with stub(c.url) as s, aiohttp.ClientSession() as http:

@@ -62,8 +62,13 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def local_cluster(tmp: Path, *flags: str) -> Iterator[LocalCluster]:
-    """`kvsched up` with `flags` (engines at `TIME_SCALE`, leases of `INSTANCE_TTL_S`), its
+def local_cluster(
+    tmp: Path,
+    *flags: str,
+    time_scale: float = TIME_SCALE,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> Iterator[LocalCluster]:
+    """`kvsched up` with `flags` (engines at `time_scale`, leases of `INSTANCE_TTL_S`), its
     spans sent to an in-process OTLP receiver; stopped with SIGINT on exit."""
     otlp = OtlpReceiver()
     otlp.start()
@@ -75,12 +80,12 @@ def local_cluster(tmp: Path, *flags: str) -> Iterator[LocalCluster]:
         OTEL_BSP_SCHEDULE_DELAY="50",  # export spans within 50 ms, not 5 s
     )
     args = [sys.executable, "-m", "services.launcher", "--endpoints-file", str(endpoints_file)]
-    args += ["--run-dir", str(tmp / "run"), "--time-scale", str(TIME_SCALE)]
+    args += ["--run-dir", str(tmp / "run"), "--time-scale", str(time_scale)]
     args += ["--instance-ttl", str(INSTANCE_TTL_S), *flags]
     with log.open("wb") as out:
         process = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + start_timeout_s
         while not endpoints_file.exists():
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kvsched up did not start; log:\n{log.read_text()[-4000:]}")

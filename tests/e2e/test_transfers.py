@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from clients.python import ConductorClient
-from kvsched.core.hashing import BlockHasher, salt_bytes
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.etcd import EtcdStore
 from services.conductor import keys
 from tests.e2e.conftest import INSTANCE_TTL_S, LocalCluster, local_cluster
@@ -228,7 +228,7 @@ async def _holds(
     """Whether the instance's engine holds every full block of `prompt` (by an export that
     pins them for an instant)."""
     url = cluster.engine(instance)["url"]
-    hashes = BlockHasher(16).hash_tokens(prompt, salt_bytes(cluster.salt))
+    hashes = VllmBlockHasher(16).hash_prompt(prompt, cluster.salt)
     body = {"block_hashes": hashes, "hold_s": 1.0}
     async with http.post(f"{url}/kvsched/kv/export", json=body) as resp:
         answer = await resp.json()

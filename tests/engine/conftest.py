@@ -35,7 +35,6 @@ from tests.fixtures.poll import wait_for
 FAST = EngineSettings(
     instance_id="e-test",
     time_scale=0.01,
-    engine_hash_seed=7,
     kv_events="tcp://127.0.0.1:*",
     kv_replay="tcp://127.0.0.1:*",
 )

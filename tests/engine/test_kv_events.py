@@ -1,6 +1,6 @@
-"""The engine's KV events on real ZMQ: vLLM's wire format, engine-side names, token ids that
-re-hash to the blocks the engine caches, the tenant salt where vLLM puts it, the session id,
-evictions, and a snapshot that equals the cache."""
+"""The engine's KV events on real ZMQ: vLLM's wire format, blocks named by vLLM's own hashes
+of the token ids they carry, the tenant salt where vLLM puts it, the session id, evictions,
+and a snapshot that equals the cache."""
 
 from __future__ import annotations
 
@@ -8,31 +8,34 @@ from typing import Any
 
 import pytest
 
-from kvsched.core.hashing import BlockHasher
+from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
+from services.common.block_hashes import BlockHashes
 from services.common.kv_events import BlockRemoved, BlockStored, Event
-from services.messenger.translate import cache_salt
 from tests.engine.conftest import RunningEngine
 
-HASHER = BlockHasher(16)
+HASHER = VllmBlockHasher(16)
 
 
 def rehash(events: list[Event]) -> list[int]:
-    """Our hashes of every stored block, rebuilt from the events alone (as the Messenger
-    does: token ids, parents, and the salt from the first block's extra keys); removed
-    blocks are dropped, so this is what the engine caches."""
-    ours: dict[object, int] = {}
+    """Every cached block's name, checked against vLLM's hash of the tokens the events
+    carry (a chain's salt in its first block's extra keys); removed blocks are dropped, so
+    this is what the engine caches."""
+    digests: dict[object, bytes] = {}
     for e in events:
         if isinstance(e, BlockRemoved):
             for name in e.block_hashes:
-                del ours[name]
+                del digests[name]
             continue
         assert isinstance(e, BlockStored)
         parent = e.parent_block_hash
-        h = HASHER.root(cache_salt(e)) if parent is None else ours[parent]
+        digest = None if parent is None else digests[parent]
+        salt = e.extra_keys[0][0] if parent is None and e.extra_keys else None
         for i, name in enumerate(e.block_hashes):
-            h = HASHER.extend(h, e.token_ids[i * e.block_size : (i + 1) * e.block_size])
-            ours[name] = h
-    return list(ours.values())
+            tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+            digest = HASHER.next_digest(digest, tokens, salt if i == 0 else None)
+            assert event_hash(digest) == name
+            digests[name] = digest
+    return [event_hash(d) for d in digests.values()]
 
 
 @pytest.mark.parametrize("shape", ["map", "array"])
@@ -46,8 +49,6 @@ async def test_stored_blocks_rehash_to_the_engines_cache_keys(
     stored = [e for e in got if isinstance(e, BlockStored)]
     assert stored[-1].medium == "GPU" and stored[-1].block_size == 16
     assert sorted(rehash(got)) == sorted(eng.live.engine.cache.nodes)
-    # vLLM's names, not ours: a relay cannot take them for our hashes
-    assert not {h for e in stored for h in e.block_hashes} & set(eng.live.engine.cache.nodes)
 
 
 async def test_cache_salt_and_session_ride_on_the_chain(start_engine: Any, events_of: Any) -> None:
@@ -85,7 +86,7 @@ async def test_eviction_is_announced_and_the_snapshot_equals_the_cache(
     snap = await eng.get_json("/kvsched/kv/snapshot")
     assert snap["next_seq"] == eng.live.publisher.next_seq and snap["block_size"] == 16
     cache = eng.live.engine.cache.nodes
-    assert [eng.live.names.name(h) for h in cache] == [b["block_hash"] for b in snap["blocks"]]
+    assert list(cache) == [b["block_hash"] for b in snap["blocks"]]
     seen: set[int] = set()
     for block in snap["blocks"]:  # parents come first
         assert block["parent_block_hash"] is None or block["parent_block_hash"] in seen
@@ -104,13 +105,16 @@ async def test_the_snapshot_carries_the_salt_of_a_chains_first_block(start_engin
     assert all(b["extra_keys"] is None for b in blocks[1:])
 
 
-async def test_engine_names_depend_on_the_engine_seed(start_engine: Any) -> None:
-    names, keys = [], []
-    for seed in (1, 2):
-        eng: RunningEngine = await start_engine(engine_hash_seed=seed)
-        await eng.complete({"prompt": "same words " * 20, "max_tokens": 1})
-        snap = await eng.get_json("/kvsched/kv/snapshot")
-        names.append({b["block_hash"] for b in snap["blocks"]})
-        keys.append(set(eng.live.engine.cache.nodes))
-    assert names[0] and not names[0] & names[1]  # vLLM's hashes are seeded per process
-    assert keys[0] == keys[1]  # ours are not
+@pytest.mark.parametrize("hashes", [BlockHashes(), BlockHashes("xxhash_cbor", "42")])
+async def test_blocks_are_named_as_a_router_hashes_the_prompt(
+    start_engine: Any, hashes: BlockHashes
+) -> None:
+    eng: RunningEngine = await start_engine(block_hashes=hashes)
+    body = {"prompt": "same words " * 20, "max_tokens": 1, "cache_salt": "t-9"}
+    await eng.complete(body)
+    async with await eng.post("/tokenize", {"prompt": body["prompt"]}) as resp:
+        ids = (await resp.json())["tokens"]
+    expected = hashes.hasher(16).hash_prompt(ids, "t-9")
+    assert expected and list(eng.live.engine.cache.nodes) == expected
+    snap = await eng.get_json("/kvsched/kv/snapshot")
+    assert [b["block_hash"] for b in snap["blocks"]] == expected

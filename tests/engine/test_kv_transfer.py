@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvsched.core.hashing import BlockHasher, salt_bytes
 from kvsched.core.models import MINI_MODEL
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.kv_events import BlockStored
 from services.common.kv_layout import KvLayout, expected_chunk
 from tests.engine.conftest import RunningEngine
@@ -24,7 +24,7 @@ from tests.fixtures.poll import wait_for
 
 MINI: dict[str, Any] = {"model_config": MINI_MODEL, "capacity_blocks": 64}
 BS = 16
-HASHER = BlockHasher(BS)
+HASHER = VllmBlockHasher(BS)
 
 
 def prompt(blocks: int, seed: int) -> list[int]:
@@ -33,7 +33,7 @@ def prompt(blocks: int, seed: int) -> list[int]:
 
 
 def chain(ids: list[int], salt: str | None = None) -> list[int]:
-    return HASHER.hash_tokens(ids, salt_bytes(salt) if salt else b"")
+    return HASHER.hash_prompt(ids, salt)
 
 
 async def call(eng: RunningEngine, method: str, path: str, body: Any = None) -> tuple[int, Any]:

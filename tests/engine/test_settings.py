@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvsched.core.cluster import ClusterConfig, Role, build_cluster
+from services.common.block_hashes import BlockHashes
 from services.engine.kv_memory import DEFAULT_DIR
 from services.engine.model import build_model
 from services.engine.settings import EngineSettings, parse
@@ -14,14 +15,17 @@ def test_defaults_are_the_simulators_and_flags_read_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("KVSCHED_ENGINE_TIME_SCALE", "0.25")
-    s = parse(["--engine-hash-seed", "5"])
-    assert (s.time_scale, s.engine_hash_seed, s.stream_interval) == (0.25, 5, 1)
+    s = parse(["--prefix-hash-seed", "5"])
+    assert (s.time_scale, s.stream_interval) == (0.25, 1)
+    assert s.block_hashes == BlockHashes("sha256", "5")
     model = build_model(s)
     sim = build_cluster(ClusterConfig(n_instances=1))
     assert model.capacity_blocks == sim.capacity_blocks
     assert model.latency == sim.cost.latency and model.spec.chunk_tokens == 8192
     assert model.max_model_len == sim.cost.model.max_model_len
-    assert parse([]).engine_hash_seed != parse([]).engine_hash_seed  # random, like vLLM's
+    assert parse([]).block_hashes == BlockHashes()  # vLLM's default: SHA-256, fixed seed
+    xxh = [parse(["--prefix-caching-hash-algo", "xxhash"]).block_hashes for _ in range(2)]
+    assert xxh[0].seed != xxh[1].seed  # random, like vLLM's when PYTHONHASHSEED is unset
 
 
 def test_gpu_picks_the_latency_profile_measured_on_it() -> None:
@@ -36,7 +40,7 @@ def test_gpu_picks_the_latency_profile_measured_on_it() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--time-scale", "0"], ["--stream-interval", "0"], ["--event-shape", "json"],
-     ["--engine-hash-seed", str(1 << 64)], ["--role", "router"], ["--kv-memory-dir", ""]],
+     ["--prefix-caching-hash-algo", "md5"], ["--role", "router"], ["--kv-memory-dir", ""]],
 )  # fmt: skip
 def test_bad_values_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

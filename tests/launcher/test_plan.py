@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -48,10 +49,52 @@ def test_messengers_own_their_nodes_engines(tmp_path: Path) -> None:
     plan = plan_cluster(ClusterOptions(nodes=3, engines_per_node=2), tmp_path, tmp_path / "k", "")
     for messenger in plan.stage("messenger"):
         node = messenger.endpoint["node"]
-        engines = messenger.argv[messenger.argv.index("--engine") + 1].split(",")
+        argv = messenger.argv
+        engines = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--engine"]
         assert engines == [
-            e.endpoint["url"] for e in plan.stage("engine") if e.endpoint["node"] == node
+            f"{e.endpoint['url']},kind=sim"
+            for e in plan.stage("engine")
+            if e.endpoint["node"] == node
         ]
+
+
+def test_vllm_engines_get_every_flag_kvsched_needs(tmp_path: Path) -> None:
+    opts = ClusterOptions(
+        engine="vllm", model_dir=tmp_path / "tiny", model="tiny", block_size=32, nodes=1
+    )
+    plan = plan_cluster(opts, tmp_path, tmp_path / "k", "")
+    engines = plan.stage("engine")
+    argv = engines[0].argv
+    assert argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+    assert (_flag(argv, "--model"), _flag(argv, "--served-model-name")) == (
+        str(tmp_path / "tiny"),
+        "tiny",
+    )
+    assert _flag(argv, "--block-size") == "32" and _flag(argv, "--prefix-caching-hash-algo")
+    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details",
+                 "--enable-server-load-tracking"):  # fmt: skip
+        assert flag in argv
+    events = json.loads(_flag(argv, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] and events["replay_endpoint"].startswith("tcp://")
+    assert engines[0].ready_timeout_s > 60 and "VLLM_CPU_KVCACHE_SPACE" in engines[0].env
+    (messenger,) = plan.stage("messenger")
+    assert _flag(messenger.argv, "--engine").endswith(
+        f",kind=vllm,id={engines[0].endpoint['id']},role=both"
+    )
+    for router in plan.stage("router"):
+        assert _flag(router.argv, "--tokenizer") == str(tmp_path / "tiny")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"engine": "vllm"}, "needs --model"), ({"engine": "tgi"}, "--engine"),
+     ({"engine": "vllm", "model_dir": Path("m")}, "multiples of 32"),
+     ({"engine": "vllm", "model_dir": Path("m"), "block_size": 32, "policy": "static_pd"},
+      "cannot move KV")],
+)  # fmt: skip
+def test_vllm_clusters_refuse_what_cannot_work(kwargs: dict[str, object], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        ClusterOptions(**kwargs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("field", ["conductors", "routers", "nodes", "engines_per_node"])

@@ -16,15 +16,16 @@ import pytest
 
 from clients.python import ConductorClient
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.hashing import BlockHasher
 from kvsched.core.index import Tier
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.conductor.app import Conductor
 from services.launcher.ports import free_port
 from services.messenger.app import Messenger
 from services.messenger.engine_api import parse_snapshot
+from services.messenger.engines import parse_engines
 from services.messenger.relay import EngineRelay
 from services.messenger.settings import MessengerSettings
-from services.messenger.translate import EventTranslator, cache_salt
+from services.messenger.translate import EventTranslator
 from tests.conductor.conftest import etcd, start_conductor
 from tests.fixtures.poll import wait_for
 from tests.fixtures.process import ServiceProcess
@@ -173,7 +174,7 @@ def messenger_settings(
         listen="127.0.0.1:0",
         http_listen="127.0.0.1:0",
         conductors=tuple(conductors),
-        engines=tuple(engines),
+        engines=parse_engines(engines),
         node="node-0",
         instance_ttl_s=10.0,  # engine death must be noticed long before a lease lapses
         load_interval_s=0.02,
@@ -217,9 +218,9 @@ async def client_of() -> AsyncIterator[Callable[[Sequence[str]], ConductorClient
 
 
 def expected_hashes(snapshot: Any) -> set[int]:
-    """Our hashes of every block in an engine snapshot (its JSON)."""
+    """The hashes of every block in an engine snapshot (its JSON), as the index holds them."""
     snap = parse_snapshot(snapshot)
-    events = EventTranslator(BlockHasher(snap.block_size), cache_salt).translate(snap.events)
+    events = EventTranslator(snap.block_size).translate(snap.events)
     return {h for e in events for h in e.blocks_stored.block_hashes}
 
 
@@ -244,9 +245,11 @@ async def gpu_blocks(client: ConductorClient, instance_id: str) -> int | None:
     return None if status is None else int(status.gpu_blocks)
 
 
-async def cached_tokens(client: ConductorClient, tokens: Sequence[int], salt: bytes = b"") -> int:
+async def cached_tokens(
+    client: ConductorClient, tokens: Sequence[int], salt: str | None = None
+) -> int:
     """Prompt tokens the Conductor would find cached for `tokens` (hashed as a Router does)."""
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens, salt)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens, salt)
     answer = await client.explain(pb.ExplainRequest(block_hashes=hashes))
     return int(answer.decision.cached_tokens)
 

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from clients.python import ConductorClient
-from kvsched.core.hashing import BlockHasher
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.etcd import EtcdStore
 from services.common.tls import ClientTls, ServerTls
 from services.conductor import keys
@@ -120,7 +120,9 @@ async def test_cached_prompts_reach_the_index_and_evictions_leave_it(
         await engine.complete(http, prompt(seed, 5))
     held = await converged(http, engine, conductor)
     assert len(held) <= 24
-    assert set(BlockHasher(BLOCK).hash_tokens(first)) - held, "something of the first was evicted"
+    assert set(VllmBlockHasher(BLOCK).hash_prompt(first)) - held, (
+        "something of the first was evicted"
+    )
     status = await instance_status(client, IID)
     assert status is not None and status.gpu_blocks == len(held)
 
@@ -150,10 +152,10 @@ async def test_a_tenants_chain_is_salted_as_the_router_hashes_it(
     await engine.complete(http, tokens, salt="tenant-a")
     await engine.complete(http, tokens, salt="tenant-b")
     held = await converged(http, engine, conductor)
-    hasher = BlockHasher(BLOCK)
-    a, b = hasher.hash_tokens(tokens, b"tenant-a"), hasher.hash_tokens(tokens, b"tenant-b")
+    hasher = VllmBlockHasher(BLOCK)
+    a, b = hasher.hash_prompt(tokens, "tenant-a"), hasher.hash_prompt(tokens, "tenant-b")
     assert set(a) | set(b) == held
-    assert await cached_tokens(client, tokens, b"tenant-a") == 4 * BLOCK
+    assert await cached_tokens(client, tokens, "tenant-a") == 4 * BLOCK
     assert await cached_tokens(client, tokens) == 0  # unsalted: another tenant's prefix
 
 

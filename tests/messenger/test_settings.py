@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.tls import ClientTls
+from services.messenger.engines import EngineTarget
 from services.messenger.settings import parse
 
 
@@ -20,7 +21,8 @@ def test_flags_and_lists() -> None:
         ]
     )  # fmt: skip
     assert s.conductors == ("10.0.0.1:50051", "10.0.0.2:50051")
-    assert s.engines == tuple(f"http://127.0.0.1:{p}" for p in (8100, 8101, 8102))
+    assert [e.url for e in s.engines] == [f"http://127.0.0.1:{p}" for p in (8100, 8101, 8102)]
+    assert {e.kind for e in s.engines} == {"auto"}
     assert (s.node, s.instance_ttl_s, s.load_interval_s) == ("node-7", 6.0, 0.05)
     assert s.tls == ClientTls("ca.pem", "me.pem", "me.key")
     assert s.url == s.listen  # registered as each instance's Messenger
@@ -31,17 +33,40 @@ def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSCHED_MESSENGER_CONDUCTOR", "c:1")
     monkeypatch.setenv("KVSCHED_MESSENGER_ENGINE_DEAD_AFTER", "2.5")
     s = parse([])
-    assert (s.engines, s.conductors, s.engine_dead_after_s) == (
-        ("http://a:1", "http://b:2"),
+    assert ([e.url for e in s.engines], s.conductors, s.engine_dead_after_s) == (
+        ["http://a:1", "http://b:2"],
         ("c:1",),
         2.5,
     )
-    assert parse(["--engine", "http://c:3"]).engines == ("http://c:3",)  # a flag wins
+    assert parse(["--engine", "http://c:3"]).engines == (EngineTarget("http://c:3"),)  # flag wins
+
+
+def test_an_engine_takes_options_after_its_url() -> None:
+    s = parse(
+        ["--engine", "http://h:8000,kind=vllm,id=n-a,role=decode,events=tcp://h:5557,replay=tcp://h:5558",
+         "--engine", "http://h:8001/,http://h:8002,kind=sim"]
+    )  # fmt: skip
+    assert s.engines == (
+        EngineTarget("http://h:8000", "vllm", "n-a", "decode", "tcp://h:5557", "tcp://h:5558"),
+        EngineTarget("http://h:8001"),
+        EngineTarget("http://h:8002", "sim"),
+    )
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--load-interval", "0"], ["--tls-cert", "me.pem"], ["--conductor", " , "]],
+    [
+        ["--load-interval", "0"],
+        ["--tls-cert", "me.pem"],
+        ["--conductor", " , "],
+        ["--engine", "kind=vllm"],
+        ["--engine", "http://h:1,colour=red"],
+        ["--engine", "h:1"],
+        ["--engine", "http://h:1,kind=tgi"],
+        ["--engine", "http://h:1,events=h:5"],
+        ["--engine", "http://h:1,http://h:1"],
+        ["--prefix-caching-hash-algo", "xxhash"],
+    ],
 )
 def test_bad_values_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -22,7 +22,7 @@ from clients.python import ConductorClient
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
-from kvsched.core.hashing import BlockHasher
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.kv_layout import KvLayout, expected_chunk
 from services.common.tls import ClientTls, aio_channel, channel_credentials
 from tests.conductor.conftest import ConductorProcess
@@ -202,7 +202,7 @@ async def test_blocks_arrive_byte_exact_layer_by_layer_and_become_cache_hits(
     pair: Pair = await pair_of()
     tokens = prompt(1)
     await pair.source.complete(pair.http, tokens)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     assert len(hashes) == BLOCKS and await pair.visible(pair.target, hashes) is None
 
     progress = await pair.watch(await pair.start(hashes))
@@ -241,7 +241,7 @@ async def test_a_corrupted_chunk_is_read_again(pair_of: Callable[..., Any]) -> N
     pair: Pair = await pair_of(target_flags=("--fault-corrupt-chunks", "3"))
     tokens = prompt(2)
     await pair.source.complete(pair.http, tokens)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     last = (await pair.watch(await pair.start(hashes)))[-1]
     assert last.state == mpb.TRANSFER_STATE_DONE, last.error
     metrics = await pair.target_messenger.metrics(pair.http)
@@ -266,7 +266,7 @@ async def test_a_chunk_that_stays_corrupt_fails_the_transfer_and_nothing_is_comm
     pair: Pair = await pair_of(target_flags=flags)
     tokens = prompt(3)
     await pair.source.complete(pair.http, tokens)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     last = (await pair.watch(await pair.start(hashes)))[-1]
     assert last.state == mpb.TRANSFER_STATE_FAILED
     assert "checksum" in last.error and "nothing was committed" in last.error
@@ -297,7 +297,7 @@ async def test_a_source_messenger_killed_mid_transfer_fails_it_cleanly(
     pair: Pair = await pair_of(target_flags=_paced())
     tokens = prompt(4)
     await pair.source.complete(pair.http, tokens)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     tid = await pair.start(hashes)
     await _until_running(pair, tid)
     pair.source_messenger.kill()
@@ -314,7 +314,7 @@ async def test_a_target_messenger_killed_mid_transfer_leaves_nothing_on_its_engi
     pair: Pair = await pair_of(target_flags=_paced())
     tokens = prompt(5)
     await pair.source.complete(pair.http, tokens)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     tid = await pair.start(hashes, timeout_s=3.0)
     await _until_running(pair, tid)
     pair.target_messenger.kill()
@@ -330,7 +330,7 @@ async def test_a_cancelled_transfer_commits_nothing(
     pair: Pair = await pair_of(target_flags=_paced())
     tokens = prompt(6)
     await pair.source.complete(pair.http, tokens)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     tid = await pair.start(hashes)
     await _until_running(pair, tid)
     answer = await pair.stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id=tid))
@@ -348,7 +348,7 @@ async def test_a_handoff_streams_the_prompt_while_its_prefill_runs(
 ) -> None:
     pair: Pair = await pair_of()
     tokens = prompt(7)
-    hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
     tid = await pair.start(hashes, kind=common.TRANSFER_KIND_HANDOFF)  # before the prefill
     watching = [p async for p in _first(pair, tid)]
     assert watching[-1].state == mpb.TRANSFER_STATE_RUNNING and watching[-1].blocks_done == 0
@@ -395,7 +395,7 @@ async def test_bad_transfer_requests_are_refused_and_change_nothing(
     code: grpc.StatusCode | None,
 ) -> None:  # fmt: skip
     pair: Pair = await pair_of()
-    hashes = BlockHasher(BLOCK).hash_tokens(prompt(8))
+    hashes = VllmBlockHasher(BLOCK).hash_prompt(prompt(8))
     plan = common.TransferPlan(
         transfer_id="bad-1",
         kind=common.TRANSFER_KIND_MIGRATE_SESSION,
@@ -464,7 +464,7 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
                     )
             tokens = prompt(9)
             await nodes.source.complete(http, tokens)
-            hashes = BlockHasher(BLOCK).hash_tokens(tokens)
+            hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
             async with aio_channel(target_m.url, ClientTls(ca, cert, key)) as channel:
                 stub = mpb_grpc.MessengerServiceStub(channel)
                 pair = Pair(nodes, client, source_m, target_m, http, stub)

@@ -9,6 +9,7 @@ from pathlib import Path
 from clients.python import ConductorClient
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.messenger.app import Messenger
+from services.messenger.engines import EngineTarget
 from services.messenger.settings import MessengerSettings
 from tests.fixtures.poll import wait_for
 from tests.router.conftest import Stack, chat
@@ -28,7 +29,7 @@ async def test_a_tenants_prefix_is_found_again_and_only_by_that_tenant(
             listen="127.0.0.1:0",
             http_listen="127.0.0.1:0",
             conductors=(c.url,),
-            engines=(engine.url,),
+            engines=(EngineTarget(engine.url, "sim"),),
             node="node-0",
             load_interval_s=0.02,
         )

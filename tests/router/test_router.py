@@ -11,7 +11,7 @@ import pytest
 
 from clients.python import ConductorClient
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.hashing import BlockHasher
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.openai_api import PromptTokenizer
 from tests.fixtures.poll import wait_for
 from tests.router.conftest import MODEL, Stack, chat, completion
@@ -181,9 +181,9 @@ async def test_finish_reports_what_the_engine_counted(stack: Stack, include_usag
     assert status == 200
     (done,) = reported
     assert done.ok and done.output_tokens == 12 and done.session_id == "anonymous/s"
-    ids = PromptTokenizer().encode(prompt)
+    ids = PromptTokenizer().encode(prompt, add_special_tokens=True)  # a completion: BOS first
     assert done.prompt_tokens == len(ids)
-    assert list(done.block_hashes) == BlockHasher(16).hash_tokens(ids)  # anonymous: no salt
+    assert list(done.block_hashes) == VllmBlockHasher(16).hash_prompt(ids)  # anonymous: no salt
     assert 0 < done.time_to_first_token.ToNanoseconds() <= done.end_to_end.ToNanoseconds()
 
 

@@ -46,10 +46,13 @@ async def test_a_request_is_one_trace_across_router_conductor_and_engine(
         def in_trace(span: object) -> bool:
             return getattr(span, "trace_id", None) == CALLER_TRACE
 
+        def routers(span: object) -> bool:  # the engine serves the same route in this trace
+            return in_trace(span) and getattr(span, "service_name", "") == "kvsched-router"
+
         server = await otlp_receiver.wait_for_span(
-            "POST /v1/chat/completions", kind="SERVER", where=in_trace
+            "POST /v1/chat/completions", kind="SERVER", where=routers
         )
-        assert server.parent_span_id == CALLER_SPAN and server.service_name == "kvsched-router"
+        assert server.parent_span_id == CALLER_SPAN
         assert server.attributes["http.response.status_code"] == 200
         children = {}
         for name in ("tokenize", "placement", "upstream"):

@@ -89,6 +89,9 @@ def test_the_body_keeps_its_bytes_and_gets_the_salt() -> None:
     salted = b'{"prompt": "hi", "cache_salt": "c"}'
     assert with_cache_salt(salted, json.loads(salted), "c") is salted
     assert json.loads(with_cache_salt(salted, json.loads(salted), "t:c"))["cache_salt"] == "t:c"
+    # No salt: no member at all (vLLM refuses an empty cache_salt).
+    empty = b'{"prompt": "hi", "cache_salt": ""}'
+    assert json.loads(with_cache_salt(empty, json.loads(empty), "")) == {"prompt": "hi"}
 
 
 def test_usage_comes_from_the_body_or_the_streams_tail() -> None:

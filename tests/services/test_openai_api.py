@@ -1,4 +1,5 @@
-"""The request parsing, chat rendering and tokenizer the Router and the engine share."""
+"""The request parsing and tokenizer the Router and the engine share (chat rendering against
+vLLM's: test_vllm_prompt_tokens.py; refusals: test_chat_refusals.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from services.common.openai_api import (
     check_length,
     parse_request,
     rate_limited,
-    render_chat,
 )
 
 
@@ -66,10 +66,14 @@ def test_stream_usage_session_salt() -> None:
         ("completion", {"prompt": "x", "n": 2}, "n"),
         ("completion", {"prompt": "x", "model": 3}, "model"),
         ("completion", {"prompt": "x", "cache_salt": 3}, "cache_salt"),
-        ("chat", {"messages": []}, "messages"),
-        ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-        ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages"),
-        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ("completion", {"prompt": ""}, "prompt"),
+        ("completion", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("completion", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+        ("completion", {"prompt": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ("chat", {"messages": "hi"}, "messages"),
+        ("chat", {"messages": [], "add_generation_prompt": 1}, "add_generation_prompt"),
+        ("chat", {"messages": [], "tools": []}, "tools"),
+        ("chat", {"messages": [], "chat_template_kwargs": []}, "chat_template_kwargs"),
     ],
 )
 def test_bad_bodies_are_400s_naming_the_field(
@@ -83,26 +87,41 @@ def test_bad_bodies_are_400s_naming_the_field(
     assert shape["type"] == "invalid_request_error"
 
 
-def test_chat_template_parts_and_roles() -> None:
-    text = render_chat(
-        [
-            {"role": "system", "content": "be brief"},
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
-            },
-        ]
+def test_chat_is_rendered_with_the_demo_template(tok: PromptTokenizer) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}]}  # fmt: skip
+    req = parse_request("chat", body)
+    assert req.chat is not None and not req.add_special_tokens
+    text = tok.render_chat(req.chat)
+    assert text == (
+        "<|begin_of_text|><|system|>\nbe brief<|end_of_text|>"
+        "<|user|>\na\nb<|end_of_text|><|assistant|>\n"
     )
-    assert text == "<|begin_of_text|><|system|>\nbe brief\n<|user|>\nab\n<|assistant|>\n"
+    assert tok.prompt_ids(req) == tok.encode(text)
 
 
 def test_tokenizer_is_shipped_deterministic_and_checks_vocabulary(tok: PromptTokenizer) -> None:
     req = parse_request("chat", {"messages": [{"role": "user", "content": "KV cache"}]})
     ids = tok.prompt_ids(req)
     assert ids == tok.prompt_ids(req) and ids[0] == 0  # <|begin_of_text|> is token 0
-    assert tok.decode(ids) == req.prompt_text
+    assert req.chat is not None and tok.decode(ids) == tok.render_chat(req.chat)
     with pytest.raises(ApiError, match="out of vocabulary"):
         tok.prompt_ids(parse_request("completion", {"prompt": [1, tok.vocab_size]}))
+
+
+def test_completions_add_bos_unless_told_not_to(tok: PromptTokenizer) -> None:
+    text = tok.prompt_ids(parse_request("completion", {"prompt": "KV cache"}))
+    bare = parse_request("completion", {"prompt": "KV cache", "add_special_tokens": False})
+    assert text == [0, *tok.prompt_ids(bare)] == [0, *tok.encode("KV cache")]
+    ids = parse_request("completion", {"prompt": [5, 6], "add_special_tokens": True})
+    assert tok.prompt_ids(ids) == [5, 6]  # token ids are taken as they are
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    plain = tok.prompt_ids(parse_request("chat", chat))
+    assert tok.prompt_ids(parse_request("chat", {**chat, "add_special_tokens": True})) == [
+        0,
+        *plain,
+    ]
 
 
 def test_length_check_in_vllm_words() -> None:

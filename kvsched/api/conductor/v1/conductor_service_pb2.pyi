@@ -479,6 +479,7 @@ class KvEventBatch(_message.Message):
     RESYNC_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    MERGE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance the events describe."""
     sequence: _builtins.int
@@ -486,6 +487,11 @@ class KvEventBatch(_message.Message):
     resync: _builtins.bool
     """Replace the instance's whole index with this batch (after a gap that cannot be replayed);
     the sequence restarts at this batch's.
+    """
+    merge: _builtins.bool
+    """With resync: keep the instance's index and apply the events on top of it instead of
+    replacing it (a sync from an engine's replay buffer that no longer reaches back to its
+    first event; replaying an event the index already reflects changes nothing).
     """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEvent]:
@@ -503,10 +509,11 @@ class KvEventBatch(_message.Message):
         resync: _builtins.bool = ...,
         events: _abc.Iterable[Global___KvEvent] | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        merge: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "events", b"events", "instance_id", b"instance_id", "resync", b"resync", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "events", b"events", "instance_id", b"instance_id", "merge", b"merge", "resync", b"resync", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

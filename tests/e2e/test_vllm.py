@@ -1,0 +1,240 @@
+"""kvsched in front of stock vLLM: `kvsched up --engine vllm` with two real vLLM servers (the
+CPU build, the tiny model `scripts/setup --vllm` makes) on one node, a Conductor, two Routers.
+The vLLM processes are shared by the whole module: they take a minute or two to start.
+
+Needs `.venv-vllm/` and `out/models/tiny-llama/` (`scripts/setup --vllm`, which the test
+command runs); marked `vllm`, run by the test command after the default suite."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvsched.core.vllm_hashing import VllmBlockHasher
+from services.launcher.vllm import DEFAULT_PYTHON
+from services.router.keys import new_key
+from tests.conftest import REPO
+from tests.e2e.conftest import LocalCluster, local_cluster
+from tests.fixtures.poll import wait_for
+
+pytestmark = pytest.mark.vllm
+
+MODEL_DIR = REPO / "out" / "models" / "tiny-llama"
+MODEL = "tiny-llama"
+BLOCK = 32
+HASHER = VllmBlockHasher(BLOCK)
+START_TIMEOUT_S = 900.0  # two vLLM servers starting together on two cores
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    return path, {name: new_key(path, name) for name in ("acme", "globex")}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, tenants: tuple[Path, dict[str, str]]
+) -> Iterator[LocalCluster]:
+    if not DEFAULT_PYTHON.exists() or not (MODEL_DIR / "config.json").exists():
+        pytest.skip("vLLM is not set up here: run scripts/setup --vllm")
+    flags = ["--engine", "vllm", "--model", str(MODEL_DIR), "--served-model-name", MODEL]
+    flags += ["--nodes", "1", "--engines-per-node", "2", "--routers", "2"]
+    flags += ["--block-size", str(BLOCK), "--api-keys", str(tenants[0])]
+    with local_cluster(
+        tmp_path_factory.mktemp("up"), *flags, time_scale=1.0, start_timeout_s=START_TIMEOUT_S
+    ) as up:
+        yield up
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
+def engines(cluster: LocalCluster) -> list[dict[str, Any]]:
+    return list(cluster.endpoints["engines"])
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> Any:
+    async with http.post(url, json=body, headers=headers) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        return answer, resp.headers
+
+
+async def tokens_of(http: aiohttp.ClientSession, engine: dict[str, Any], prompt: str) -> list[int]:
+    answer, _ = await post(http, engine["url"] + "/tokenize", {"model": MODEL, "prompt": prompt})
+    return list(answer["tokens"])
+
+
+async def held_tokens(
+    http: aiohttp.ClientSession, cluster: LocalCluster, hashes: list[int]
+) -> dict[str, int]:
+    """Each instance's cached tokens of the chain `hashes`, by the Conductor's index."""
+    body, _ = await post(http, cluster.conductor_http + "/api/explain", {"block_hashes": hashes})
+    return {row["instance"]: row["hit_tokens"] for row in body["candidates"]}
+
+
+async def instances(http: aiohttp.ClientSession, cluster: LocalCluster) -> set[str]:
+    async with http.get(cluster.conductor_http + "/api/nodes/stats") as resp:
+        body = await resp.json()
+    rows = body.get("instances", body) if isinstance(body, dict) else body
+    return {row["instance_id"] for row in rows}
+
+
+def text(seed: int, words: int = 120) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 5000}" for i in range(words))
+
+
+async def cached_directly(
+    http: aiohttp.ClientSession, cluster: LocalCluster, engine: dict[str, Any], seed: int
+) -> list[int]:
+    """Send a prompt straight to `engine` (no Router, no salt); its block hashes."""
+    prompt = text(seed)
+    await post(http, engine["url"] + "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                          "max_tokens": 1})  # fmt: skip
+    return HASHER.hash_prompt(await tokens_of(http, engine, prompt))
+
+
+async def indexed_on(
+    http: aiohttp.ClientSession, cluster: LocalCluster, hashes: list[int], engine: str
+) -> bool:
+    held = await held_tokens(http, cluster, hashes)
+    return held.get(engine) == len(hashes) * BLOCK and all(
+        n == 0 for iid, n in held.items() if iid != engine
+    )
+
+
+async def test_both_engines_register_and_a_direct_prompt_is_indexed_exactly(
+    cluster: LocalCluster, http: aiohttp.ClientSession
+) -> None:
+    assert await instances(http, cluster) == {e["id"] for e in engines(cluster)}
+    for seed, engine in enumerate(engines(cluster)):
+        hashes = await cached_directly(http, cluster, engine, seed)
+        assert len(hashes) >= 3
+
+        async def exact(hashes: list[int] = hashes, iid: str = engine["id"]) -> bool:
+            return await indexed_on(http, cluster, hashes, iid)
+
+        await wait_for(exact, 10.0, message=f"{engine['id']} holds exactly the prompt's blocks")
+
+
+async def test_a_chat_session_stays_on_one_engine_and_its_cache_grows(
+    cluster: LocalCluster, http: aiohttp.ClientSession, tenants: tuple[Path, dict[str, str]]
+) -> None:
+    keys = tenants[1]
+    messages: list[dict[str, str]] = [{"role": "system", "content": text(100, 60)}]
+    served, cached = [], []
+    for turn in range(4):
+        messages.append({"role": "user", "content": text(200 + turn, 80)})
+        router = cluster.routers[turn % 2]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+        answer, headers = await post(
+            http, router + "/v1/chat/completions", body,
+            Authorization=f"Bearer {keys['acme']}", **{"x-session-id": "chat-1"},
+        )  # fmt: skip
+        served.append(headers["x-kvsched-instance"])
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        reply = answer["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": reply})
+    assert len(set(served)) == 1, served
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
+    # Another tenant's identical first turn finds nothing: its salt starts another chain.
+    first = {"model": MODEL, "messages": messages[:2], "max_tokens": 4}
+    answer, _ = await post(
+        http, cluster.routers[0] + "/v1/chat/completions", first,
+        Authorization=f"Bearer {keys['globex']}",
+    )  # fmt: skip
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _restartable(pid: int) -> tuple[list[str], dict[str, str]]:
+    """A running process's command line and environment, to start it again."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    env = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+        if "=" in item
+    )
+    return [a.decode() for a in argv], env
+
+
+async def test_a_restarted_messenger_and_lost_events_leave_the_index_correct(
+    cluster: LocalCluster, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    (messenger,) = cluster.endpoints["messengers"]
+    argv, env = _restartable(messenger["pid"])
+    engine = engines(cluster)[0]
+    before = await cached_directly(http, cluster, engine, 300)
+    os.killpg(messenger["pid"], signal.SIGKILL)
+    during = await cached_directly(http, cluster, engine, 301)  # no Messenger listens
+    # The new Messenger also loses the first two KV-event messages of each engine.
+    with (tmp_path / "messenger.log").open("wb") as log:
+        again = subprocess.Popen([*argv, "--fault-drop-batches", "2"], env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        after = [await cached_directly(http, cluster, engine, 302 + i) for i in range(3)]
+        for hashes in (before, during, *after):
+
+            async def exact(hashes: list[int] = hashes) -> bool:
+                return await indexed_on(http, cluster, hashes, engine["id"])
+
+            await wait_for(exact, 15.0, message="the index holds every prompt's blocks")
+    finally:
+        cluster.endpoints["messengers"][0]["pid"] = again.pid  # the module's other tests
+
+
+async def test_an_engine_killed_mid_stream_fails_cleanly_leaves_and_comes_back(
+    cluster: LocalCluster, http: aiohttp.ClientSession, tenants: tuple[Path, dict[str, str]]
+) -> None:
+    keys = tenants[1]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text(400)}],
+            "max_tokens": 400, "stream": True, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {keys['acme']}", "x-session-id": "doomed"}
+    async with http.post(cluster.routers[0] + "/v1/chat/completions", json=body,
+                         headers=headers) as resp:  # fmt: skip
+        assert resp.status == 200
+        victim = next(e for e in engines(cluster) if e["id"] == resp.headers["x-kvsched-instance"])
+        argv, env = _restartable(victim["pid"])
+        await resp.content.readline()  # the first chunk came
+        os.killpg(victim["pid"], signal.SIGKILL)
+        rest = await asyncio.wait_for(resp.content.read(), 30.0)
+    assert b'"error"' in rest and b"Traceback" not in rest
+    await wait_for(
+        lambda: _without(http, cluster, victim["id"]), 10.0, message="the dead engine left"
+    )
+    # Served by the other engine meanwhile.
+    short = {**body, "max_tokens": 2, "stream": False}
+    _, served = await post(http, cluster.routers[1] + "/v1/chat/completions", short, **headers)
+    assert served["x-kvsched-instance"] != victim["id"]
+    log = cluster.run_dir / "logs" / f"engine-{victim['id']}.again.log"
+    with log.open("wb") as out:
+        again = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+    victim["pid"] = again.pid
+
+    async def back() -> bool:
+        return victim["id"] in await instances(http, cluster)
+
+    await wait_for(back, 600.0, interval=1.0, message="the restarted engine registered again")
+
+
+async def _without(http: aiohttp.ClientSession, cluster: LocalCluster, iid: str) -> bool:
+    return iid not in await instances(http, cluster)
+
+
+def test_endpoints_file_names_the_vllm_engines(cluster: LocalCluster) -> None:
+    assert cluster.endpoints["engine"] == "vllm" and cluster.endpoints["model"] == MODEL
+    assert json.dumps(cluster.endpoints)  # plain JSON

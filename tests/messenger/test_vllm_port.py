@@ -1,0 +1,116 @@
+"""The Messenger in front of an engine through vLLM's own API only (`kind=vllm`: `/v1/models`,
+`/metrics`, `/kv_event_sources`, `/load`, ZMQ events and replay; no snapshot), played by the
+simulated engine, which serves those routes as vLLM does. The index must follow the engine's
+cache from its events alone, survive a Messenger restart through the replay buffer, and lose
+no more than a lost batch's own blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from services.conductor.app import Conductor
+from services.messenger.app import Messenger
+from services.messenger.vllm_engine import VllmEngine
+from tests.fixtures.poll import wait_for
+from tests.messenger.conftest import (
+    BLOCK,
+    EngineProcess,
+    expected_hashes,
+    indexed,
+    lose_next_batches,
+    relay_of,
+)
+from tests.messenger.test_relay import converged, prompt
+
+Start = Callable[..., Any]
+IID = "node-0/v0"
+
+
+async def start_relayed(
+    start_conductor: Start,
+    start_engine: Callable[..., EngineProcess],
+    start_messenger: Start,
+    http: aiohttp.ClientSession,
+    **engine_flags: Any,
+) -> tuple[Conductor, EngineProcess, Messenger]:
+    conductor: Conductor = await start_conductor()
+    engine = start_engine(IID, **engine_flags)
+    await engine.ready(http)
+    messenger = await start_messenger([conductor.url], [f"{engine.url},kind=vllm,id={IID}"])
+    await wait_for(lambda: IID in conductor.state.instances, 10.0, message="registered")
+    return conductor, engine, messenger
+
+
+async def test_the_engine_is_known_and_indexed_through_vllms_api_alone(
+    start_conductor: Start,
+    start_engine: Callable[..., EngineProcess],
+    start_messenger: Start,
+    http: aiohttp.ClientSession,
+) -> None:
+    conductor, engine, messenger = await start_relayed(
+        start_conductor, start_engine, start_messenger, http, capacity_blocks=24
+    )
+    relay = relay_of(messenger, engine)
+    assert isinstance(relay.api, VllmEngine) and relay.kv is None
+    assert relay.info is not None
+    assert (relay.info.block_size, relay.info.capacity_blocks) == (BLOCK, 24)
+    for seed in range(5):  # 30 blocks into 24 pages: evictions too
+        await engine.complete(http, prompt(seed, 6))
+    held = await converged(http, engine, conductor)
+    assert 0 < len(held) <= 24
+    assert relay.resyncs == {"registered": 1}
+
+
+async def test_a_restarted_messenger_rebuilds_the_index_from_the_replay_buffer(
+    start_conductor: Start,
+    start_engine: Callable[..., EngineProcess],
+    start_messenger: Start,
+    http: aiohttp.ClientSession,
+) -> None:
+    conductor, engine, messenger = await start_relayed(
+        start_conductor, start_engine, start_messenger, http
+    )
+    await engine.complete(http, prompt(1, 4))
+    await converged(http, engine, conductor)
+    await messenger.stop(0)  # the instance leaves, and its index with it
+    assert IID not in conductor.state.instances
+    await engine.complete(http, prompt(2, 3))  # cached while no Messenger listens
+    again = await start_messenger([conductor.url], [f"{engine.url},kind=vllm,id={IID}"])
+    held = await converged(http, engine, conductor)
+    assert len(held) == 7  # both prompts' blocks, the second's from the replay buffer
+    assert relay_of(again, engine).counts()["replayed_batches"] >= 2
+
+
+async def test_a_batch_lost_for_good_costs_its_own_blocks_and_nothing_else(
+    start_conductor: Start,
+    start_engine: Callable[..., EngineProcess],
+    start_messenger: Start,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Without a replay socket a lost batch cannot come back: its blocks stay unknown, but
+    the blocks stored after it, even those continuing its chain, are indexed."""
+    conductor, engine, messenger = await start_relayed(
+        start_conductor, start_engine, start_messenger, http, replay=False
+    )
+    relay = relay_of(messenger, engine)
+    base = prompt(3, 2)
+    await engine.complete(http, base)
+    await converged(http, engine, conductor)
+    lost = lose_next_batches(relay, 1)
+    extended = base[: 2 * BLOCK] + prompt(4, 2)
+    await engine.complete(http, extended)  # stores 2 blocks continuing the first prompt's
+    await wait_for(lambda: lost, 10.0, message="a batch was lost")
+    longer = extended[: 4 * BLOCK] + prompt(5, 1)
+    await engine.complete(http, longer)  # one more block, a child of a lost one
+
+    def short_by_the_lost_blocks() -> bool:
+        want = indexed(conductor, IID)
+        return want is not None and len(want) == 3
+
+    await wait_for(short_by_the_lost_blocks, 10.0, message="the later block was indexed")
+    cached = expected_hashes(await engine.snapshot(http))
+    held = indexed(conductor, IID)
+    assert held is not None and held < cached and len(cached - held) == 2

@@ -1,0 +1,67 @@
+"""Prompt token ids equal to vLLM's: every request of tests/data/vllm/prompt_tokens.json (made
+by tools/make_vllm_prompt_vectors.py with vLLM's own front end) gives the ids vLLM fed its
+engine, or a 400 where vLLM refused it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.openai_api import ApiError, PromptTokenizer, parse_request
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "kvsched" / "data" / "tokenizer"
+VECTORS = json.loads((REPO / "tests/data/vllm/prompt_tokens.json").read_text(encoding="utf-8"))
+
+
+def write_variant(out: Path, files: dict[str, Any]) -> Path:
+    """The demo tokenizer directory with `files` written over it (a JSON object is merged into
+    the file it names), as the vectors' maker wrote it for vLLM."""
+    out.mkdir()
+    for src in DEMO.iterdir():
+        shutil.copyfile(src, out / src.name)
+    for name, value in files.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(value, dict):  # merged into the JSON file
+            old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+            path.write_text(json.dumps(old | value), encoding="utf-8")
+        else:
+            path.write_text(value, encoding="utf-8")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PromptTokenizer]:
+    tmp = tmp_path_factory.mktemp("variants")
+    out = {"demo": PromptTokenizer()}  # the shipped one, read from the package
+    for name, files in VECTORS["variants"].items():
+        if files:
+            out[name] = PromptTokenizer(write_variant(tmp / name, files))
+    return out
+
+
+def test_vectors_cover_the_cases_asked_for() -> None:
+    cases = VECTORS["cases"]
+    assert len(cases) >= 50
+    assert {c["kind"] for c in cases} == {"chat", "completion"}
+    assert sum("ids" in c["vllm"] for c in cases) >= 50
+    # Where vLLM's preprocessing differs from transformers' plain call, vLLM is the reference.
+    assert any(c["vllm"].get("transformers") == "differs" for c in cases)
+
+
+@pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda case: case["name"])
+def test_prompt_ids_are_vllms(case: dict[str, Any], tokenizers: dict[str, PromptTokenizer]) -> None:
+    tok = tokenizers[case["variant"]]
+    expected = case["vllm"]
+    if "ids" in expected:
+        assert tok.prompt_ids(parse_request(case["kind"], case["body"])) == expected["ids"]
+        return
+    with pytest.raises(ApiError) as err:
+        tok.prompt_ids(parse_request(case["kind"], case["body"]))
+    assert err.value.status == expected["status"] == 400
+    assert err.value.body()["error"]["message"]
