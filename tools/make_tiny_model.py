@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2, help=f"query heads of {HEAD_DIM} dims")
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--max-position-embeddings", type=int, default=8192)
+    # Llama-3.1-8B's context, as the simulated engines model: agentic prompts fit.
+    parser.add_argument("--max-position-embeddings", type=int, default=131_072)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -120,16 +120,24 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
     )
 
 
-def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """Refuse a request that cannot fit the model's context, in vLLM's words."""
-    if prompt_tokens + max_tokens > max_model_len:
+def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The output tokens a request can get, or a 400 in vLLM's words for what vLLM refuses:
+    a prompt that leaves no room for output, `max_tokens` beyond the context. A prompt plus
+    `max_tokens` over the context is served, as vLLM does, with the output cut short."""
+    if prompt_tokens >= max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-            "messages" if prompt_tokens >= max_model_len else "max_tokens",
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
         )
+    if max_tokens > max_model_len:
+        raise bad_request(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            "max_tokens",
+        )
+    return min(max_tokens, max_model_len - prompt_tokens)
 
 
 class PromptTokenizer:

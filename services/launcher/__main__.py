@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model directory's name, or the simulated engines' model)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument("--vllm-python", type=Path, default=d.vllm_python, help="vLLM's Python")
+    p.add_argument("--tool-call-parser", default=d.tool_call_parser,
+                   help="vLLM's tool-call parser ('': no tool calling)")  # fmt: skip
     p.add_argument("--prefix-caching-hash-algo", default=d.block_hashes.algo,
                    help="the engines' block hash algorithm (vLLM's flag)")  # fmt: skip
     p.add_argument("--prefix-hash-seed", help="the engines' PYTHONHASHSEED (default: unset)")
@@ -108,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=args.served_model_name or (args.model.name if args.model else DEFAULT_MODEL),
             vllm_python=args.vllm_python,
             max_model_len=args.max_model_len,
+            tool_call_parser=args.tool_call_parser,
             block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
         )
     except ValueError as exc:

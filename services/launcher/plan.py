@@ -47,6 +47,7 @@ class ClusterOptions:
     model_dir: Path | None = None  # the model vLLM serves (its tokenizer is the Routers')
     vllm_python: Path = DEFAULT_VLLM_PYTHON  # the Python of vLLM's own environment
     max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
+    tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
     block_hashes: BlockHashes = field(default_factory=BlockHashes)
     api_keys: Path | None = None  # None: `up` makes one demo tenant and key
     engine_flags: tuple[str, ...] = ()  # passed to every engine as given
@@ -218,6 +219,7 @@ def _engine(
             hash_seed=opts.block_hashes.seed,
             max_model_len=opts.max_model_len,
             cpu_cores=core_share(index, opts.nodes * opts.engines_per_node),
+            tool_call_parser=opts.tool_call_parser,
         )
         argv = (*server.argv(), *opts.engine_flags)
         child = Child(name, "engine", argv, ready, entry, server.env(), ready_timeout_s=900.0)

@@ -37,6 +37,7 @@ class VllmServer:
     cpu_cores: str = ""  # e.g. "0-3": the cores a CPU build binds to ("": vLLM decides)
     # Eager mode starts in ~20 s on a CPU instead of ~50 s compiled, for ~15% less speed.
     eager: bool = True
+    tool_call_parser: str = "hermes"  # how tool calls are read back ("": no tool calling)
 
     def argv(self) -> list[str]:
         events = {
@@ -55,6 +56,8 @@ class VllmServer:
         argv += ["--enable-prompt-tokens-details", "--enable-server-load-tracking"]
         if self.eager:
             argv += ["--enforce-eager"]
+        if self.tool_call_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
         return argv

@@ -27,7 +27,10 @@ _RELAY_COUNTERS = (
     ("skipped_events", "skipped_events", "Events dropped inside good batches (unknown type, bad "
      "shape, over the limits)."),
     ("replayed_batches", "replayed_batches", "Engine batches recovered from the replay socket."),
-    ("unknown_parents", "unknown_parents", "Stored blocks continuing a block never seen."),
+    ("unrecoverable_gaps", "unrecoverable_gaps", "Runs of engine batches lost for good (the "
+     "replay socket could not give them)."),
+    ("foreign_hashes", "foreign_block_hashes", "Chains whose first block the cluster hashes "
+     "otherwise (the engine's hash algorithm or PYTHONHASHSEED is not the cluster's)."),
     ("stale_batches", "stale_batches", "Engine batches dropped as already in a snapshot."),
     ("engine_restarts", "engine_restarts", "Engine event numbering that started again."),
     ("malformed_answers", "malformed_engine_answers", "Engine HTTP answers off the contract."),
@@ -42,7 +45,7 @@ _OUTCOMES: dict[pb.TransferState.ValueType, str] = {
     pb.TRANSFER_STATE_FAILED: "failed",
     pb.TRANSFER_STATE_CANCELLED: "cancelled",
 }
-_TRANSLATE_DROPS = (("short_tokens", "short_tokens"), ("unknown_removals", "unknown_removal"))
+_TRANSLATE_DROPS = (("wrong_block_size", "wrong_block_size"),)
 
 
 class MessengerMetrics:
@@ -159,7 +162,7 @@ class _Collector(Collector):
         )
         resyncs = CounterMetricFamily(
             PREFIX + "resyncs",
-            "Full resyncs of an instance from its engine's snapshot, by reason.",
+            "Full syncs of an instance from its engine's snapshot or replay buffer, by reason.",
             labels=[*labels, "reason"],
         )
         up = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine answers.", labels=labels)

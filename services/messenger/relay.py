@@ -308,7 +308,9 @@ class EngineRelay:
             drop=self.settings.fault_drop_batches,
         )
         self._sub = sub
-        self._translator = EventTranslator(info.block_size)
+        self._translator = EventTranslator(
+            info.block_size, self.settings.block_hashes.hasher(info.block_size)
+        )
         # Batches published before the subscription reaches the engine are missed; taking the
         # first snapshot once the socket is connected keeps that window tiny (and the
         # subscriber's tail probes close it where the engine can replay).
@@ -356,7 +358,16 @@ class EngineRelay:
         if item.seq < self._floor or self._translator is None:
             self.totals["stale_batches"] += 1  # already in the snapshot
             return
-        self._batcher.add(self._translator.translate(item.events), item.ts)
+        translator = self._translator
+        foreign = translator.counters.foreign_hashes
+        self._batcher.add(translator.translate(item.events), item.ts)
+        if foreign == 0 and translator.counters.foreign_hashes:
+            log.error(
+                "engine %s names blocks otherwise than this cluster hashes prompts: give the "
+                "Messengers, Routers and Conductor its --prefix-caching-hash-algo and "
+                "PYTHONHASHSEED (--prefix-hash-seed)",
+                info.instance_id,
+            )
 
     async def _check_same_engine(self, info: EngineInfo) -> None:
         """After a restart the engine may be another (id, block size, endpoints)."""
@@ -442,7 +453,8 @@ def _sub_counts(sub: KvEventSubscriber | None) -> dict[str, int]:
 def _translator_counts(translator: EventTranslator | None) -> dict[str, int]:
     if translator is None:
         return {}
-    return {"wrong_block_size": translator.counters.wrong_block_size}
+    c = translator.counters
+    return {"wrong_block_size": c.wrong_block_size, "foreign_hashes": c.foreign_hashes}
 
 
 async def _first_failure(*steps: Awaitable[None]) -> None:

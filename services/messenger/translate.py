@@ -5,7 +5,9 @@ Engines, Routers and the Conductor name a block alike: by vLLM's own block hash
 converted on its own, with nothing remembered from earlier ones: a Messenger that restarts, or
 an event that is lost, costs that event's blocks and nothing else. What the Routers hash must
 match what the engines hash (same algorithm, seed and block size); a stored event of another
-block size is skipped and counted.
+block size is skipped and counted, and the first block of every chain that starts at the root
+is hashed again from its tokens: a hash that differs (an engine with another algorithm or
+`PYTHONHASHSEED`, whose blocks no Router would ever find) is counted.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TypeVar
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.vllm_hashing import event_hash
+from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 _TIERS = {"GPU": common.TIER_GPU, "CPU": common.TIER_CPU, "DISK": common.TIER_DISK}
@@ -32,6 +34,7 @@ class TranslateCounters:
     """What could not be translated."""
 
     wrong_block_size: int = 0  # stored events of another block size than the engine's
+    foreign_hashes: int = 0  # chains whose first block the cluster would hash otherwise
 
 
 class EventTranslator:
@@ -40,10 +43,18 @@ class EventTranslator:
     An event naming more than `max_blocks` blocks is split (a stored chain into pieces that
     continue one another), so no event exceeds what the Conductor accepts in one."""
 
-    def __init__(self, block_size: int, *, max_blocks: int = MAX_BLOCKS) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        hasher: VllmBlockHasher | None = None,
+        *,
+        max_blocks: int = MAX_BLOCKS,
+    ) -> None:
+        """`hasher`: the cluster's, to check chains that start at the root against."""
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.block_size = block_size
+        self.hasher = hasher
         self.max_blocks = max_blocks
         self.counters = TranslateCounters()
 
@@ -55,6 +66,8 @@ class EventTranslator:
                 if event.block_size != self.block_size:
                     self.counters.wrong_block_size += 1
                     continue
+                if event.parent_block_hash is None and not self._named_as_ours(event):
+                    self.counters.foreign_hashes += 1
                 stored = pb.BlocksStored(
                     block_hashes=[event_hash(h) for h in event.block_hashes],
                     tier=_tier(event.medium),
@@ -72,6 +85,16 @@ class EventTranslator:
             elif isinstance(event, AllBlocksCleared):
                 out.append(pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared()))
         return out
+
+    def _named_as_ours(self, event: BlockStored) -> bool:
+        """Whether the first block of a chain from the root has the hash we would give it."""
+        if self.hasher is None or not event.block_hashes:
+            return True
+        first = event.extra_keys[0] if isinstance(event.extra_keys, list | tuple) else None
+        salt = first[-1] if isinstance(first, list | tuple) and first else None
+        tokens = event.token_ids[: self.block_size]
+        ours = self.hasher.hash_prompt(tokens, salt if isinstance(salt, str) else None)
+        return ours == [event_hash(event.block_hashes[0])]
 
     def _split(self, message: _Blocks) -> list[_Blocks]:
         hashes, n = message.block_hashes, self.max_blocks

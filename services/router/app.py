@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -93,6 +94,7 @@ class Prepared:
     """What the tokenizer thread makes of a request."""
 
     prompt_tokens: int
+    output_tokens: int  # at most, within the context
     block_hashes: list[int]
     body: bytes  # what the engine gets
 
@@ -138,6 +140,7 @@ class Router:
         self.auth = authenticator
         self.tokenizer = PromptTokenizer(s.tokenizer)
         self.hasher = s.block_hashes.hasher(s.block_size)
+        self.aliases = dict(s.model_aliases)
         self._pool = ThreadPoolExecutor(s.tokenizer_threads, thread_name_prefix="kvsched-tok")
         self.client = ConductorClient(
             s.conductors,
@@ -328,7 +331,7 @@ class Router:
             rid = uuid.uuid4().hex
             reply["x-kvsched-request-id"] = rid
             query = PlacementQuery(
-                rid, prepared.prompt_tokens, req.max_tokens, prepared.block_hashes, scoped
+                rid, prepared.prompt_tokens, prepared.output_tokens, prepared.block_hashes, scoped
             )
             with self.tracer.start_as_current_span("placement") as span:
                 started = time.perf_counter()
@@ -345,13 +348,17 @@ class Router:
         self, req: CompletionRequest, raw: bytes, body: dict[str, Any], salt: str
     ) -> Prepared:
         """Tokenize, check the length, hash, and build the engine's body (thread-safe)."""
+        served = self.aliases.get(req.model or "")
+        if served is not None:  # the engines know the model by its served name only
+            body = {**body, "model": served}
+            raw = json.dumps(body).encode()
         ids = self.tokenizer.prompt_ids(req)
         if not ids:
             param = "messages" if req.kind == "chat" else "prompt"
             raise bad_request("The prompt is empty.", param)
-        check_length(len(ids), req.max_tokens, self.settings.max_model_len)
+        output = check_length(len(ids), req.max_tokens, self.settings.max_model_len)
         hashes = self.hasher.hash_prompt(ids, salt or None)
-        return Prepared(len(ids), hashes, with_cache_salt(raw, body, salt))
+        return Prepared(len(ids), output, hashes, with_cache_salt(raw, body, salt))
 
     async def _forward(
         self, request: web.Request, call: _Call, placement: Placement
@@ -497,6 +504,7 @@ class Router:
                 if status == 200:
                     self.metrics.requests.labels("/v1/models", "200").inc()
                     headers = {"x-kvsched-instance": inst.instance_id}
+                    data = with_aliases(data, self.aliases)
                     return web.Response(body=data, content_type=content_type, headers=headers)
         self.metrics.requests.labels("/v1/models", "200").inc()
         model = {
@@ -527,6 +535,22 @@ def _small(req: CompletionRequest) -> bool:
     if req.prompt_text is not None:
         return len(req.prompt_text) <= INLINE_PROMPT_CHARS
     return req.prompt_ids is not None and len(req.prompt_ids) <= INLINE_PROMPT_CHARS
+
+
+def with_aliases(models: bytes, aliases: dict[str, str]) -> bytes:
+    """An engine's `/v1/models` with a card for each alias of a model it lists (its `root`
+    the served name); the engine's bytes themselves when there is nothing to add."""
+    if not aliases:
+        return models
+    try:
+        listing = json.loads(models)
+        cards = [c for c in listing["data"] if isinstance(c, dict)]
+    except (ValueError, TypeError, KeyError):
+        return models
+    served = {c.get("id"): c for c in cards}
+    extra = [{**served[name], "id": alias, "root": name}
+             for alias, name in aliases.items() if name in served]  # fmt: skip
+    return json.dumps({**listing, "data": [*cards, *extra]}).encode() if extra else models
 
 
 def session_key(tenant: str, session: str) -> str:

@@ -39,6 +39,8 @@ class RouterSettings:
     block_size: int = 16
     block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
     model: str = DEFAULT_MODEL
+    # Other names clients may use, each standing for a name the engines serve.
+    model_aliases: tuple[tuple[str, str], ...] = ()
     max_model_len: int = 131_072
     placement_timeout_s: float = 0.25
     transfer_wait_s: float = 60.0  # longest wait for a KV transfer a request needs
@@ -94,6 +96,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "block-size", d.block_size, "tokens per KV block (as the Conductor's)")
     block_hashes.add_flags(_flag, p)
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
+    _flag(p, "model-alias", "", "ALIAS=NAME[,...]: names clients may use for a served model")
     _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
     _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before the local fallback")
     _flag(p, "transfer-wait", d.transfer_wait_s, "longest wait for KV a request needs, seconds")
@@ -122,6 +125,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             block_size=a.block_size,
             block_hashes=block_hashes.from_args(a),
             model=a.model,
+            model_aliases=_aliases(a.model_alias),
             max_model_len=a.max_model_len,
             placement_timeout_s=a.placement_timeout,
             transfer_wait_s=a.transfer_wait,
@@ -135,3 +139,14 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
         )
     except ValueError as exc:
         p.error(str(exc))
+
+
+def _aliases(text: str) -> tuple[tuple[str, str], ...]:
+    """`ALIAS=NAME,...`; raises ValueError on a part without both."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        alias, _, name = (x.strip() for x in part.partition("="))
+        if not alias or not name:
+            raise ValueError(f"--model-alias wants ALIAS=NAME, got {part!r}")
+        pairs.append((alias, name))
+    return tuple(pairs)

@@ -8,6 +8,7 @@ command runs); marked `vllm`, run by the test command after the default suite.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ import aiohttp
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
+from services.common.openai_api import PromptTokenizer, parse_request
 from services.launcher.vllm import DEFAULT_PYTHON
 from services.router.keys import new_key
 from tests.conftest import REPO
@@ -34,6 +36,7 @@ MODEL = "tiny-llama"
 BLOCK = 32
 HASHER = VllmBlockHasher(BLOCK)
 START_TIMEOUT_S = 900.0  # two vLLM servers starting together on two cores
+VECTORS = json.loads((REPO / "tests/data/vllm/prompt_tokens.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,25 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
 
 
 @pytest.fixture(scope="module")
+def restarted() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test started again in place of the cluster's (stopped with it)."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, tenants: tuple[Path, dict[str, str]]
+    tmp_path_factory: pytest.TempPathFactory,
+    tenants: tuple[Path, dict[str, str]],
+    restarted: list[subprocess.Popen[bytes]],
 ) -> Iterator[LocalCluster]:
     if not DEFAULT_PYTHON.exists() or not (MODEL_DIR / "config.json").exists():
         pytest.skip("vLLM is not set up here: run scripts/setup --vllm")
@@ -171,8 +191,22 @@ def _restartable(pid: int) -> tuple[list[str], dict[str, str]]:
     return [a.decode() for a in argv], env
 
 
+def _start_again(
+    argv: list[str], env: dict[str, str], log: Path, started: list[subprocess.Popen[bytes]]
+) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    started.append(process)
+    return process
+
+
 async def test_a_restarted_messenger_and_lost_events_leave_the_index_correct(
-    cluster: LocalCluster, http: aiohttp.ClientSession, tmp_path: Path
+    cluster: LocalCluster,
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+    restarted: list[subprocess.Popen[bytes]],
 ) -> None:
     (messenger,) = cluster.endpoints["messengers"]
     argv, env = _restartable(messenger["pid"])
@@ -181,23 +215,24 @@ async def test_a_restarted_messenger_and_lost_events_leave_the_index_correct(
     os.killpg(messenger["pid"], signal.SIGKILL)
     during = await cached_directly(http, cluster, engine, 301)  # no Messenger listens
     # The new Messenger also loses the first two KV-event messages of each engine.
-    with (tmp_path / "messenger.log").open("wb") as log:
-        again = subprocess.Popen([*argv, "--fault-drop-batches", "2"], env=env, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        after = [await cached_directly(http, cluster, engine, 302 + i) for i in range(3)]
-        for hashes in (before, during, *after):
+    again = _start_again(
+        [*argv, "--fault-drop-batches", "2"], env, tmp_path / "messenger.log", restarted
+    )
+    messenger["pid"] = again.pid
+    after = [await cached_directly(http, cluster, engine, 302 + i) for i in range(3)]
+    for hashes in (before, during, *after):
 
-            async def exact(hashes: list[int] = hashes) -> bool:
-                return await indexed_on(http, cluster, hashes, engine["id"])
+        async def exact(hashes: list[int] = hashes) -> bool:
+            return await indexed_on(http, cluster, hashes, engine["id"])
 
-            await wait_for(exact, 15.0, message="the index holds every prompt's blocks")
-    finally:
-        cluster.endpoints["messengers"][0]["pid"] = again.pid  # the module's other tests
+        await wait_for(exact, 15.0, message="the index holds every prompt's blocks")
 
 
 async def test_an_engine_killed_mid_stream_fails_cleanly_leaves_and_comes_back(
-    cluster: LocalCluster, http: aiohttp.ClientSession, tenants: tuple[Path, dict[str, str]]
+    cluster: LocalCluster,
+    http: aiohttp.ClientSession,
+    tenants: tuple[Path, dict[str, str]],
+    restarted: list[subprocess.Popen[bytes]],
 ) -> None:
     keys = tenants[1]
     body = {"model": MODEL, "messages": [{"role": "user", "content": text(400)}],
@@ -220,10 +255,7 @@ async def test_an_engine_killed_mid_stream_fails_cleanly_leaves_and_comes_back(
     _, served = await post(http, cluster.routers[1] + "/v1/chat/completions", short, **headers)
     assert served["x-kvsched-instance"] != victim["id"]
     log = cluster.run_dir / "logs" / f"engine-{victim['id']}.again.log"
-    with log.open("wb") as out:
-        again = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # fmt: skip
-    victim["pid"] = again.pid
+    victim["pid"] = _start_again(argv, env, log, restarted).pid
 
     async def back() -> bool:
         return victim["id"] in await instances(http, cluster)
@@ -233,6 +265,25 @@ async def test_an_engine_killed_mid_stream_fails_cleanly_leaves_and_comes_back(
 
 async def _without(http: aiohttp.ClientSession, cluster: LocalCluster, iid: str) -> bool:
     return iid not in await instances(http, cluster)
+
+
+async def test_our_token_ids_equal_the_ids_vllm_feeds_its_model(
+    cluster: LocalCluster, http: aiohttp.ClientSession
+) -> None:
+    """Every reference request for the served tokenizer (tests/data/vllm/prompt_tokens.json,
+    made with vLLM's own front end), sent to a live engine asking for the prompt's token ids
+    back: the ids the Router hashes are the ids the engine computed on."""
+    tokenizer = PromptTokenizer(MODEL_DIR)
+    cases = [c for c in VECTORS["cases"] if c["variant"] == "demo" and "ids" in c["vllm"]]
+    assert len(cases) >= 50
+    engine = engines(cluster)[0]
+    for case in cases:
+        ours = tokenizer.prompt_ids(parse_request(case["kind"], case["body"]))
+        route = "/v1/chat/completions" if case["kind"] == "chat" else "/v1/completions"
+        body = {**case["body"], "model": MODEL, "max_tokens": 1, "return_token_ids": True}
+        answer, _ = await post(http, engine["url"] + route, body)
+        fed = answer.get("prompt_token_ids") or answer["choices"][0].get("prompt_token_ids")
+        assert fed == ours, case["name"]
 
 
 def test_endpoints_file_names_the_vllm_engines(cluster: LocalCluster) -> None:

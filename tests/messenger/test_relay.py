@@ -135,7 +135,7 @@ async def test_cached_prompts_reach_the_index_and_evictions_leave_it(
 
     await wait_for(load_relayed, 5.0, message="the engine's load reaches the Conductor")
     counts = relay_of(messenger, engine).counts()
-    assert counts["malformed_frames"] == counts["unknown_parents"] == 0
+    assert counts["malformed_frames"] == counts["unrecoverable_gaps"] == 0
     assert relay_of(messenger, engine).resyncs == {"registered": 1}
 
 

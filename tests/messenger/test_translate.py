@@ -74,3 +74,16 @@ def test_a_real_vllms_salted_chain_is_indexed_under_the_routers_hashes() -> None
     prompt = [token for e in chain for token in e.token_ids]
     assert salt and len(indexed) >= 3
     assert indexed == VllmBlockHasher(32).hash_prompt(prompt, salt)
+
+
+def test_a_chain_hashed_otherwise_than_the_cluster_does_is_counted_and_still_relayed() -> None:
+    hasher = VllmBlockHasher(16)
+    ours = hasher.hash_prompt(TOKENS[:32], "t")
+    t = EventTranslator(16, hasher)
+    good = BlockStored(tuple(ours), None, TOKENS[:32], 16, "GPU", extra_keys=[["t"], None])
+    seeded = VllmBlockHasher(16, seed="1").hash_prompt(TOKENS[:32], "t")
+    other = BlockStored(tuple(seeded), None, TOKENS[:32], 16, "GPU", extra_keys=[["t"], None])
+    unsalted = BlockStored(tuple(ours), None, TOKENS[:32], 16, "GPU")
+    child = BlockStored((99,), ours[1], TOKENS[32:48], 16, "GPU")  # not checked: no prefix
+    out = t.translate([good, child, other, unsalted])
+    assert t.counters.foreign_hashes == 2 and len(out) == 4

@@ -44,8 +44,8 @@ async def test_bad_requests_are_400_and_bad_keys_401(
         ({"model": "m"}, "messages"),
         (chat(n=2), "n"),
         (chat(max_tokens=-1), "max_tokens"),
-        (chat("word " * 200), "messages"),  # over --max-model-len
-        (chat(max_tokens=60), "max_tokens"),
+        (chat("word " * 200), "input_tokens"),  # over --max-model-len
+        (chat(max_tokens=65), "max_tokens"),
         (chat(stream="yes"), "stream"),
     ]
     for body, param in cases:

@@ -248,3 +248,15 @@ async def test_odd_session_ids_stay_one_session(stack: Stack) -> None:
         assert status == 200, data
         hosts.add(headers["x-kvsched-instance"])
     assert len(hosts) == 1
+
+
+async def test_an_alias_is_served_as_the_model_the_engines_know(stack: Stack) -> None:
+    _, _, router = await stack.up(1, model_aliases=(("fast", MODEL),))
+    status, _, data = await stack.post(router.url + "/v1/chat/completions", chat(model="fast"))
+    assert status == 200, data  # the engine refuses names it does not serve
+    assert json.loads(data)["model"] == MODEL
+    status, _, data = await stack.post(router.url + "/v1/chat/completions", chat(model="slow"))
+    assert status == 404 and json.loads(data)["error"]["code"] == 404  # the engine's answer
+    async with stack.http.get(router.url + "/v1/models") as resp:
+        cards = {m["id"]: m for m in (await resp.json())["data"]}
+    assert cards["fast"]["root"] == MODEL and MODEL in cards

@@ -164,6 +164,11 @@ def test_settings_need_keys_or_an_explicit_no_auth(
     assert "--no-auth" in capsys.readouterr().err
     s = parse(["--no-auth", "--conductor", "a:1, b:2", "--placement-timeout", "0.5"])
     assert s.no_auth and s.conductors == ("a:1", "b:2") and s.placement_timeout_s == 0.5
+    s = parse(["--no-auth", "--model-alias", "fast=m-1, small = m-2"])
+    assert s.model_aliases == (("fast", "m-1"), ("small", "m-2"))
+    for bad in ("fast", "=m", "fast="):
+        with pytest.raises(SystemExit):
+            parse(["--no-auth", "--model-alias", bad])
     monkeypatch.setenv("KVSCHED_ROUTER_API_KEYS", str(tmp_path / "k.json"))
     monkeypatch.setenv("KVSCHED_ROUTER_MAX_MODEL_LEN", "4096")
     s = parse([])

@@ -125,9 +125,13 @@ def test_completions_add_bos_unless_told_not_to(tok: PromptTokenizer) -> None:
 
 
 def test_length_check_in_vllm_words() -> None:
-    check_length(100, 28, 128)
+    assert check_length(100, 28, 128) == 28
+    assert check_length(100, 128, 128) == 28  # served, cut at the context, as vLLM does
     with pytest.raises(ApiError, match="maximum context length is 128 tokens") as err:
-        check_length(100, 29, 128)
+        check_length(128, 1, 128)
+    assert err.value.param == "input_tokens"
+    with pytest.raises(ApiError, match="cannot be greater than max_model_len=128") as err:
+        check_length(10, 129, 128)
     assert err.value.param == "max_tokens"
 
 
