@@ -62,12 +62,6 @@ class BlockHasher:
         return out
 
 
-def salt_bytes(salt: str) -> bytes:
-    """A tenant's salt as the bytes a chain's root takes. Salts travel as JSON strings, which
-    may hold a lone surrogate: encoded as is rather than refused, so nothing crashes on one."""
-    return salt.encode("utf-8", "surrogatepass")
-
-
 def _u32_bytes(tokens: Sequence[int]) -> bytes:
     try:
         values = array("I", tokens)

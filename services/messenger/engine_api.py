@@ -41,12 +41,11 @@ class EngineMalformed(EngineError):
 
 @dataclass(frozen=True, slots=True)
 class KvEventsEndpoint:
-    """Where and how an engine publishes its KV events."""
+    """Where an engine publishes its KV events."""
 
     endpoint: str
     replay_endpoint: str | None
     topic: str
-    shape: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +281,6 @@ def parse_info(raw: Any) -> EngineInfo:
             endpoint=endpoint,
             replay_endpoint=_str(events, "replay_endpoint", optional=True) or None,
             topic=_str(events, "topic", optional=True),
-            shape=_str(events, "shape", optional=True) or "map",
         ),
         kv_memory=_kv_memory(info.get("kv_memory")),
     )

@@ -130,7 +130,7 @@ class VllmEngine:
         """The rank-0 publisher's endpoints: the flag's, else what the engine publishes."""
         t = self.target
         if t.events:
-            return KvEventsEndpoint(t.events, t.replay or None, t.topic, "map")
+            return KvEventsEndpoint(t.events, t.replay or None, t.topic)
         try:
             sources = await self._json("/kv_event_sources")
         except EngineUnreachable:
@@ -149,7 +149,6 @@ class VllmEngine:
             endpoint,
             self._reachable(source.get("replay_endpoint")),
             topic if isinstance(topic, str) else "",
-            "map",
         )
 
     def _reachable(self, address: object) -> str | None:
