@@ -483,7 +483,11 @@ def variants() -> dict[str, dict[str, Any]]:
     }
 
 
-def write_variant(out: Path, files: dict[str, Any]) -> None:
+def write_tokenizer_variant(out: Path, files: dict[str, Any]) -> Path:
+    """The demo tokenizer directory at `out` (made), with `files` written over it: a JSON
+    object is merged into the file it names, text replaces it. The tests read the same
+    variants."""
+    out.mkdir(parents=True, exist_ok=True)
     for src in TOKENIZER.iterdir():
         shutil.copyfile(src, out / src.name)
     for name, value in files.items():
@@ -494,6 +498,12 @@ def write_variant(out: Path, files: dict[str, Any]) -> None:
             path.write_text(json.dumps(old | value), encoding="utf-8")
         else:
             path.write_text(value, encoding="utf-8")
+    return out
+
+
+def write_variant(out: Path, files: dict[str, Any]) -> None:
+    """A model directory vLLM loads: the tokenizer variant and a tiny model's config."""
+    write_tokenizer_variant(out, files)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -29,9 +29,7 @@ def content_format(template: jinja2.Template, source: str) -> ContentFormat:
     try:
         ast = template.environment.parse(source)
         next(_content_loops(ast))
-    except StopIteration:
-        return "string"
-    except (jinja2.TemplateError, _Unreadable):
+    except (StopIteration, jinja2.TemplateError, _Unreadable):
         return "string"
     return "openai"
 

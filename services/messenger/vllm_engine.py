@@ -73,7 +73,7 @@ class VllmEngine:
         self._block_size = 0
         self._usage: _Usage | None = None
         self._usage_at = -float("inf")
-        self._load_path: str | None = "/load"  # None once the engine said it has none
+        self._has_load = True  # until the engine answers /load with a 404
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         url = self.base_url + path
@@ -170,11 +170,16 @@ class VllmEngine:
             self._usage_at = loop.time()
         u = self._usage
         used = round(u.kv_usage * self._capacity_blocks)
-        running = u.running if in_flight is None else min(u.running, in_flight)
+        # /load is fresh, /metrics up to a second old: the requests the server holds now,
+        # split as /metrics last split them.
+        running, waiting = u.running, u.waiting
+        if in_flight is not None:
+            running = min(running, in_flight)
+            waiting = in_flight - running
         return LoadReport(
             pending_prefill_tokens=0,  # vLLM does not say: the Conductor counts its placements
             pending_prefill_s=0.0,
-            waiting=u.waiting,
+            waiting=waiting,
             running=running,
             decode_tokens=used * self._block_size,
             free_blocks=max(self._capacity_blocks - used, 0),
@@ -183,12 +188,12 @@ class VllmEngine:
     async def _in_flight(self) -> int | None:
         """Requests in the server (`/load`), or None where it does not count them; raises
         `EngineUnreachable` when it does not answer."""
-        if self._load_path is None:
+        if not self._has_load:
             await self._json("/health")
             return None
-        status, body = await self._get(self._load_path)
+        status, body = await self._get("/load")
         if status == 404:
-            self._load_path = None
+            self._has_load = False
             return None
         if status != 200:
             raise EngineUnreachable(f"GET {self.base_url}/load: HTTP {status}")

@@ -61,6 +61,8 @@ async def test_the_engine_is_known_and_indexed_through_vllms_api_alone(
         await engine.complete(http, prompt(seed, 6))
     held = await converged(http, engine, conductor)
     assert 0 < len(held) <= 24
+    load = await relay.api.load()  # from /load and /metrics: nothing runs now
+    assert (load.running, load.waiting) == (0, 0) and 0 <= load.free_blocks <= 24
     assert relay.resyncs == {"registered": 1}
 
 

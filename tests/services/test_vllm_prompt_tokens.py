@@ -5,34 +5,16 @@ engine, or a 400 where vLLM refused it."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from services.common.openai_api import ApiError, PromptTokenizer, parse_request
+from tools.make_vllm_prompt_vectors import write_tokenizer_variant
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "kvsched" / "data" / "tokenizer"
 VECTORS = json.loads((REPO / "tests/data/vllm/prompt_tokens.json").read_text(encoding="utf-8"))
-
-
-def write_variant(out: Path, files: dict[str, Any]) -> Path:
-    """The demo tokenizer directory with `files` written over it (a JSON object is merged into
-    the file it names), as the vectors' maker wrote it for vLLM."""
-    out.mkdir()
-    for src in DEMO.iterdir():
-        shutil.copyfile(src, out / src.name)
-    for name, value in files.items():
-        path = out / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(value, dict):  # merged into the JSON file
-            old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-            path.write_text(json.dumps(old | value), encoding="utf-8")
-        else:
-            path.write_text(value, encoding="utf-8")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +23,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PromptToke
     out = {"demo": PromptTokenizer()}  # the shipped one, read from the package
     for name, files in VECTORS["variants"].items():
         if files:
-            out[name] = PromptTokenizer(write_variant(tmp / name, files))
+            out[name] = PromptTokenizer(write_tokenizer_variant(tmp / name, files))
     return out
 
 

@@ -1,0 +1,1 @@
+"""Maintenance tools: data and models the project makes, run by hand (see each docstring)."""
