@@ -36,8 +36,9 @@ class _Block:
 class EngineNames:
     """Token ids, digests and chain links of the blocks this engine knows."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, medium: str = "GPU") -> None:
         self.block_size = block_size
+        self.medium = medium  # where the blocks are, as vLLM's events say it
         self.blocks: dict[int, _Block] = {}
 
     def hold(
@@ -87,7 +88,7 @@ class EngineNames:
             parent_block_hash=parent,
             token_ids=tuple(tokens),
             block_size=self.block_size,
-            medium="GPU",
+            medium=self.medium,
             extra_keys=extra_keys,
             session_id=first.session,
         )
@@ -100,7 +101,7 @@ class EngineNames:
             block.cached, block.parent = False, None
             if block.refs == 0:
                 del blocks[h]
-        return BlockRemoved(block_hashes=tuple(hashes), medium="GPU")
+        return BlockRemoved(block_hashes=tuple(hashes), medium=self.medium)
 
     def digest(self, h: int) -> bytes:
         """The full digest of known block `h`."""
@@ -120,7 +121,7 @@ class EngineNames:
                     "parent_block_hash": block.parent,
                     "token_ids": list(block.tokens),
                     "extra_keys": [salt] if salt else None,
-                    "medium": "GPU",
+                    "medium": self.medium,
                 }
             )
         return out

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", type=Path, default=d.vllm_python, help="vLLM's Python")
     p.add_argument("--tool-call-parser", default=d.tool_call_parser,
                    help="vLLM's tool-call parser ('': no tool calling)")  # fmt: skip
+    p.add_argument("--dtype", default=d.dtype, help="vLLM's --dtype ('': the model's)")
+    p.add_argument("--kv-pool-bytes", type=int, default=d.kv_pool_bytes,
+                   help="each node's KV pool for vLLM engines, bytes (0: none)")  # fmt: skip
     p.add_argument("--prefix-caching-hash-algo", default=d.block_hashes.algo,
                    help="the engines' block hash algorithm (vLLM's flag)")  # fmt: skip
     p.add_argument("--prefix-hash-seed", help="the engines' PYTHONHASHSEED (default: unset)")
@@ -111,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             vllm_python=args.vllm_python,
             max_model_len=args.max_model_len,
             tool_call_parser=args.tool_call_parser,
+            dtype=args.dtype,
+            kv_pool_bytes=args.kv_pool_bytes,
             block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
         )
     except ValueError as exc:

@@ -3,7 +3,10 @@ decided up front from the options (pure: no process is started here)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
 from services.launcher.vllm import VllmServer, core_share
 
 ENGINES = ("sim", "vllm")
+DEFAULT_KV_POOL_BYTES = 1 << 30
 READY_TIMEOUT_S = 60.0  # for a process to serve, unless its Child says otherwise
 
 # Start order; stopping goes the other way, so nothing loses what it depends on first.
@@ -48,6 +52,10 @@ class ClusterOptions:
     vllm_python: Path = DEFAULT_VLLM_PYTHON  # the Python of vLLM's own environment
     max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
     tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
+    dtype: str = ""  # vLLM's --dtype ("": the model's)
+    # Each node's KV pool, where its vLLM engines save and load blocks (kvsched's KV
+    # connector) and transfers stage KV; sparse: only blocks written take memory.
+    kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES
     block_hashes: BlockHashes = field(default_factory=BlockHashes)
     api_keys: Path | None = None  # None: `up` makes one demo tenant and key
     engine_flags: tuple[str, ...] = ()  # passed to every engine as given
@@ -67,6 +75,8 @@ class ClusterOptions:
             raise ValueError("--engine vllm needs --model DIR (e.g. tools/make_tiny_model.py's)")
         if self.engine == "vllm" and self.block_size % 32:
             raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32")
+        if self.kv_pool_bytes < 0:
+            raise ValueError("--kv-pool-bytes must not be negative")
         if self.engine == "vllm" and any(r != "both" for r in engine_roles(self.policy, 2)):
             raise ValueError(
                 f"policy {self.policy} hands KV from prefill to decode engines: stock vLLM "
@@ -158,13 +168,21 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     conductors = ",".join(conductor_urls)
 
     roles = engine_roles(opts.policy, opts.nodes * opts.engines_per_node)
+    pooled = opts.engine == "vllm" and opts.kv_pool_bytes > 0
     for n in range(opts.nodes):
         node = f"node-{n}"
+        socket = pool_socket(run_dir, node) if pooled else ""
         engines = []  # the Messenger's --engine values
         for e in range(opts.engines_per_node):
             index = n * opts.engines_per_node + e
             child, engine = _engine(
-                opts, free_port, node=node, iid=f"{node}-e{e}", role=roles[index], index=index
+                opts,
+                free_port,
+                node=node,
+                iid=f"{node}-e{e}",
+                role=roles[index],
+                index=index,
+                pool_socket=socket,
             )
             children.append(child)
             engines.append(engine)
@@ -175,7 +193,10 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         for engine in engines:
             argv += ["--engine", engine]
         argv += ["--instance-ttl", str(opts.instance_ttl_s), *hashing]
-        argv += ["--transfer-backend", opts.transfer_backend, *opts.messenger_flags]
+        argv += ["--transfer-backend", opts.transfer_backend]
+        if socket:
+            argv += ["--kv-pool-bytes", str(opts.kv_pool_bytes), "--kv-pool-socket", socket]
+        argv += opts.messenger_flags
         ready = f"http://127.0.0.1:{http_port}/health"
         entry = {"url": url, "node": node, "http_url": f"http://127.0.0.1:{http_port}"}
         children.append(Child(f"messenger-{node}", "messenger", tuple(argv), ready, entry))
@@ -196,8 +217,22 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     return ClusterPlan(opts, tuple(children), api_key)
 
 
+def pool_socket(run_dir: Path, node: str) -> str:
+    """Where `node`'s Messenger serves its KV pool: a Unix socket, whose path must stay
+    short (108 bytes at most), so in a private folder of the temp dir, named after the run."""
+    run = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return str(Path(tempfile.gettempdir()) / f"kvsched-{os.getuid()}" / f"{run}-{node}.sock")
+
+
 def _engine(
-    opts: ClusterOptions, free_port: Ports, *, node: str, iid: str, role: str, index: int
+    opts: ClusterOptions,
+    free_port: Ports,
+    *,
+    node: str,
+    iid: str,
+    role: str,
+    index: int,
+    pool_socket: str,
 ) -> tuple[Child, str]:
     """Engine `iid`, the `index`th (a simulated one, or a vLLM server: minutes to start on a
     CPU), and its Messenger's `--engine` value."""
@@ -220,6 +255,8 @@ def _engine(
             max_model_len=opts.max_model_len,
             cpu_cores=core_share(index, opts.nodes * opts.engines_per_node),
             tool_call_parser=opts.tool_call_parser,
+            dtype=opts.dtype,
+            pool_socket=pool_socket,
         )
         argv = (*server.argv(), *opts.engine_flags)
         child = Child(name, "engine", argv, ready, entry, server.env(), ready_timeout_s=900.0)

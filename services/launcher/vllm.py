@@ -38,6 +38,10 @@ class VllmServer:
     # Eager mode starts in ~20 s on a CPU instead of ~50 s compiled, for ~15% less speed.
     eager: bool = True
     tool_call_parser: str = "hermes"  # how tool calls are read back ("": no tool calling)
+    dtype: str = ""  # the model's weights and KV ("": the model's own)
+    # The node's KV pool (its Messenger's socket): kvsched's KV connector saves computed
+    # blocks there and loads missing ones from it ("": no connector).
+    pool_socket: str = ""
 
     def argv(self) -> list[str]:
         events = {
@@ -60,7 +64,22 @@ class VllmServer:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
+        if self.dtype:
+            argv += ["--dtype", self.dtype]
+        if self.pool_socket:
+            argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return argv
+
+    def kv_transfer_config(self) -> dict[str, object]:
+        """vLLM's `--kv-transfer-config` loading kvsched's connector (`services.vllm_connector`):
+        a failed load is recomputed, never fatal to the request."""
+        return {
+            "kv_connector": "KvschedConnector",
+            "kv_connector_module_path": "services.vllm_connector.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"pool_socket": self.pool_socket},
+        }
 
     def env(self) -> dict[str, str]:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_GIB), "VLLM_NO_USAGE_STATS": "1"}
@@ -68,6 +87,8 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         if self.hash_seed is not None:
             env["PYTHONHASHSEED"] = self.hash_seed
+        if self.pool_socket:  # vLLM imports the connector from this repository
+            env["PYTHONPATH"] = str(REPO)
         return env
 
 

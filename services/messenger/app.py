@@ -26,6 +26,7 @@ from clients.python import ConductorClient, Interceptor
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
+from services.common.kv_events import Event
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
@@ -37,8 +38,10 @@ from services.common.telemetry import (
 from services.common.tls import add_port, aio_channel, channel_credentials
 from services.messenger.exporter import Exporter
 from services.messenger.http import MessengerHttp
+from services.messenger.kv_pool import KvPool
 from services.messenger.local_kv import LocalKv
 from services.messenger.metrics import MessengerMetrics
+from services.messenger.pool_server import PoolServer
 from services.messenger.relay import EngineRelay
 from services.messenger.server import MessengerServicer
 from services.messenger.settings import MessengerSettings
@@ -80,7 +83,18 @@ class Messenger:
             mooncake_protocol=s.mooncake_protocol,
             mooncake_device=s.mooncake_device,
         )
-        self.local_kv = LocalKv(lambda: self.relays, self.backend)
+        self.pool: KvPool | None = None
+        self.pool_server: PoolServer | None = None
+        if s.kv_pool_bytes:
+            self.pool = KvPool(
+                s.kv_pool_bytes,
+                node=s.node,
+                hasher_for=s.block_hashes.hasher,
+                on_events=self._pool_events,
+                directory=s.kv_pool_dir,
+            )
+            self.pool_server = PoolServer(self.pool, s.kv_pool_socket)
+        self.local_kv = LocalKv(lambda: self.relays, self.backend, self.pool)
         self.exporter = Exporter(self.local_kv)
         self.transfers = Transfers(
             self.local_kv,
@@ -147,8 +161,17 @@ class Messenger:
         )
         self.stream.start()
         self._session = aiohttp.ClientSession()
+        if self.pool_server is not None:
+            await self.pool_server.start()
         self.relays = [
-            EngineRelay(target, s, client=self.client, stream=self.stream, http=self._session)
+            EngineRelay(
+                target,
+                s,
+                client=self.client,
+                stream=self.stream,
+                http=self._session,
+                pool=self.pool,
+            )
             for target in s.engines
         ]
         self._tasks = [
@@ -166,6 +189,12 @@ class Messenger:
             len(self.relays),
             ",".join(s.conductors),
         )
+
+    def _pool_events(self, events: list[Event]) -> None:
+        """The pool's blocks are every vLLM engine's of this node, in host memory."""
+        for relay in self.relays:
+            if relay.uses_pool:
+                relay.send_local(events)
 
     def _on_resync(self, instance_id: str) -> None:
         relay = self.relay(instance_id)
@@ -220,7 +249,11 @@ class Messenger:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace_s)
         await self.backend.stop()
+        if self.pool_server is not None:
+            await self.pool_server.stop()
         self.local_kv.close()
+        if self.pool is not None:
+            self.pool.close()
         peers, self._peers = self._peers, {}
         for channel, _ in peers.values():
             await channel.close(None)

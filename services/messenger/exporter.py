@@ -20,8 +20,8 @@ import grpc
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from services.common.durations import seconds
 from services.common.kv_layout import checksums
-from services.messenger.engine_api import EngineApi, EngineError
-from services.messenger.local_kv import LocalKv, TransferRefused
+from services.messenger.engine_api import EngineError
+from services.messenger.local_kv import KvEnd, LocalKv, TransferRefused
 from services.messenger.transfer.region import KvRegion
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ DEFAULT_HOLD_S = 60.0
 
 @dataclass(slots=True)
 class _Export:
-    api: EngineApi
+    api: KvEnd
     expiry: asyncio.TimerHandle
 
 

@@ -1,5 +1,10 @@
-"""This node's engines as ends of KV transfers: each engine's HTTP API and its KV memory,
-mapped into the Messenger and registered with the transfer backend once (not per transfer).
+"""This node's engines as ends of KV transfers, each with the KV memory a transfer reads or
+writes, mapped into the Messenger and registered with the transfer backend once (not per
+transfer):
+
+- a simulated engine: its own KV memory, exported and imported through its HTTP API;
+- a vLLM engine: the node's KV pool (`kv_pool`), which its KV connector saves computed
+  blocks to and loads missing blocks from; a transfer to or from it moves pool to pool.
 
 An engine that restarted keeps its KV in a new file: the old mapping is unregistered and
 closed, and the new one mapped and registered, the first time a transfer needs it.
@@ -9,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.messenger.engine_api import EngineApi
+from services.messenger.engine_api import Exported, ImportSlots, KvMemory
+from services.messenger.kv_pool import KvPool
 from services.messenger.transfer.backend import Backend
 from services.messenger.transfer.region import KvRegion
 
@@ -33,13 +39,44 @@ class TransferRefused(Exception):
         self.code = code
 
 
+class KvEnd(Protocol):
+    """One end of a transfer: the store whose blocks are exported from, or imported into,
+    the memory the transfer reads or writes (`EngineApi`, `KvPool`). Failures raise
+    `EngineError` (`EngineNoRoom` when an import finds no room)."""
+
+    async def export_blocks(
+        self, hashes: Sequence[int], start: int, end: int, *, wait_s: float, hold_s: float
+    ) -> Exported: ...
+
+    async def release_export(self, export_id: str) -> bool: ...
+
+    async def begin_import(
+        self, hashes: Sequence[int], upto: int, *, hold_s: float
+    ) -> ImportSlots: ...
+
+    async def commit_import(
+        self, import_id: str, token_ids: Sequence[int], cache_salt: str | None
+    ) -> int: ...
+
+    async def abort_import(self, import_id: str) -> bool: ...
+
+
+POOL = "pool"  # the key of the node pool's region
+
+
 class LocalKv:
     """The KV memory of the engines this Messenger relays."""
 
-    def __init__(self, relays: Callable[[], Sequence[EngineRelay]], backend: Backend) -> None:
+    def __init__(
+        self,
+        relays: Callable[[], Sequence[EngineRelay]],
+        backend: Backend,
+        pool: KvPool | None = None,
+    ) -> None:
         self._relays = relays
         self.backend = backend
-        self._regions: dict[str, KvRegion] = {}  # instance id -> its mapped memory
+        self.pool = pool
+        self._regions: dict[str, KvRegion] = {}  # instance id (or POOL) -> its mapped memory
 
     @property
     def backend_value(self) -> pb.TransferBackend.ValueType:
@@ -57,27 +94,37 @@ class LocalKv:
                 f"{pb.TransferBackend.Name(wanted) if named else wanted}",
             )
 
-    def engine(self, instance_id: str) -> tuple[EngineApi, KvRegion]:
-        """The engine that is `instance_id` and its mapped, registered KV memory. Raises
-        `TransferRefused`: NOT_FOUND when no engine of this node is that instance,
-        FAILED_PRECONDITION when it keeps no KV bytes (or its file cannot be mapped)."""
+    def engine(self, instance_id: str) -> tuple[KvEnd, KvRegion]:
+        """The end that holds `instance_id`'s movable KV (its own memory, or the node's pool)
+        and that memory, mapped and registered. Raises `TransferRefused`: NOT_FOUND when no
+        engine of this node is that instance, FAILED_PRECONDITION when it keeps no KV bytes
+        (or its file cannot be mapped)."""
         relay = next((r for r in self._relays() if r.instance_id == instance_id), None)
         if relay is None or relay.info is None or not relay.up:
             raise TransferRefused(
                 grpc.StatusCode.NOT_FOUND,
                 f"instance {instance_id!r} is not an engine of this node that answers now",
             )
-        memory, kv = relay.info.kv_memory, relay.kv
-        if memory is None or kv is None:
+        if relay.uses_pool:
+            assert self.pool is not None
+            memory = self.pool.memory
+            return self.pool, self._region(POOL, KvMemory(str(memory.path), memory.layout))
+        kv, own = relay.kv, relay.info.kv_memory
+        if own is None or kv is None:
             raise TransferRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"instance {instance_id!r} keeps no KV memory a Messenger can move",
+                f"instance {instance_id!r} keeps no KV memory a Messenger can move (a vLLM "
+                "engine needs its node's KV pool: --kv-pool-bytes, and kvsched's KV connector)",
             )
-        region = self._regions.get(instance_id)
+        return kv, self._region(instance_id, own)
+
+    def _region(self, owner: str, memory: KvMemory) -> KvRegion:
+        """`owner`'s memory mapped and registered (again, if it moved to a new file)."""
+        region = self._regions.get(owner)
         if region is not None and (
             str(region.path) != memory.path or region.layout != memory.layout
         ):
-            self._drop(instance_id)  # the engine restarted into a new file
+            self._drop(owner)  # the engine restarted into a new file
             region = None
         if region is None:
             try:
@@ -85,12 +132,12 @@ class LocalKv:
             except (OSError, ValueError) as exc:
                 raise TransferRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"cannot map the KV memory of {instance_id!r}: {exc}",
+                    f"cannot map the KV memory of {owner!r}: {exc}",
                 ) from None
             self.backend.register(region)
-            self._regions[instance_id] = region
-            log.info("registered the KV memory of %s (%d bytes)", instance_id, region.size)
-        return kv, region
+            self._regions[owner] = region
+            log.info("registered the KV memory of %s (%d bytes)", owner, region.size)
+        return region
 
     def _drop(self, instance_id: str) -> None:
         region = self._regions.pop(instance_id)

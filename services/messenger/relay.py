@@ -37,7 +37,7 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.load import LoadReport
 from services.common.durations import duration
-from services.common.kv_events import EventBatch
+from services.common.kv_events import Event, EventBatch
 from services.messenger.batcher import Batcher
 from services.messenger.engine_api import (
     EngineApi,
@@ -48,6 +48,7 @@ from services.messenger.engine_api import (
     Snapshot,
 )
 from services.messenger.engines import EnginePort, EngineTarget
+from services.messenger.kv_pool import KvPool
 from services.messenger.kv_subscriber import KvEventSubscriber, Resync
 from services.messenger.membership import ROLES, Membership
 from services.messenger.settings import MessengerSettings
@@ -87,8 +88,10 @@ class EngineRelay:
         client: ConductorClient,
         stream: KvEventStream,
         http: aiohttp.ClientSession,
+        pool: KvPool | None = None,
     ) -> None:
         s = settings
+        self.pool = pool  # the node's, which a vLLM engine saves to and loads from
         self.target = target
         self.engine_url = target.url
         self.settings = s
@@ -127,6 +130,17 @@ class EngineRelay:
     def kv(self) -> EngineApi | None:
         """The engine's KV memory API (the simulated engine's), if it has one."""
         return self._sim if self.api is self._sim else None
+
+    @property
+    def uses_pool(self) -> bool:
+        """Whether the node's KV pool holds blocks for this engine (a vLLM engine's connector
+        saves to it and loads from it)."""
+        return self.pool is not None and self.pool.attached and self.api is self._vllm
+
+    def send_local(self, events: list[Event]) -> None:
+        """Announce blocks this node holds for the engine beyond its own cache (the pool's)."""
+        if self._translator is not None:
+            self._batcher.add(self._translator.translate(events), None)
 
     @property
     def instance_id(self) -> str | None:
@@ -396,6 +410,9 @@ class EngineRelay:
             events = [e for batch in history.batches for e in translator.translate(batch.events)]
             whole, next_seq = history.whole, history.next_seq
             what = f"{len(history.batches)} replayed batches ({'whole' if whole else 'partial'})"
+        if self.uses_pool:  # the instance's index is replaced: the pool's blocks too
+            assert self.pool is not None
+            events += translator.translate(self.pool.snapshot())
         if self._load is not None:
             self._load_sent = self._load
             events.append(load_event(self._load))

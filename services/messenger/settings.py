@@ -53,6 +53,11 @@ class MessengerSettings:
     chunk_retries: int = 3  # reads of a chunk whose checksum did not match
     fault_corrupt_chunks: int = 0  # fault injection for tests: damage this many chunks
     fault_drop_batches: int = 0  # fault injection for tests: lose each engine's next N batches
+    # The node's KV pool (host memory its vLLM engines save blocks to and load them from,
+    # through kvsched's KV connector, and transfers stage KV in): 0 bytes: none.
+    kv_pool_bytes: int = 0
+    kv_pool_socket: str = ""  # where the engines reach it (a Unix socket)
+    kv_pool_dir: str = "/dev/shm"  # the shared-memory filesystem holding it
     tls: ClientTls | None = None  # towards the Conductors and the other Messengers
     server_tls: ServerTls | None = None  # its own gRPC server's (MessengerService)
     otlp_endpoint: str | None = None
@@ -82,6 +87,10 @@ class MessengerSettings:
             raise ValueError("--mooncake-protocol must be tcp or rdma")
         if self.transfer_io_timeout_s <= 0 or self.max_transfers <= 0:
             raise ValueError("--transfer-io-timeout and --max-transfers must be positive")
+        if self.kv_pool_bytes < 0:
+            raise ValueError("--kv-pool-bytes must not be negative")
+        if self.kv_pool_bytes and not self.kv_pool_socket:
+            raise ValueError("a KV pool (--kv-pool-bytes) needs --kv-pool-socket")
         if min(self.transfer_rate, self.chunk_retries, self.fault_corrupt_chunks) < 0:
             raise ValueError(
                 "--transfer-rate, --chunk-retries and --fault-corrupt-chunks must not be negative"
@@ -143,6 +152,9 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "chunk-retries", d.chunk_retries, "reads of a chunk that failed its checksum")
     _flag(p, "fault-corrupt-chunks", d.fault_corrupt_chunks, "tests: damage this many chunks")
     _flag(p, "fault-drop-batches", 0, "tests: lose each engine's next N KV-event messages")
+    _flag(p, "kv-pool-bytes", d.kv_pool_bytes, "the node's KV pool in host memory (0: none)")
+    _flag(p, "kv-pool-socket", d.kv_pool_socket, "Unix socket the engines reach the pool at")
+    _flag(p, "kv-pool-dir", d.kv_pool_dir, "shared-memory filesystem holding the pool")
     _flag(p, "tls-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
     _flag(p, "tls-cert", "", "this Messenger's client certificate (PEM), for mTLS")
     _flag(p, "tls-key", "", "this Messenger's client private key (PEM), for mTLS")
@@ -191,6 +203,9 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             chunk_retries=a.chunk_retries,
             fault_corrupt_chunks=a.fault_corrupt_chunks,
             fault_drop_batches=a.fault_drop_batches,
+            kv_pool_bytes=a.kv_pool_bytes,
+            kv_pool_socket=a.kv_pool_socket,
+            kv_pool_dir=a.kv_pool_dir,
             tls=tls,
             server_tls=server_tls,
             otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,

@@ -42,8 +42,8 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
 from services.common.durations import duration, seconds
 from services.common.kv_layout import KvLayout, checksums
-from services.messenger.engine_api import EngineApi, EngineError, EngineNoRoom
-from services.messenger.local_kv import LocalKv, TransferRefused
+from services.messenger.engine_api import EngineError, EngineNoRoom
+from services.messenger.local_kv import KvEnd, LocalKv, TransferRefused
 from services.messenger.transfer.backend import Reader, SourceExport
 from services.messenger.transfer.errors import TransferError
 from services.messenger.transfer.region import KvRegion
@@ -553,7 +553,7 @@ class _Failed(Exception):
     """The transfer cannot complete (its message says why)."""
 
 
-async def _quietly(api: EngineApi, import_id: str) -> None:
+async def _quietly(api: KvEnd, import_id: str) -> None:
     """Abort an import; if the engine does not answer, its hold time aborts it."""
     with contextlib.suppress(EngineError):
         await api.abort_import(import_id)

@@ -1,0 +1,267 @@
+"""The node's KV pool: blocks kept in this node's host memory, owned by its Messenger, where
+KV leaving or arriving at the node is staged (Mooncake's idea: the serving nodes' DRAM as one
+KV cache pool the Conductor places blocks in).
+
+An engine on the node saves the blocks it computes into the pool and loads the blocks it
+lacks from it (vLLM through kvsched's KV connector, `services.vllm_connector`); a transfer
+between nodes moves blocks pool to pool. The pool is a KV store of the same make as a
+simulated engine's memory: one shared-memory file laid out layer by layer
+(`services.common.kv_layout`), a prefix cache over its pages (LRU, leaves first, pinned
+blocks kept), the blocks' names (token ids and vLLM digests), and exports and imports
+(`services.engine.kv_transfer`: an import's token ids must hash to its blocks before they
+become visible). Its blocks are announced as vLLM KV events with medium `CPU`.
+
+The pool's geometry is not known until an engine says what one block of its KV is: the first
+engine to `attach` fixes it (and sizes the pool to `capacity_bytes`); an engine whose blocks
+are laid out otherwise is refused. Everything here runs on the Messenger's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvsched.core.vllm_hashing import VllmBlockHasher
+from kvsched.sim.cache import PrefixCache
+from services.common.kv_events import Event
+from services.common.kv_layout import KvLayout
+from services.engine.kv_memory import DEFAULT_DIR, KvMemory
+from services.engine.kv_names import EngineNames
+from services.engine.kv_transfer import KvTransfers, NoRoom, TransferError
+from services.messenger.engine_api import EngineError, EngineNoRoom, Exported, ImportSlots
+
+log = logging.getLogger(__name__)
+MEDIUM = "CPU"  # how vLLM's events name host memory
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """What one block of an engine's KV is, byte for byte: the pool holds blocks of one
+    format, and a transfer moves blocks only between ends of the same format.
+
+    `kind` names the attention backend's packing of K and V, the dtype and the per-block
+    shape (`vllm/CPU_ATTN/float32/4x64x64`); two ends agree only when all of it and the
+    geometry agree."""
+
+    kind: str
+    layers: int
+    chunk_bytes: int  # one block's K and V in one layer
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if not self.kind or min(self.layers, self.chunk_bytes, self.block_size) <= 0:
+            raise ValueError(f"a block format needs a kind and positive sizes, got {self}")
+
+    def layout(self, pages: int) -> KvLayout:
+        return KvLayout(self.layers, pages, self.chunk_bytes, self.block_size)
+
+
+class PoolRefused(Exception):
+    """An engine the pool cannot serve (another block format, no room for one block)."""
+
+
+class KvPool:
+    """The pool of one node; `attach` before anything else."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        node: str,
+        hasher_for: Callable[[int], VllmBlockHasher],
+        on_events: Callable[[list[Event]], None],
+        directory: str | os.PathLike[str] = DEFAULT_DIR,
+        hold_s: float = 60.0,
+    ) -> None:
+        """`hasher_for(block_size)` names blocks as the node's engines do; `on_events`
+        receives the pool's KV events (stored and removed, medium CPU), in order."""
+        self.capacity_bytes = capacity_bytes
+        self.node = node
+        self.directory = directory
+        self.hold_s = hold_s
+        self._hasher_for = hasher_for
+        self._on_events = on_events
+        self.format: BlockFormat | None = None
+        self._store: _Store | None = None
+
+    # ---- engines -------------------------------------------------------------------------
+
+    def attach(self, fmt: BlockFormat) -> KvMemory:
+        """An engine whose blocks are `fmt` will save into and load from the pool: the first
+        one creates the pool's memory. Returns the memory (its file is what the engine maps).
+        Raises `PoolRefused` for another format or a pool too small for one block."""
+        if self._store is None:
+            pages = self.capacity_bytes // (fmt.layers * fmt.chunk_bytes)
+            if pages < 1:
+                raise PoolRefused(
+                    f"a KV pool of {self.capacity_bytes} bytes cannot hold one block of "
+                    f"{fmt.layers * fmt.chunk_bytes} bytes: raise --kv-pool-bytes"
+                )
+            memory = KvMemory(fmt.layout(pages), f"pool-{self.node}", self.directory)
+            self._store = _Store(memory, self._hasher_for(fmt.block_size), self._on_events)
+            self.format = fmt
+            log.info("KV pool of %d blocks (%d bytes) for %s", pages, memory.layout.size, fmt)
+        elif fmt != self.format:
+            raise PoolRefused(
+                f"this node's KV pool holds blocks of {self.format}, not {fmt}: engines of "
+                "one node must share a model, dtype, block size and attention backend"
+            )
+        return self._store.memory
+
+    @property
+    def attached(self) -> bool:
+        return self._store is not None
+
+    @property
+    def memory(self) -> KvMemory:
+        return self._live().memory
+
+    def _live(self) -> _Store:
+        if self._store is None:
+            raise EngineError("no engine of this node has attached to its KV pool yet")
+        return self._store
+
+    # ---- a transfer's end (EngineApi's shape) --------------------------------------------
+
+    async def export_blocks(
+        self, hashes: Sequence[int], start: int, end: int, *, wait_s: float, hold_s: float
+    ) -> Exported:
+        """Pin the pool's blocks `hashes[start:end]` from `start` on (waiting up to `wait_s`
+        for block `start`), for `hold_s` at most unless released."""
+        store = self._live()
+        try:
+            grant = await store.transfers.export(hashes, start, end, wait_s=wait_s, hold_s=hold_s)
+        except TransferError as exc:
+            raise EngineError(str(exc)) from None
+        store.publish()
+        return Exported(
+            grant.export_id or "", grant.blocks, grant.pages, grant.token_ids, grant.cache_salt
+        )
+
+    async def release_export(self, export_id: str) -> bool:
+        return self.release(export_id)
+
+    def release(self, export_id: str) -> bool:
+        """Unpin an export's blocks; False when it had ended."""
+        store = self._live()
+        released = store.transfers.release_export(export_id)
+        store.publish()
+        return released
+
+    async def begin_import(self, hashes: Sequence[int], upto: int, *, hold_s: float) -> ImportSlots:
+        """Stage pages for the blocks of `hashes[:upto]` the pool lacks (evicting LRU
+        blocks); raises `EngineNoRoom` when it cannot."""
+        store = self._live()
+        try:
+            grant = store.transfers.import_begin(hashes, upto, hold_s)
+        except NoRoom as exc:
+            raise EngineNoRoom(str(exc)) from None
+        except TransferError as exc:
+            raise EngineError(str(exc)) from None
+        finally:
+            store.publish()
+        return ImportSlots(grant.import_id, grant.have, grant.pages)
+
+    async def commit_import(
+        self, import_id: str, token_ids: Sequence[int], cache_salt: str | None
+    ) -> int:
+        """Make an import's written blocks visible once their token ids hash to them;
+        returns how many were new. Raises `EngineError` (the import is then aborted)."""
+        store = self._live()
+        try:
+            committed = store.transfers.import_commit(import_id, token_ids, cache_salt)
+        except TransferError as exc:
+            raise EngineError(str(exc)) from None
+        finally:
+            store.publish()
+        return committed.stored
+
+    async def abort_import(self, import_id: str) -> bool:
+        return self.abort(import_id)
+
+    def abort(self, import_id: str) -> bool:
+        """Give an import's staged pages back; False when it had ended."""
+        store = self._live()
+        aborted = store.transfers.import_abort(import_id)
+        store.publish()
+        return aborted
+
+    # ---- views and life ------------------------------------------------------------------
+
+    def snapshot(self) -> list[Event]:
+        """Every block in the pool as stored events (parents first): a resync of an engine's
+        index re-announces its node's pool with it."""
+        store = self._store
+        if store is None:
+            return []
+        return [store.names.stored([h], _parent(store, h)) for h in store.cache.nodes]
+
+    @property
+    def blocks(self) -> int:
+        return 0 if self._store is None else len(self._store.cache.nodes)
+
+    def check_integrity(self) -> None:
+        """Assert the cache, the memory and the transfers agree."""
+        if self._store is not None:
+            self._store.check_integrity()
+
+    def close(self) -> None:
+        """Release every export, abort every import, remove the memory file."""
+        if self._store is not None:
+            self._store.transfers.close()
+            self._store.memory.close()
+
+
+def _parent(store: _Store, h: int) -> int | None:
+    parent = store.cache.nodes[h].parent
+    return None if parent is None else parent.hash
+
+
+class _Store:
+    """The pool's memory with its cache, names and transfers."""
+
+    def __init__(
+        self,
+        memory: KvMemory,
+        hasher: VllmBlockHasher,
+        on_events: Callable[[list[Event]], None],
+    ) -> None:
+        self.memory = memory
+        self.cache = PrefixCache(memory.layout.pages)
+        self.names = EngineNames(memory.layout.block_size, medium=MEDIUM)
+        self._on_events = on_events
+        self._events: list[Event] = []
+        self.transfers = KvTransfers(
+            self.cache,
+            memory=memory,
+            names=self.names,
+            hasher=hasher,
+            clock=time.monotonic,
+            sync=self.sync,
+        )
+
+    def sync(self) -> None:
+        """Apply the cache's changes to the memory's page table and name them as events."""
+        changes = self.cache.drain_events()
+        if changes.removed:
+            self.memory.remove(changes.removed)
+            self._events.append(self.names.removed(changes.removed))
+        for hashes, parent in changes.stored:
+            self._events.append(self.names.stored(hashes, parent))
+        if changes.stored:
+            self.transfers.blocks_stored()
+
+    def publish(self) -> None:
+        self.sync()
+        events, self._events = self._events, []
+        if events:
+            self._on_events(events)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        self.memory.check_integrity()
+        assert self.memory.page_of.keys() == self.cache.nodes.keys(), "memory != cache"
+        self.transfers.check_integrity()

@@ -1,0 +1,59 @@
+"""The local socket between a node's engines (kvsched's vLLM connector) and its Messenger's
+KV pool: a Unix stream socket, owner-only, carrying length-prefixed JSON objects, one answer
+per call, in order.
+
+A call is `{"op": OP, ...arguments}`; its answer `{"ok": true, ...results}` or `{"ok": false,
+"error": why}`. The operations (the pool's side is `services.messenger.pool_server`):
+
+- `attach` {format: {kind, layers, chunk_bytes, block_size}} → {path, pages}: the engine's
+  block format; the pool's memory file to map and its pages.
+- `load` {block_hashes, start, end, hold_s} → {export_id, blocks, pages}: pin the pool's
+  blocks `block_hashes[start:end]` from `start` on (`blocks` of them, each on its page).
+- `release` {export_id} → {released}.
+- `save` {block_hashes, upto, hold_s} → {import_id, have, pages}: stage pages for the blocks
+  of `block_hashes[:upto]` after the `have` the pool holds (no import when it holds them all).
+- `commit` {import_id, token_ids, cache_salt} → {stored}: the staged pages are written; the
+  pool checks the token ids hash to the blocks, then holds them.
+- `abort` {import_id} → {aborted}.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+MAX_MESSAGE_BYTES = 64 << 20
+HEADER = struct.Struct(">I")
+OPS = frozenset({"attach", "load", "release", "save", "commit", "abort"})
+
+
+class WireError(Exception):
+    """A message that breaks the framing or is not a JSON object."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One framed message."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise WireError(f"a message of {len(body)} bytes is over {MAX_MESSAGE_BYTES}")
+    return HEADER.pack(len(body)) + body
+
+
+def body_length(header: bytes) -> int:
+    """The length a message's header announces; raises `WireError` when over the limit."""
+    (length,) = HEADER.unpack(header)
+    if length > MAX_MESSAGE_BYTES:
+        raise WireError(f"a message of {length} bytes is over {MAX_MESSAGE_BYTES}")
+    return int(length)
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """A message's JSON object; raises `WireError`."""
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise WireError("a message must be a JSON object")
+    return message
