@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import TypeAlias
 
 import aiohttp
@@ -92,6 +93,7 @@ class Messenger:
                 hasher_for=s.block_hashes.hasher,
                 on_events=self._pool_events,
                 directory=s.kv_pool_dir,
+                format_file=Path(s.kv_pool_socket).with_suffix(".format"),
             )
             self.pool_server = PoolServer(self.pool, s.kv_pool_socket)
         self.local_kv = LocalKv(lambda: self.relays, self.backend, self.pool)

@@ -13,19 +13,25 @@ become visible). Its blocks are announced as vLLM KV events with medium `CPU`.
 
 The pool's geometry is not known until an engine says what one block of its KV is: the first
 engine to `attach` fixes it (and sizes the pool to `capacity_bytes`); an engine whose blocks
-are laid out otherwise is refused. Everything here runs on the Messenger's event loop.
+are laid out otherwise is refused while the pool holds anything. The format is remembered in
+`format_file`, so a Messenger that restarts has its pool ready before the engines' connectors
+call again (they find the new pool's file named in every answer and map it). Everything here
+runs on the Messenger's event loop.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from kvsched.sim.cache import PrefixCache
+from services.common.files import write_private
 from services.common.kv_events import Event
 from services.common.kv_layout import KvLayout
 from services.engine.kv_memory import DEFAULT_DIR, KvMemory
@@ -74,18 +80,22 @@ class KvPool:
         hasher_for: Callable[[int], VllmBlockHasher],
         on_events: Callable[[list[Event]], None],
         directory: str | os.PathLike[str] = DEFAULT_DIR,
-        hold_s: float = 60.0,
+        format_file: Path | None = None,
     ) -> None:
         """`hasher_for(block_size)` names blocks as the node's engines do; `on_events`
-        receives the pool's KV events (stored and removed, medium CPU), in order."""
+        receives the pool's KV events (stored and removed, medium CPU), in order. A
+        `format_file` left by an earlier Messenger of the node attaches its format now."""
         self.capacity_bytes = capacity_bytes
         self.node = node
         self.directory = directory
-        self.hold_s = hold_s
+        self.format_file = format_file
         self._hasher_for = hasher_for
         self._on_events = on_events
         self.format: BlockFormat | None = None
         self._store: _Store | None = None
+        remembered = _read_format(format_file)
+        if remembered is not None:
+            self.attach(remembered)
 
     # ---- engines -------------------------------------------------------------------------
 
@@ -93,6 +103,10 @@ class KvPool:
         """An engine whose blocks are `fmt` will save into and load from the pool: the first
         one creates the pool's memory. Returns the memory (its file is what the engine maps).
         Raises `PoolRefused` for another format or a pool too small for one block."""
+        if self._store is not None and fmt != self.format and self._store.empty:
+            log.info("KV pool: %s replaces %s (the pool held nothing)", fmt, self.format)
+            self.close()
+            self._store = None
         if self._store is None:
             pages = self.capacity_bytes // (fmt.layers * fmt.chunk_bytes)
             if pages < 1:
@@ -103,6 +117,7 @@ class KvPool:
             memory = KvMemory(fmt.layout(pages), f"pool-{self.node}", self.directory)
             self._store = _Store(memory, self._hasher_for(fmt.block_size), self._on_events)
             self.format = fmt
+            _write_format(self.format_file, fmt)
             log.info("KV pool of %d blocks (%d bytes) for %s", pages, memory.layout.size, fmt)
         elif fmt != self.format:
             raise PoolRefused(
@@ -215,6 +230,21 @@ class KvPool:
             self._store.memory.close()
 
 
+def _read_format(path: Path | None) -> BlockFormat | None:
+    if path is None or not path.exists():
+        return None
+    try:
+        return BlockFormat(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("ignoring the KV pool format in %s: %s", path, exc)
+        return None
+
+
+def _write_format(path: Path | None, fmt: BlockFormat) -> None:
+    if path is not None:
+        write_private(path, json.dumps(asdict(fmt)))
+
+
 def _parent(store: _Store, h: int) -> int | None:
     parent = store.cache.nodes[h].parent
     return None if parent is None else parent.hash
@@ -242,6 +272,11 @@ class _Store:
             clock=time.monotonic,
             sync=self.sync,
         )
+
+    @property
+    def empty(self) -> bool:
+        """No block held, pinned or staged."""
+        return not self.cache.nodes and not self.transfers.exports and not self.transfers.imports
 
     def sync(self) -> None:
         """Apply the cache's changes to the memory's page table and name them as events."""

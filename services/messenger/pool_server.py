@@ -140,7 +140,12 @@ async def _load(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
     grant = await pool.export_blocks(hashes, start, end, wait_s=0.0, hold_s=_hold(m))
     if grant.export_id:
         held.exports.add(grant.export_id)
-    return {"export_id": grant.export_id, "blocks": grant.blocks, "pages": list(grant.pages)}
+    return {
+        "export_id": grant.export_id,
+        "blocks": grant.blocks,
+        "pages": list(grant.pages),
+        "path": str(pool.memory.path),
+    }
 
 
 async def _release(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
@@ -155,7 +160,12 @@ async def _save(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
     slots = await pool.begin_import(hashes, upto, hold_s=_hold(m))
     if slots.import_id:
         held.imports.add(slots.import_id)
-    return {"import_id": slots.import_id, "have": slots.have, "pages": list(slots.pages)}
+    return {
+        "import_id": slots.import_id,
+        "have": slots.have,
+        "pages": list(slots.pages),
+        "path": str(pool.memory.path),
+    }
 
 
 async def _commit(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:

@@ -11,10 +11,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """Copy pool pages `pages[i]` into vLLM blocks `block_ids[i]` (every layer), then end the
-    pool's export `export_id` that pins them."""
+    """Copy pool pages `pages[i]` (of the pool's memory file `pool`) into vLLM blocks
+    `block_ids[i]` (every layer), then end the pool's export `export_id` that pins them."""
 
     request_id: str
+    pool: str
     export_id: str
     pages: tuple[int, ...]
     block_ids: tuple[int, ...]
@@ -22,11 +23,12 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class SaveJob:
-    """Copy vLLM blocks `block_ids[i]` into the pool's staged pages `pages[i]` (every layer),
-    then commit the pool's import `import_id` with the blocks' token ids (and the chain's
-    cache salt, for a chain the pool holds nothing of)."""
+    """Copy vLLM blocks `block_ids[i]` into the staged pages `pages[i]` of the pool's memory
+    file `pool` (every layer), then commit the pool's import `import_id` with the blocks'
+    token ids (and the chain's cache salt, for a chain the pool holds nothing of)."""
 
     request_id: str
+    pool: str
     import_id: str
     pages: tuple[int, ...]
     block_ids: tuple[int, ...]

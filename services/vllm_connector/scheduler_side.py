@@ -39,6 +39,7 @@ WARN_EVERY_S = 30.0  # a pool that stays unreachable is logged this often
 class _Pinned:
     """Blocks the pool pinned for a request, from block `start` on."""
 
+    pool: str
     export_id: str
     start: int
     pages: tuple[int, ...]
@@ -81,7 +82,9 @@ class SchedulerSide:
         if answer is None or not answer["blocks"]:
             return 0
         pages = tuple(answer["pages"])
-        self._pinned[request.request_id] = _Pinned(answer["export_id"], start, pages)
+        self._pinned[request.request_id] = _Pinned(
+            answer["path"], answer["export_id"], start, pages
+        )
         return len(pages) * bs
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, external_tokens: int) -> None:
@@ -96,7 +99,8 @@ class SchedulerSide:
             self._release(pinned.export_id)
             return
         ids = blocks.get_block_ids()[0][pinned.start : pinned.start + n]
-        self._loads.append(LoadJob(rid, pinned.export_id, pinned.pages[:n], tuple(ids)))
+        job = LoadJob(rid, pinned.pool, pinned.export_id, pinned.pages[:n], tuple(ids))
+        self._loads.append(job)
         self._saved[rid] = pinned.start + n
 
     def step_jobs(self, out: SchedulerOutput) -> StepJobs:
@@ -135,7 +139,8 @@ class SchedulerSide:
         ids = tuple(self.block_ids(rid)[have:upto])
         tokens = tuple(request.all_token_ids[have * bs : upto * bs])
         salt = request.cache_salt or None
-        return SaveJob(rid, answer["import_id"], tuple(answer["pages"]), ids, tokens, salt)
+        pages = tuple(answer["pages"])
+        return SaveJob(rid, answer["path"], answer["import_id"], pages, ids, tokens, salt)
 
     def _unpin(self, rid: str) -> None:
         pinned = self._pinned.pop(rid, None)

@@ -7,11 +7,13 @@ A call is `{"op": OP, ...arguments}`; its answer `{"ok": true, ...results}` or `
 
 - `attach` {format: {kind, layers, chunk_bytes, block_size}} → {path, pages}: the engine's
   block format; the pool's memory file to map and its pages.
-- `load` {block_hashes, start, end, hold_s} → {export_id, blocks, pages}: pin the pool's
-  blocks `block_hashes[start:end]` from `start` on (`blocks` of them, each on its page).
+- `load` {block_hashes, start, end, hold_s} → {export_id, blocks, pages, path}: pin the pool's
+  blocks `block_hashes[start:end]` from `start` on (`blocks` of them, each on its page of the
+  pool's memory file `path`: a Messenger that restarted has a new one).
 - `release` {export_id} → {released}.
-- `save` {block_hashes, upto, hold_s} → {import_id, have, pages}: stage pages for the blocks
-  of `block_hashes[:upto]` after the `have` the pool holds (no import when it holds them all).
+- `save` {block_hashes, upto, hold_s} → {import_id, have, pages, path}: stage pages for the
+  blocks of `block_hashes[:upto]` after the `have` the pool holds (no import when it holds
+  them all).
 - `commit` {import_id, token_ids, cache_salt} → {stored}: the staged pages are written; the
   pool checks the token ids hash to the blocks, then holds them.
 - `abort` {import_id} → {aborted}.

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from services.vllm_connector.metadata import LoadJob, SaveJob, StepJobs
 from services.vllm_connector.pool_client import PoolClient, PoolRefusal, PoolUnavailable
 
 log = logging.getLogger(__name__)
+ATTACH_RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,19 +75,23 @@ class WorkerSide:
         self.platform = platform
         self.layers: list[LayerBytes] = []
         self.index: dict[str, int] = {}  # layer name -> model order
-        self._pool: torch.Tensor | None = None  # (layers, pages, chunk bytes)
-        self._map: mmap.mmap | None = None
+        self.format: dict[str, object] = {}
+        self.chunk_bytes = 0
+        self.attached = False  # the pool took our format (once is enough: it remembers)
+        self._attach_at = 0.0  # monotonic time of the next attempt
+        self._pool: tuple[str, torch.Tensor] | None = None  # its file, (layers, pages, chunk)
         self._jobs = StepJobs()
         self._loaded: list[threading.Event] = []
         self._load_thread: threading.Thread | None = None
         self._saved_layers: set[int] = set()
+        self._failed_saves: set[str] = set()  # import ids of the step's saves gone wrong
         self._load_errors: set[int] = set()
 
     # ---- set-up --------------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Take vLLM's per-layer KV tensors and attach to the pool with their format; a pool
-        that cannot be had leaves the connector idle (logged)."""
+        """Take vLLM's per-layer KV tensors and tell the pool their format (again at later
+        steps while the pool cannot be reached: vLLM may start before its Messenger)."""
         names = sorted(kv_caches, key=extract_layer_index)
         kinds = set()
         for name in names:
@@ -96,46 +102,63 @@ class WorkerSide:
             raise ValueError(f"layers of different KV formats are not supported: {kinds}")
         ((kind, chunk_bytes),) = kinds
         self.index = {name: i for i, name in enumerate(names)}
-        fmt = {
+        self.chunk_bytes = chunk_bytes
+        self.format = {
             "kind": f"vllm/{self.platform}/{kind}",
             "layers": len(names),
             "chunk_bytes": chunk_bytes,
             "block_size": self.block_size,
         }
-        try:
-            answer = self.client.call("attach", format=fmt)
-        except (PoolRefusal, PoolUnavailable) as exc:
-            log.error("no KV pool: blocks will be neither loaded nor saved (%s)", exc)
+        self._attach()
+
+    def _attach(self) -> None:
+        now = time.monotonic()
+        if self.attached or now < self._attach_at:
             return
-        self._map_pool(answer["path"], answer["pages"], len(names), chunk_bytes)
-        log.info("attached to the KV pool (%d pages of %s)", answer["pages"], fmt)
-
-    def _map_pool(self, path: str, pages: int, layers: int, chunk_bytes: int) -> None:
-        fd = os.open(path, os.O_RDWR)
+        self._attach_at = now + ATTACH_RETRY_S
         try:
-            self._map = mmap.mmap(fd, layers * pages * chunk_bytes, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._pool = flat.view(layers, pages, chunk_bytes)
+            answer = self.client.call("attach", format=self.format)
+        except PoolRefusal as exc:
+            log.error("the KV pool refuses this engine: nothing is loaded or saved (%s)", exc)
+            self._attach_at = float("inf")
+            return
+        except PoolUnavailable as exc:
+            log.warning("no KV pool yet (%s); trying again", exc)
+            return
+        self.attached = True
+        log.info("attached to the KV pool (%d pages of %s)", answer["pages"], self.format)
 
-    @property
-    def attached(self) -> bool:
-        return self._pool is not None
+    def _memory(self, path: str) -> torch.Tensor | None:
+        """The pool memory file `path` mapped (a new file replaces the old mapping); None
+        when it cannot be mapped."""
+        if self._pool is not None and self._pool[0] == path:
+            return self._pool[1]
+        layers, chunk = len(self.layers), self.chunk_bytes
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                mapped = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("cannot map the KV pool's memory %s: %s", path, exc)
+            return None
+        pages = size // (layers * chunk)
+        memory = torch.frombuffer(mapped, dtype=torch.uint8)[: layers * pages * chunk]
+        self._pool = (path, memory.view(layers, pages, chunk))
+        log.info("mapped the KV pool's memory %s (%d pages)", path, pages)
+        return self._pool[1]
 
     # ---- a step --------------------------------------------------------------------------
 
     def begin_step(self, jobs: StepJobs) -> None:
         """Start the step's loads (a thread, layer by layer)."""
+        self._attach()
         self._jobs = jobs
         self._saved_layers = set()
         self._loaded = []
         if not jobs.loads:
-            return
-        if self._pool is None:  # scheduled by a scheduler that reached the pool: recompute
-            for job in jobs.loads:
-                self._load_errors.update(job.block_ids)
-                self._release(job)
             return
         self._loaded = [threading.Event() for _ in self.layers]
         self._load_thread = threading.Thread(
@@ -164,13 +187,12 @@ class WorkerSide:
             self._load_thread = None
         self._loaded = []
         saves, self._jobs = self._jobs.saves, StepJobs()
-        if not saves or self._pool is None:
-            return
         for i in range(len(self.layers)):
             if i not in self._saved_layers:
                 self._copy_saves(i, saves)
         for job in saves:
-            self._commit(job)
+            self._end_save(job)
+        self._failed_saves.clear()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -179,12 +201,16 @@ class WorkerSide:
     # ---- copies --------------------------------------------------------------------------
 
     def _load(self, jobs: Sequence[LoadJob]) -> None:
-        pool = self._pool
-        assert pool is not None
         try:
-            plans = [(torch.tensor(j.pages), torch.tensor(j.block_ids)) for j in jobs]
+            plans = []
+            for job in jobs:
+                pool = self._memory(job.pool)
+                if pool is None:
+                    self._load_errors.update(job.block_ids)
+                    continue
+                plans.append((pool, torch.tensor(job.pages), torch.tensor(job.block_ids)))
             for i, layer in enumerate(self.layers):
-                for pages, ids in plans:
+                for pool, pages, ids in plans:
                     src = pool[i].index_select(0, pages)
                     at = 0
                     for part in layer.parts:
@@ -213,19 +239,31 @@ class WorkerSide:
             self._load_errors.update(job.block_ids)
 
     def _copy_saves(self, i: int, saves: Sequence[SaveJob]) -> None:
-        pool = self._pool
-        assert pool is not None
-        layer, dst = self.layers[i], pool[i]
+        layer = self.layers[i]
         for job in saves:
+            pool = None if job.import_id in self._failed_saves else self._memory(job.pool)
+            if pool is None:
+                self._failed_saves.add(job.import_id)
+                continue
+            dst = pool[i]
             pages, ids = torch.tensor(job.pages), torch.tensor(job.block_ids)
             at = 0
-            for part in layer.parts:
-                width = part.shape[1]
-                dst[:, at : at + width].index_copy_(0, pages, part.index_select(0, ids))
-                at += width
+            try:
+                for part in layer.parts:
+                    width = part.shape[1]
+                    dst[:, at : at + width].index_copy_(0, pages, part.index_select(0, ids))
+                    at += width
+            except (RuntimeError, IndexError):
+                log.exception("saving to the KV pool failed")
+                self._failed_saves.add(job.import_id)
 
-    def _commit(self, job: SaveJob) -> None:
+    def _end_save(self, job: SaveJob) -> None:
+        """Commit a save whose every layer was copied; abort one that was not (its staged
+        pages were never all written: they must not become blocks)."""
         try:
+            if job.import_id in self._failed_saves:
+                self.client.call("abort", import_id=job.import_id)
+                return
             self.client.call(
                 "commit",
                 import_id=job.import_id,

@@ -1,6 +1,7 @@
 """kvsched in front of stock vLLM: `kvsched up --engine vllm` with two real vLLM servers (the
-CPU build, the tiny model `scripts/setup --vllm` makes) on one node, a Conductor, two Routers.
-The vLLM processes are shared by the whole module: they take a minute or two to start.
+CPU build, the tiny model `scripts/setup --vllm` makes, in float32) on two nodes, each with its
+Messenger and KV pool, a Conductor, two Routers. The vLLM processes are shared by the whole
+module: they take a minute or two to start.
 
 Needs `.venv-vllm/` and `out/models/tiny-llama/` (`scripts/setup --vllm`, which the test
 command runs); marked `vllm`, run by the test command after the default suite."""
@@ -19,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
+from kvsched.api.common.v1 import common_pb2 as common
+from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
+from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
+from services.common.durations import duration
 from services.common.openai_api import PromptTokenizer, parse_request
 from services.launcher.vllm import DEFAULT_PYTHON
 from services.router.keys import new_key
@@ -69,7 +75,7 @@ def cluster(
     if not DEFAULT_PYTHON.exists() or not (MODEL_DIR / "config.json").exists():
         pytest.skip("vLLM is not set up here: run scripts/setup --vllm")
     flags = ["--engine", "vllm", "--model", str(MODEL_DIR), "--served-model-name", MODEL]
-    flags += ["--nodes", "1", "--engines-per-node", "2", "--routers", "2"]
+    flags += ["--nodes", "2", "--engines-per-node", "1", "--routers", "2", "--dtype", "float32"]
     flags += ["--block-size", str(BLOCK), "--api-keys", str(tenants[0])]
     with local_cluster(
         tmp_path_factory.mktemp("up"), *flags, time_scale=1.0, start_timeout_s=START_TIMEOUT_S
@@ -85,6 +91,10 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 def engines(cluster: LocalCluster) -> list[dict[str, Any]]:
     return list(cluster.endpoints["engines"])
+
+
+def messenger_of(cluster: LocalCluster, engine: dict[str, Any]) -> dict[str, Any]:
+    return next(m for m in cluster.endpoints["messengers"] if m["node"] == engine["node"])
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> Any:
@@ -208,9 +218,9 @@ async def test_a_restarted_messenger_and_lost_events_leave_the_index_correct(
     tmp_path: Path,
     restarted: list[subprocess.Popen[bytes]],
 ) -> None:
-    (messenger,) = cluster.endpoints["messengers"]
-    argv, env = _restartable(messenger["pid"])
     engine = engines(cluster)[0]
+    messenger = messenger_of(cluster, engine)
+    argv, env = _restartable(messenger["pid"])
     before = await cached_directly(http, cluster, engine, 300)
     os.killpg(messenger["pid"], signal.SIGKILL)
     during = await cached_directly(http, cluster, engine, 301)  # no Messenger listens
@@ -289,3 +299,72 @@ async def test_our_token_ids_equal_the_ids_vllm_feeds_its_model(
 def test_endpoints_file_names_the_vllm_engines(cluster: LocalCluster) -> None:
     assert cluster.endpoints["engine"] == "vllm" and cluster.endpoints["model"] == MODEL
     assert json.dumps(cluster.endpoints)  # plain JSON
+
+
+# ---- KV moved between the vLLM engines (kvsched's KV connector and the nodes' pools) --------
+
+
+async def complete(
+    http: aiohttp.ClientSession, engine: dict[str, Any], prompt: list[int], max_tokens: int
+) -> tuple[list[int], int]:
+    """Greedy completion of token ids straight on `engine`: its output ids and the prompt
+    tokens it reported cached."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    answer, _ = await post(http, engine["url"] + "/v1/completions", body)
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return list(answer["choices"][0]["token_ids"]), cached
+
+
+async def move(
+    cluster: LocalCluster,
+    kind: common.TransferKind.ValueType,
+    source: dict[str, Any],
+    target: dict[str, Any],
+    hashes: list[int],
+) -> pb.WatchTransferResponse:
+    """Order the transfer of blocks `hashes` from `source` to `target` from the target's
+    Messenger, as the Conductor does, and follow it to its end."""
+    plan = common.TransferPlan(
+        transfer_id=f"t-{hashes[-1]:x}",
+        kind=kind,
+        source_instance_id=source["id"],
+        target_instance_id=target["id"],
+        block_hashes=hashes,
+    )
+    request = pb.StartTransferRequest(
+        plan=plan,
+        source_messenger_url=messenger_of(cluster, source)["url"],
+        timeout=duration(60.0),
+    )
+    async with grpc.aio.insecure_channel(messenger_of(cluster, target)["url"]) as channel:
+        stub = pb_grpc.MessengerServiceStub(channel)
+        await stub.StartTransfer(request, timeout=10.0)
+        updates = stub.WatchTransfer(
+            pb.WatchTransferRequest(transfer_id=plan.transfer_id), timeout=60.0
+        )
+        return [update async for update in updates][-1]
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return [10 + (seed * 7919 + i * 104729) % 4000 for i in range(n)]
+
+
+async def test_a_session_migrated_between_turns_answers_as_it_would_have_on_its_source(
+    cluster: LocalCluster, http: aiohttp.ClientSession
+) -> None:
+    source, target = engines(cluster)
+    assert source["node"] != target["node"]
+    first = ids(600, 300)
+    reply, _ = await complete(http, source, first, 24)
+    second = [*first, *reply, *ids(601, 40)]
+    # Every block the source computed (the reply's last token was sampled, never fed back).
+    computed = (len(first) + len(reply) - 1) // BLOCK
+    hashes = HASHER.hash_prompt(second)[:computed]
+    moved = await move(cluster, common.TRANSFER_KIND_MIGRATE_SESSION, source, target, hashes)
+    assert moved.state == pb.TRANSFER_STATE_DONE, moved.error
+    assert moved.blocks == computed
+    on_target, cached_on_target = await complete(http, target, second, 24)
+    on_source, cached_on_source = await complete(http, source, second, 24)
+    assert on_target == on_source
+    assert cached_on_target == cached_on_source == computed * BLOCK
