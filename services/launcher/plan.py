@@ -77,10 +77,14 @@ class ClusterOptions:
             raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32")
         if self.kv_pool_bytes < 0:
             raise ValueError("--kv-pool-bytes must not be negative")
-        if self.engine == "vllm" and any(r != "both" for r in engine_roles(self.policy, 2)):
+        if (
+            self.engine == "vllm"
+            and not self.kv_pool_bytes
+            and any(r != "both" for r in engine_roles(self.policy, 2))
+        ):
             raise ValueError(
-                f"policy {self.policy} hands KV from prefill to decode engines: stock vLLM "
-                "engines cannot move KV yet (no KV connector); pick a colocated policy"
+                f"policy {self.policy} hands KV from prefill to decode engines: vLLM engines "
+                "move KV only through their nodes' KV pools (--kv-pool-bytes)"
             )
 
 
@@ -197,7 +201,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         if socket:
             argv += ["--kv-pool-bytes", str(opts.kv_pool_bytes), "--kv-pool-socket", socket]
         argv += opts.messenger_flags
-        ready = f"http://127.0.0.1:{http_port}/health"
+        ready = f"http://127.0.0.1:{http_port}/ready"
         entry = {"url": url, "node": node, "http_url": f"http://127.0.0.1:{http_port}"}
         children.append(Child(f"messenger-{node}", "messenger", tuple(argv), ready, entry))
 

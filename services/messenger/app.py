@@ -70,7 +70,9 @@ class Messenger:
         self.stream: KvEventStream | None = None
         self.client: ConductorClient | None = None
         self.metrics = MessengerMetrics(lambda: self.relays, lambda: self.stream)
-        self.http = MessengerHttp(self.metrics.registry, lambda: self.relays, lambda: self.stream)
+        self.http = MessengerHttp(
+            self.metrics.registry, lambda: self.relays, lambda: self.stream, self._unready
+        )
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -191,6 +193,14 @@ class Messenger:
             len(self.relays),
             ",".join(s.conductors),
         )
+
+    def _unready(self) -> str | None:
+        """Why KV cannot move here yet: the node's vLLM engines have not attached to its
+        pool (they start first and attach within a second of the pool's socket appearing)."""
+        pooled = any(t.kind == "vllm" for t in self.settings.engines)
+        if self.pool is not None and pooled and not self.pool.attached:
+            return "no engine has attached to the KV pool yet"
+        return None
 
     def _pool_events(self, events: list[Event]) -> None:
         """The pool's blocks are every vLLM engine's of this node, in host memory."""

@@ -1,4 +1,4 @@
-"""The Messenger's HTTP endpoint: `/metrics` (Prometheus) and `/health`."""
+"""The Messenger's HTTP endpoint: `/metrics` (Prometheus), `/health` and `/ready`."""
 
 from __future__ import annotations
 
@@ -17,19 +17,28 @@ if TYPE_CHECKING:
 
 class MessengerHttp:
     """`/health` answers 200 while the process runs, with what it relays in the body;
-    `/metrics` exposes `registry`."""
+    `/ready` 200 once it can move KV (`unready()` says why not, else None: 503 with the
+    reason); `/metrics` exposes `registry`."""
 
     def __init__(
         self,
         registry: CollectorRegistry,
         relays: Callable[[], Sequence[EngineRelay]],
         stream: Callable[[], KvEventStream | None],
+        unready: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._registry = registry
         self._relays = relays
         self._stream = stream
+        self._unready = unready
         self.app = web.Application()
-        self.app.add_routes([web.get("/metrics", self.metrics), web.get("/health", self.health)])
+        self.app.add_routes(
+            [
+                web.get("/metrics", self.metrics),
+                web.get("/health", self.health),
+                web.get("/ready", self.ready),
+            ]
+        )
         self._runner: web.AppRunner | None = None
 
     async def start(self, listen: str) -> int:
@@ -44,6 +53,12 @@ class MessengerHttp:
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        reason = self._unready()
+        if reason is not None:
+            return web.json_response({"status": "unready", "reason": reason}, status=503)
+        return web.json_response({"status": "ready"})
 
     async def health(self, request: web.Request) -> web.Response:
         stream = self._stream()

@@ -38,7 +38,7 @@ class PoolServer:
         self.pool = pool
         self.path = Path(path)
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         """Bind the socket (a stale one left by a dead Messenger is replaced)."""
@@ -55,17 +55,19 @@ class PoolServer:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._connections):
-            task.cancel()
+        # Closing a connection ends its reader at once, and its task with it.
+        for writer in self._connections.values():
+            writer.close()
         await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         held = _Held()
         try:
             while True:
@@ -82,7 +84,7 @@ class PoolServer:
         except ConnectionError:
             return
         finally:
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             held.end(self.pool)
             writer.close()
 

@@ -78,7 +78,6 @@ class WorkerSide:
         self.format: dict[str, object] = {}
         self.chunk_bytes = 0
         self.attached = False  # the pool took our format (once is enough: it remembers)
-        self._attach_at = 0.0  # monotonic time of the next attempt
         self._pool: tuple[str, torch.Tensor] | None = None  # its file, (layers, pages, chunk)
         self._jobs = StepJobs()
         self._loaded: list[threading.Event] = []
@@ -90,8 +89,7 @@ class WorkerSide:
     # ---- set-up --------------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Take vLLM's per-layer KV tensors and tell the pool their format (again at later
-        steps while the pool cannot be reached: vLLM may start before its Messenger)."""
+        """Take vLLM's per-layer KV tensors and tell the pool their format."""
         names = sorted(kv_caches, key=extract_layer_index)
         kinds = set()
         for name in names:
@@ -112,21 +110,32 @@ class WorkerSide:
         self._attach()
 
     def _attach(self) -> None:
-        now = time.monotonic()
-        if self.attached or now < self._attach_at:
+        """Tell the pool our format, now or, while its Messenger is not up yet (vLLM may
+        start first), from a thread trying every `ATTACH_RETRY_S`."""
+        if self._try_attach():
             return
-        self._attach_at = now + ATTACH_RETRY_S
+        thread = threading.Thread(target=self._keep_attaching, name="kvsched-attach", daemon=True)
+        thread.start()
+
+    def _keep_attaching(self) -> None:
+        while True:
+            time.sleep(ATTACH_RETRY_S)
+            if self._try_attach():
+                return
+
+    def _try_attach(self) -> bool:
+        """True once the pool took our format, or refused it for good."""
         try:
             answer = self.client.call("attach", format=self.format)
         except PoolRefusal as exc:
             log.error("the KV pool refuses this engine: nothing is loaded or saved (%s)", exc)
-            self._attach_at = float("inf")
-            return
+            return True
         except PoolUnavailable as exc:
             log.warning("no KV pool yet (%s); trying again", exc)
-            return
+            return False
         self.attached = True
         log.info("attached to the KV pool (%d pages of %s)", answer["pages"], self.format)
+        return True
 
     def _memory(self, path: str) -> torch.Tensor | None:
         """The pool memory file `path` mapped (a new file replaces the old mapping); None
@@ -154,7 +163,6 @@ class WorkerSide:
 
     def begin_step(self, jobs: StepJobs) -> None:
         """Start the step's loads (a thread, layer by layer)."""
-        self._attach()
         self._jobs = jobs
         self._saved_layers = set()
         self._loaded = []

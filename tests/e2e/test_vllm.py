@@ -346,6 +346,23 @@ async def move(
         return [update async for update in updates][-1]
 
 
+async def prompt_sources(http: aiohttp.ClientSession, engine: dict[str, Any]) -> dict[str, float]:
+    """vLLM's own count of prompt tokens by where their KV came from: `local_compute`,
+    `local_cache_hit`, `external_kv_transfer` (our connector's loads)."""
+    async with http.get(engine["url"] + "/metrics") as resp:
+        text = await resp.text()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            counts[source] = counts.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def grown(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def ids(seed: int, n: int) -> list[int]:
     return [10 + (seed * 7919 + i * 104729) % 4000 for i in range(n)]
 
@@ -364,7 +381,14 @@ async def test_a_session_migrated_between_turns_answers_as_it_would_have_on_its_
     moved = await move(cluster, common.TRANSFER_KIND_MIGRATE_SESSION, source, target, hashes)
     assert moved.state == pb.TRANSFER_STATE_DONE, moved.error
     assert moved.blocks == computed
+    before = await prompt_sources(http, target)
     on_target, cached_on_target = await complete(http, target, second, 24)
     on_source, cached_on_source = await complete(http, source, second, 24)
     assert on_target == on_source
     assert cached_on_target == cached_on_source == computed * BLOCK
+    # vLLM's own counters: the moved tokens were loaded, only the rest computed.
+    loaded = computed * BLOCK
+    assert grown(await prompt_sources(http, target), before) == {
+        "external_kv_transfer": loaded,
+        "local_compute": len(second) - loaded,
+    }

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from services.launcher.plan import STAGES, ClusterOptions, plan_cluster
+from services.launcher.vllm import REPO
 
 
 def test_default_cluster_shape_and_endpoints_schema(tmp_path: Path) -> None:
@@ -83,14 +85,36 @@ def test_vllm_engines_get_every_flag_kvsched_needs(tmp_path: Path) -> None:
     )
     for router in plan.stage("router"):
         assert _flag(router.argv, "--tokenizer") == str(tmp_path / "tiny")
+    # kvsched's KV connector, on the socket of its node's pool, importable by vLLM.
+    socket = _flag(messenger.argv, "--kv-pool-socket")
+    assert int(_flag(messenger.argv, "--kv-pool-bytes")) > 0 and len(socket) < 108
+    connector = json.loads(_flag(argv, "--kv-transfer-config"))
+    assert connector["kv_connector_module_path"] == "services.vllm_connector.connector"
+    assert connector["kv_connector_extra_config"]["pool_socket"] == socket
+    assert connector["kv_load_failure_policy"] == "recompute"
+    assert engines[0].env["PYTHONPATH"] == str(REPO)
+
+
+def test_each_node_has_its_own_pool_socket_and_no_pool_means_no_connector(
+    tmp_path: Path,
+) -> None:
+    opts = ClusterOptions(engine="vllm", model_dir=tmp_path, block_size=32, nodes=2)
+    plan = plan_cluster(opts, tmp_path, tmp_path / "k", "")
+    sockets = {_flag(m.argv, "--kv-pool-socket") for m in plan.stage("messenger")}
+    assert len(sockets) == 2
+    bare = plan_cluster(replace(opts, kv_pool_bytes=0), tmp_path, tmp_path / "k", "")
+    assert all("--kv-transfer-config" not in e.argv for e in bare.stage("engine"))
+    assert all("--kv-pool-socket" not in m.argv for m in bare.stage("messenger"))
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [({"engine": "vllm"}, "needs --model"), ({"engine": "tgi"}, "--engine"),
      ({"engine": "vllm", "model_dir": Path("m")}, "multiples of 32"),
-     ({"engine": "vllm", "model_dir": Path("m"), "block_size": 32, "policy": "static_pd"},
-      "cannot move KV")],
+     ({"engine": "vllm", "model_dir": Path("m"), "block_size": 32, "policy": "static_pd",
+       "kv_pool_bytes": 0}, "KV pools"),
+     ({"engine": "vllm", "model_dir": Path("m"), "block_size": 32, "kv_pool_bytes": -1},
+      "must not be negative")],
 )  # fmt: skip
 def test_vllm_clusters_refuse_what_cannot_work(kwargs: dict[str, object], error: str) -> None:
     with pytest.raises(ValueError, match=error):
