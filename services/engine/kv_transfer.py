@@ -146,7 +146,7 @@ class KvTransfers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            n = max(self.cache.match(hashes, end) - start, 0)
+            n = max(self.cache.chain_match(hashes, end) - start, 0)
             left = deadline - loop.time()
             if n or left <= 0 or self.closed:
                 break
@@ -213,7 +213,7 @@ class KvTransfers:
         if not 0 <= upto <= len(hashes):
             raise ValueError(f"upto {upto} is not within a chain of {len(hashes)}")
         cache, chain = self.cache, tuple(hashes)
-        have = cache.match(chain, upto)
+        have = cache.chain_match(chain, upto)
         if have >= upto:
             return ImportGrant(None, have, ())
         now, n = self.clock(), upto - have

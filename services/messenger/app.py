@@ -113,6 +113,8 @@ class Messenger:
             on_end=self.metrics.on_transfer_end,
         )
         self.metrics.watch_transfers(self.transfers)
+        if self.pool is not None:
+            self.metrics.watch_pool(self.pool)
         self._peers: dict[str, tuple[grpc.aio.Channel, _PeerStub]] = {}
 
     @property

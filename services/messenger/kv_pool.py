@@ -65,6 +65,18 @@ class BlockFormat:
         return KvLayout(self.layers, pages, self.chunk_bytes, self.block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    """What the pool holds now."""
+
+    pages: int  # its size, in blocks
+    blocks: int  # held (readable, evictable unless pinned)
+    pinned: int  # held blocks an export or a load pins
+    staged: int  # pages reserved for saves and transfers not committed yet
+    exports: int
+    imports: int
+
+
 class PoolRefused(Exception):
     """An engine the pool cannot serve (another block format, no room for one block)."""
 
@@ -95,7 +107,10 @@ class KvPool:
         self._store: _Store | None = None
         remembered = _read_format(format_file)
         if remembered is not None:
-            self.attach(remembered)
+            try:
+                self.attach(remembered)
+            except (PoolRefused, OSError) as exc:
+                log.warning("ignoring the remembered KV pool format: %s", exc)
 
     # ---- engines -------------------------------------------------------------------------
 
@@ -103,28 +118,37 @@ class KvPool:
         """An engine whose blocks are `fmt` will save into and load from the pool: the first
         one creates the pool's memory. Returns the memory (its file is what the engine maps).
         Raises `PoolRefused` for another format or a pool too small for one block."""
-        if self._store is not None and fmt != self.format and self._store.empty:
-            log.info("KV pool: %s replaces %s (the pool held nothing)", fmt, self.format)
-            self.close()
-            self._store = None
-        if self._store is None:
-            pages = self.capacity_bytes // (fmt.layers * fmt.chunk_bytes)
-            if pages < 1:
-                raise PoolRefused(
-                    f"a KV pool of {self.capacity_bytes} bytes cannot hold one block of "
-                    f"{fmt.layers * fmt.chunk_bytes} bytes: raise --kv-pool-bytes"
-                )
-            memory = KvMemory(fmt.layout(pages), f"pool-{self.node}", self.directory)
-            self._store = _Store(memory, self._hasher_for(fmt.block_size), self._on_events)
-            self.format = fmt
-            _write_format(self.format_file, fmt)
-            log.info("KV pool of %d blocks (%d bytes) for %s", pages, memory.layout.size, fmt)
-        elif fmt != self.format:
+        if self._store is not None and fmt == self.format:
+            return self._store.memory
+        if self._store is not None and not self._store.empty:
             raise PoolRefused(
                 f"this node's KV pool holds blocks of {self.format}, not {fmt}: engines of "
                 "one node must share a model, dtype, block size and attention backend"
             )
-        return self._store.memory
+        layout = self._layout(fmt)  # checked before an empty pool of another format goes
+        if self._store is not None:
+            log.info("KV pool: %s replaces %s (the pool held nothing)", fmt, self.format)
+            self.close()
+            self._store = None
+        memory = KvMemory(layout, f"pool-{self.node}", self.directory)
+        self._store = _Store(memory, self._hasher_for(fmt.block_size), self._on_events)
+        self.format = fmt
+        _write_format(self.format_file, fmt)
+        log.info("KV pool of %d blocks (%d bytes) for %s", layout.pages, layout.size, fmt)
+        return memory
+
+    def _layout(self, fmt: BlockFormat) -> KvLayout:
+        """The pool's memory for blocks of `fmt`; raises `PoolRefused`."""
+        pages = self.capacity_bytes // (fmt.layers * fmt.chunk_bytes)
+        if pages < 1:
+            raise PoolRefused(
+                f"a KV pool of {self.capacity_bytes} bytes cannot hold one block of "
+                f"{fmt.layers * fmt.chunk_bytes} bytes: raise --kv-pool-bytes"
+            )
+        try:
+            return fmt.layout(pages)
+        except ValueError as exc:
+            raise PoolRefused(f"no pool can hold blocks of {fmt}: {exc}") from None
 
     @property
     def attached(self) -> bool:
@@ -217,6 +241,19 @@ class KvPool:
     @property
     def blocks(self) -> int:
         return 0 if self._store is None else len(self._store.cache.nodes)
+
+    def usage(self) -> PoolUsage:
+        store = self._store
+        if store is None:
+            return PoolUsage(0, 0, 0, 0, 0, 0)
+        return PoolUsage(
+            pages=store.memory.layout.pages,
+            blocks=len(store.cache.nodes),
+            pinned=store.cache.locked_nodes,
+            staged=store.memory.staged_pages,
+            exports=len(store.transfers.exports),
+            imports=len(store.transfers.imports),
+        )
 
     def check_integrity(self) -> None:
         """Assert the cache, the memory and the transfers agree."""

@@ -100,15 +100,16 @@ class LocalKv:
         engine of this node is that instance, FAILED_PRECONDITION when it keeps no KV bytes
         (or its file cannot be mapped)."""
         relay = next((r for r in self._relays() if r.instance_id == instance_id), None)
+        if relay is not None and relay.uses_pool:
+            # The pool's blocks are the node's: they outlive an engine that stopped answering.
+            assert self.pool is not None
+            memory = self.pool.memory
+            return self.pool, self._region(POOL, KvMemory(str(memory.path), memory.layout))
         if relay is None or relay.info is None or not relay.up:
             raise TransferRefused(
                 grpc.StatusCode.NOT_FOUND,
                 f"instance {instance_id!r} is not an engine of this node that answers now",
             )
-        if relay.uses_pool:
-            assert self.pool is not None
-            memory = self.pool.memory
-            return self.pool, self._region(POOL, KvMemory(str(memory.path), memory.layout))
         kv, own = relay.kv, relay.info.kv_memory
         if own is None or kv is None:
             raise TransferRefused(

@@ -4,6 +4,7 @@ time."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from clients.python.kv_stream import KvEventStream, SentBatch
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 
 if TYPE_CHECKING:
+    from services.messenger.kv_pool import KvPool
     from services.messenger.relay import EngineRelay
     from services.messenger.transfers import Transfer, Transfers
 
@@ -120,6 +122,19 @@ class MessengerMetrics:
         )
         queued.set_function(lambda: transfers.queued)
 
+    def watch_pool(self, pool: KvPool) -> None:
+        """Report what the node's KV pool holds (read at scrape time)."""
+        for field, what in (
+            ("pages", "Blocks the node's KV pool can hold (0 until an engine attached)."),
+            ("blocks", "Blocks held in the node's KV pool."),
+            ("pinned", "Blocks of the pool pinned by loads and exports."),
+            ("staged", "Pool pages reserved for saves and transfers not committed yet."),
+            ("exports", "Pool exports (loads and transfers out) not ended."),
+            ("imports", "Pool imports (saves and transfers in) not ended."),
+        ):
+            gauge = Gauge(PREFIX + f"pool_{field}", what, registry=self.registry)
+            gauge.set_function(functools.partial(_usage, pool, field))
+
     def on_transfer_end(self, transfer: Transfer) -> None:
         """A transfer this Messenger ran ended (the `Transfers` hook)."""
         outcome = _OUTCOMES.get(transfer.state, "failed")
@@ -136,6 +151,10 @@ class MessengerMetrics:
         self.events.labels(sent.instance_id).inc(sent.events)
         if sent.engine_ts is not None and not sent.resent:
             self.event_lag.observe(max(self._clock() - sent.engine_ts, 0.0))
+
+
+def _usage(pool: KvPool, field: str) -> float:
+    return float(getattr(pool.usage(), field))
 
 
 class _Collector(Collector):

@@ -54,7 +54,7 @@ def decode(body: bytes) -> dict[str, Any]:
     """A message's JSON object; raises `WireError`."""
     try:
         message = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, absurd numbers or depth
         raise WireError(f"not JSON: {exc}") from None
     if not isinstance(message, dict):
         raise WireError("a message must be a JSON object")

@@ -392,3 +392,165 @@ async def test_a_session_migrated_between_turns_answers_as_it_would_have_on_its_
         "external_kv_transfer": loaded,
         "local_compute": len(second) - loaded,
     }
+
+
+# ---- faults while KV moves: the turn is recomputed, right, and nothing stays held ---------
+
+
+async def pool_usage(http: aiohttp.ClientSession, messenger: dict[str, Any]) -> dict[str, float]:
+    async with http.get(messenger["http_url"] + "/metrics") as resp:
+        text = await resp.text()
+    prefix = "kvsched_messenger_pool_"
+    return {
+        line.split(" ")[0].removeprefix(prefix): float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def idle(usage: dict[str, float]) -> bool:
+    return usage["staged"] == usage["exports"] == usage["imports"] == usage["pinned"] == 0
+
+
+@pytest.fixture(scope="module")
+def faulty_target(
+    cluster: LocalCluster,
+    restarted: list[subprocess.Popen[bytes]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    """The second engine, its node's Messenger started again to damage the first chunk it
+    receives, with no second read: the first transfer into it fails."""
+    target = engines(cluster)[1]
+    messenger = messenger_of(cluster, target)
+    argv, env = _restartable(messenger["pid"])
+    os.killpg(messenger["pid"], signal.SIGKILL)
+    faults = ["--fault-corrupt-chunks", "1", "--chunk-retries", "0"]
+    log = tmp_path_factory.mktemp("faulty") / "messenger.log"
+    messenger["pid"] = _start_again([*argv, *faults], env, log, restarted).pid
+    asyncio.run(_until_ready(messenger))
+    return target
+
+
+async def _until_ready(messenger: dict[str, Any]) -> None:
+    async with aiohttp.ClientSession() as http:
+
+        async def ready() -> bool:
+            try:
+                async with http.get(messenger["http_url"] + "/ready") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await wait_for(ready, 30.0, interval=0.2, message="the Messenger is ready again")
+
+
+async def session(
+    http: aiohttp.ClientSession, source: dict[str, Any], seed: int
+) -> tuple[list[int], list[int], list[int]]:
+    """A session's first turn on `source`; its second turn's prompt, the chain of blocks the
+    source computed, and the second turn's answer there (from its cache)."""
+    first = ids(seed, 300)
+    reply, _ = await complete(http, source, first, 24)
+    second = [*first, *reply, *ids(seed + 1, 40)]
+    hashes = HASHER.hash_prompt(second)[: (len(first) + len(reply) - 1) // BLOCK]
+    expected, cached = await complete(http, source, second, 24)
+    assert cached == len(hashes) * BLOCK
+    return second, hashes, expected
+
+
+async def stalled_move(
+    http: aiohttp.ClientSession,
+    cluster: LocalCluster,
+    source: dict[str, Any],
+    target: dict[str, Any],
+    hashes: list[int],
+) -> asyncio.Task[pb.WatchTransferResponse]:
+    """A move from `source` to `target` caught in the middle: the source's Messenger is
+    stopped (SIGSTOP), the target has reserved the pages and waits for the export."""
+    os.kill(messenger_of(cluster, source)["pid"], signal.SIGSTOP)
+    moving = asyncio.create_task(
+        move(cluster, common.TRANSFER_KIND_MIGRATE_SESSION, source, target, hashes)
+    )
+    pool = messenger_of(cluster, target)
+
+    async def importing() -> bool:
+        return moving.done() or (await pool_usage(http, pool))["imports"] == 1
+
+    await wait_for(importing, 10.0, interval=0.05, message="the target waits for the export")
+    assert not moving.done(), moving.result()
+    return moving
+
+
+async def recomputed_right(
+    http: aiohttp.ClientSession, target: dict[str, Any], prompt: list[int], expected: list[int]
+) -> None:
+    """The turn on `target` found nothing to load, computed its prompt and answered
+    `expected`."""
+    before = await prompt_sources(http, target)
+    answer, cached = await complete(http, target, prompt, 24)
+    assert (answer, cached) == (expected, 0)
+    assert grown(await prompt_sources(http, target), before) == {"local_compute": len(prompt)}
+
+
+async def test_a_corrupted_chunk_fails_the_move_and_the_turn_is_recomputed_right(
+    cluster: LocalCluster, http: aiohttp.ClientSession, faulty_target: dict[str, Any]
+) -> None:
+    source, target = engines(cluster)[0], faulty_target
+    pool = messenger_of(cluster, target)
+    held = (await pool_usage(http, pool))["blocks"]
+    second, hashes, expected = await session(http, source, 800)
+    moved = await move(cluster, common.TRANSFER_KIND_MIGRATE_SESSION, source, target, hashes)
+    assert moved.state == pb.TRANSFER_STATE_FAILED and "checksum" in moved.error, moved.error
+    usage = await pool_usage(http, pool)
+    assert idle(usage) and usage["blocks"] == held
+    await recomputed_right(http, target, second, expected)
+
+
+async def test_a_source_messenger_killed_mid_move_leaves_the_turn_recomputed_right(
+    cluster: LocalCluster,
+    http: aiohttp.ClientSession,
+    faulty_target: dict[str, Any],
+    tmp_path: Path,
+    restarted: list[subprocess.Popen[bytes]],
+) -> None:
+    source, target = engines(cluster)[0], faulty_target
+    second, hashes, expected = await session(http, source, 900)
+    source_messenger = messenger_of(cluster, source)
+    argv, env = _restartable(source_messenger["pid"])
+    moving = await stalled_move(http, cluster, source, target, hashes)
+    os.killpg(source_messenger["pid"], signal.SIGKILL)
+    moved = await moving
+    pool = messenger_of(cluster, target)
+    assert moved.state == pb.TRANSFER_STATE_FAILED, moved
+    assert idle(await pool_usage(http, pool))
+    await recomputed_right(http, target, second, expected)
+    again = _start_again(argv, env, tmp_path / "messenger.log", restarted)
+    source_messenger["pid"] = again.pid
+    await _until_ready(source_messenger)
+
+
+async def test_a_source_engine_killed_mid_move_does_not_stop_it_its_kv_is_in_the_pool(
+    cluster: LocalCluster,
+    http: aiohttp.ClientSession,
+    faulty_target: dict[str, Any],
+    restarted: list[subprocess.Popen[bytes]],
+) -> None:
+    source, target = engines(cluster)[0], faulty_target
+    second, hashes, expected = await session(http, source, 1000)
+    argv, env = _restartable(source["pid"])
+    moving = await stalled_move(http, cluster, source, target, hashes)
+    os.killpg(source["pid"], signal.SIGKILL)
+    os.kill(messenger_of(cluster, source)["pid"], signal.SIGCONT)
+    moved = await moving
+    pool = messenger_of(cluster, target)
+    assert moved.state == pb.TRANSFER_STATE_DONE, moved.error
+    assert idle(await pool_usage(http, pool))
+    answer, cached = await complete(http, target, second, 24)
+    assert (answer, cached) == (expected, len(hashes) * BLOCK)
+    log = cluster.run_dir / "logs" / f"engine-{source['id']}.again.log"
+    source["pid"] = _start_again(argv, env, log, restarted).pid
+
+    async def back() -> bool:
+        return source["id"] in await instances(http, cluster)
+
+    await wait_for(back, 600.0, interval=1.0, message="the restarted engine registered again")
