@@ -31,6 +31,7 @@ from services.common.kv_layout import Bytes, KvLayout, fill
 log = logging.getLogger("kvsched.engine")
 DEFAULT_DIR = "/dev/shm"  # Linux's shared-memory filesystem
 PREFIX = "kvsched-kv-"
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
 _OWNER = re.compile(re.escape(PREFIX) + r"(\d+)-")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_ID_CHARS = 100
@@ -135,6 +136,15 @@ class KvMemory:
         page_of, free = self.page_of, self._free
         for h in hashes:
             heapq.heappush(free, page_of.pop(h))
+
+    def populate(self) -> None:
+        """Fault every page of the file in now (Linux 5.14 and later), so that copies into it
+        later run at memory speed rather than a page fault per 4 KiB (about 7x slower). Makes
+        the whole file resident. A no-op where the kernel cannot."""
+        try:
+            self._map.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError) as exc:  # an older kernel, or the memory was closed
+            log.info("KV memory %s not populated: %s", self._path, exc)
 
     # ---- life --------------------------------------------------------------------------
 

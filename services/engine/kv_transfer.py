@@ -165,8 +165,21 @@ class KvTransfers:
         self.freed()
         return True
 
+    async def until_landed(self, hashes: Sequence[int], timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) while an import in progress stages one of `hashes`: an
+        export of a chain whose next blocks are landing is worth the wait (a connector
+        commits a step's blocks just after the step)."""
+        wanted = frozenset(hashes)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(not wanted.isdisjoint(r.hashes[r.have : r.upto]) for r in self.imports.values()):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await self._until_stored(left)
+
     def blocks_stored(self) -> None:
-        """The cache gained blocks: wake the exports waiting for theirs."""
+        """The cache gained blocks (or an import ended): wake whoever waits for blocks."""
         waiters, self._stored_waiters = self._stored_waiters, set()
         for waiter in waiters:
             if not waiter.done():
@@ -289,6 +302,7 @@ class KvTransfers:
         self.cache.release(record.upto - record.have)
         self.memory.free(record.pages)
         self.freed()
+        self.blocks_stored()  # what waited for these blocks waits no more
         return True
 
     def _check_tokens(

@@ -21,7 +21,7 @@ from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
 from services.launcher.vllm import VllmServer, core_share
 
 ENGINES = ("sim", "vllm")
-DEFAULT_KV_POOL_BYTES = 1 << 30
+DEFAULT_KV_POOL_BYTES = 512 << 20  # resident: 32,768 blocks of the tiny model
 READY_TIMEOUT_S = 60.0  # for a process to serve, unless its Child says otherwise
 
 # Start order; stopping goes the other way, so nothing loses what it depends on first.
@@ -54,7 +54,7 @@ class ClusterOptions:
     tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
     dtype: str = ""  # vLLM's --dtype ("": the model's)
     # Each node's KV pool, where its vLLM engines save and load blocks (kvsched's KV
-    # connector) and transfers stage KV; sparse: only blocks written take memory.
+    # connector) and transfers stage KV; host memory set aside (made resident at start).
     kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES
     block_hashes: BlockHashes = field(default_factory=BlockHashes)
     api_keys: Path | None = None  # None: `up` makes one demo tenant and key

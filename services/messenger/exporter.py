@@ -77,6 +77,7 @@ class Exporter:
                 pages=layout.pages,
                 chunk_bytes=layout.chunk_bytes,
                 block_size=layout.block_size,
+                format=region.block_format,
             ),
         )
         if exported.blocks == 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -41,6 +42,7 @@ from services.messenger.engine_api import EngineError, EngineNoRoom, Exported, I
 
 log = logging.getLogger(__name__)
 MEDIUM = "CPU"  # how vLLM's events name host memory
+LANDING_WAIT_S = 1.0  # an export waits this long at most for blocks being committed
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,7 @@ class BlockFormat:
     format, and a transfer moves blocks only between ends of the same format.
 
     `kind` names the attention backend's packing of K and V, the dtype and the per-block
-    shape (`vllm/CPU_ATTN/float32/4x64x64`); two ends agree only when all of it and the
+    shape (`vllm/cpu/packed/float32/1x32x64`); two ends agree only when all of it and the
     geometry agree."""
 
     kind: str
@@ -75,6 +77,23 @@ class PoolUsage:
     staged: int  # pages reserved for saves and transfers not committed yet
     exports: int
     imports: int
+
+
+@dataclass(slots=True)
+class CopyTotals:
+    """Copies between the node's engines and the pool, as the engines report them: `load`
+    (pool to engine) and `save` (engine to pool)."""
+
+    bytes: dict[str, int]
+    seconds: dict[str, float]
+
+    @classmethod
+    def empty(cls) -> CopyTotals:
+        return cls({"load": 0, "save": 0}, {"load": 0.0, "save": 0.0})
+
+    def record(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.bytes[direction] += nbytes
+        self.seconds[direction] += seconds
 
 
 class PoolRefused(Exception):
@@ -104,6 +123,7 @@ class KvPool:
         self._hasher_for = hasher_for
         self._on_events = on_events
         self.format: BlockFormat | None = None
+        self.copies = CopyTotals.empty()
         self._store: _Store | None = None
         remembered = _read_format(format_file)
         if remembered is not None:
@@ -131,6 +151,9 @@ class KvPool:
             self.close()
             self._store = None
         memory = KvMemory(layout, f"pool-{self.node}", self.directory)
+        # A pool is memory set aside: fault it in now, off the event loop, not block by block
+        # on the engines' copies.
+        threading.Thread(target=memory.populate, name="kv-pool-populate", daemon=True).start()
         self._store = _Store(memory, self._hasher_for(fmt.block_size), self._on_events)
         self.format = fmt
         _write_format(self.format_file, fmt)
@@ -166,11 +189,21 @@ class KvPool:
     # ---- a transfer's end (EngineApi's shape) --------------------------------------------
 
     async def export_blocks(
-        self, hashes: Sequence[int], start: int, end: int, *, wait_s: float, hold_s: float
+        self,
+        hashes: Sequence[int],
+        start: int,
+        end: int,
+        *,
+        wait_s: float,
+        hold_s: float,
+        landing_s: float = LANDING_WAIT_S,
     ) -> Exported:
         """Pin the pool's blocks `hashes[start:end]` from `start` on (waiting up to `wait_s`
-        for block `start`), for `hold_s` at most unless released."""
+        for block `start`, and up to `landing_s` for blocks an engine is committing), for
+        `hold_s` at most unless released."""
         store = self._live()
+        if landing_s > 0:
+            await store.transfers.until_landed(hashes[start : end or None], landing_s)
         try:
             grant = await store.transfers.export(hashes, start, end, wait_s=wait_s, hold_s=hold_s)
         except TransferError as exc:
@@ -237,10 +270,6 @@ class KvPool:
         if store is None:
             return []
         return [store.names.stored([h], _parent(store, h)) for h in store.cache.nodes]
-
-    @property
-    def blocks(self) -> int:
-        return 0 if self._store is None else len(self._store.cache.nodes)
 
     def usage(self) -> PoolUsage:
         store = self._store

@@ -22,7 +22,7 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from services.messenger.engine_api import Exported, ImportSlots, KvMemory
 from services.messenger.kv_pool import KvPool
 from services.messenger.transfer.backend import Backend
-from services.messenger.transfer.region import KvRegion
+from services.messenger.transfer.region import SIM_FORMAT, KvRegion
 
 if TYPE_CHECKING:
     from services.messenger.relay import EngineRelay
@@ -103,8 +103,10 @@ class LocalKv:
         if relay is not None and relay.uses_pool:
             # The pool's blocks are the node's: they outlive an engine that stopped answering.
             assert self.pool is not None
-            memory = self.pool.memory
-            return self.pool, self._region(POOL, KvMemory(str(memory.path), memory.layout))
+            memory, fmt = self.pool.memory, self.pool.format
+            assert fmt is not None  # attached
+            region = self._region(POOL, KvMemory(str(memory.path), memory.layout), fmt.kind)
+            return self.pool, region
         if relay is None or relay.info is None or not relay.up:
             raise TransferRefused(
                 grpc.StatusCode.NOT_FOUND,
@@ -119,17 +121,19 @@ class LocalKv:
             )
         return kv, self._region(instance_id, own)
 
-    def _region(self, owner: str, memory: KvMemory) -> KvRegion:
+    def _region(self, owner: str, memory: KvMemory, block_format: str = SIM_FORMAT) -> KvRegion:
         """`owner`'s memory mapped and registered (again, if it moved to a new file)."""
         region = self._regions.get(owner)
         if region is not None and (
-            str(region.path) != memory.path or region.layout != memory.layout
+            str(region.path) != memory.path
+            or region.layout != memory.layout
+            or region.block_format != block_format
         ):
             self._drop(owner)  # the engine restarted into a new file
             region = None
         if region is None:
             try:
-                region = KvRegion(memory.path, memory.layout)
+                region = KvRegion(memory.path, memory.layout, block_format)
             except (OSError, ValueError) as exc:
                 raise TransferRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,

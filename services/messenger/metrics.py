@@ -134,6 +134,7 @@ class MessengerMetrics:
         ):
             gauge = Gauge(PREFIX + f"pool_{field}", what, registry=self.registry)
             gauge.set_function(functools.partial(_usage, pool, field))
+        self.registry.register(_PoolCopies(pool))
 
     def on_transfer_end(self, transfer: Transfer) -> None:
         """A transfer this Messenger ran ended (the `Transfers` hook)."""
@@ -151,6 +152,30 @@ class MessengerMetrics:
         self.events.labels(sent.instance_id).inc(sent.events)
         if sent.engine_ts is not None and not sent.resent:
             self.event_lag.observe(max(self._clock() - sent.engine_ts, 0.0))
+
+
+class _PoolCopies(Collector):
+    """The engines' copies into and out of the pool, as they report them."""
+
+    def __init__(self, pool: KvPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        copies = self._pool.copies
+        nbytes = CounterMetricFamily(
+            PREFIX + "pool_copied_bytes",
+            "KV bytes the node's engines copied from the pool (load) and into it (save).",
+            labels=["direction"],
+        )
+        seconds = CounterMetricFamily(
+            PREFIX + "pool_copy_seconds",
+            "Time the engines' copies from (load) and into (save) the pool took.",
+            labels=["direction"],
+        )
+        for direction in ("load", "save"):
+            nbytes.add_metric([direction], copies.bytes[direction])
+            seconds.add_metric([direction], copies.seconds[direction])
+        yield from (nbytes, seconds)
 
 
 def _usage(pool: KvPool, field: str) -> float:

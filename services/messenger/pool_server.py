@@ -139,7 +139,8 @@ async def _load(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
     start, end = _int(m, "start", high=len(hashes)), _int(m, "end", high=len(hashes))
     if start >= end:
         raise BadCall(f"start {start} must be below end {end}")
-    grant = await pool.export_blocks(hashes, start, end, wait_s=0.0, hold_s=_hold(m))
+    # A scheduler asking must never wait: what is not in the pool now is a miss.
+    grant = await pool.export_blocks(hashes, start, end, wait_s=0.0, hold_s=_hold(m), landing_s=0.0)
     if grant.export_id:
         held.exports.add(grant.export_id)
     return {
@@ -152,8 +153,11 @@ async def _load(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
 
 async def _release(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
     export_id = _str(m, "export_id")
+    copied = _copied(m)
     held.exports.discard(export_id)
-    return {"released": pool.release(export_id)}
+    released = pool.release(export_id)
+    pool.copies.record("load", *copied)
+    return {"released": released}
 
 
 async def _save(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
@@ -180,8 +184,11 @@ async def _commit(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any
     salt = m.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadCall("cache_salt must be a string or null")
+    copied = _copied(m)
     held.imports.discard(import_id)  # a commit that fails aborts the import
-    return {"stored": await pool.commit_import(import_id, tokens, salt or None)}
+    stored = await pool.commit_import(import_id, tokens, salt or None)
+    pool.copies.record("save", *copied)
+    return {"stored": stored}
 
 
 async def _abort(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
@@ -221,6 +228,15 @@ def _hashes(m: dict[str, Any]) -> list[int]:
     if not all(type(h) is int and 0 <= h <= _U64 for h in hashes):
         raise BadCall("block_hashes must be u64 integers")
     return hashes
+
+
+def _copied(m: dict[str, Any]) -> tuple[int, float]:
+    """The optional (copied_bytes, copy_s) an engine reports with a release or a commit."""
+    nbytes = _int(m, "copied_bytes", high=1 << 50) if "copied_bytes" in m else 0
+    took = m.get("copy_s", 0.0)
+    if not isinstance(took, int | float) or isinstance(took, bool) or not 0 <= took <= 3600:
+        raise BadCall("copy_s must be seconds in [0, 3600]")
+    return nbytes, float(took)
 
 
 def _hold(m: dict[str, Any]) -> float:

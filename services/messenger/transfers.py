@@ -424,6 +424,12 @@ class Transfers:
             dst.block_size,
         ):
             raise _Failed(f"the source's KV layout {src} does not match the target's {dst}")
+        theirs, ours = export.layout.format, region.block_format
+        if theirs and theirs != ours:
+            raise _Failed(
+                f"the source's blocks are {theirs}, the target's {ours}: KV moves only between "
+                "engines of one model, dtype and attention backend"
+            )
         if len(export.pages) != n or len(export.checksums) not in (0, n * src.layers):
             raise _Failed("the source's export is inconsistent (pages or checksums missing)")
         try:

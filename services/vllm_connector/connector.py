@@ -9,9 +9,9 @@ Loaded by a stock vLLM with
 
 (`kvsched up --engine vllm` passes it). The scheduler side is `scheduler_side`, the worker
 side `worker_side`; this class only routes vLLM's calls to them. Loads are synchronous (done
-within the step that needs them, layer by layer), saves are committed at the end of the step
-that computed them, so no request's blocks outlive it here: nothing is freed late and
-`get_finished` has nothing to report.
+within the step that needs them, layer by layer), saves are copied in the step that computed
+them (and committed after it), so no request's blocks outlive it here: nothing is freed late
+and `get_finished` has nothing to report.
 """
 
 from __future__ import annotations

@@ -10,12 +10,14 @@ A call is `{"op": OP, ...arguments}`; its answer `{"ok": true, ...results}` or `
 - `load` {block_hashes, start, end, hold_s} → {export_id, blocks, pages, path}: pin the pool's
   blocks `block_hashes[start:end]` from `start` on (`blocks` of them, each on its page of the
   pool's memory file `path`: a Messenger that restarted has a new one).
-- `release` {export_id} → {released}.
+- `release` {export_id[, copied_bytes, copy_s]} → {released}: an engine that loaded the
+  export's blocks says how many bytes it copied and how long that took (counted by the pool).
 - `save` {block_hashes, upto, hold_s} → {import_id, have, pages, path}: stage pages for the
   blocks of `block_hashes[:upto]` after the `have` the pool holds (no import when it holds
   them all).
-- `commit` {import_id, token_ids, cache_salt} → {stored}: the staged pages are written; the
-  pool checks the token ids hash to the blocks, then holds them.
+- `commit` {import_id, token_ids, cache_salt[, copied_bytes, copy_s]} → {stored}: the staged
+  pages are written (that many bytes, in that time); the pool checks the token ids hash to
+  the blocks, then holds them.
 - `abort` {import_id} → {aborted}.
 """
 

@@ -12,8 +12,9 @@ transfer between pools.
   of the later layers overlaps the compute of the earlier ones. A load's export is released
   once copied; if the pool says it had already ended (its hold time passed, so its pages may
   have been reused) its blocks are reported as load errors and vLLM recomputes them.
-- Saves copy each layer right after its attention ran (`save_kv_layer`), and commit at the
-  end of the step (`wait_for_save`), when every layer is in the pool.
+- Saves copy each layer right after its attention ran (`save_kv_layer`), the rest at the end
+  of the step (`wait_for_save`), and are committed (the pool checks and names the blocks)
+  by a thread of their own, in order, so the step does not wait for the pool's checks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +36,7 @@ from services.vllm_connector.pool_client import PoolClient, PoolRefusal, PoolUna
 
 log = logging.getLogger(__name__)
 ATTACH_RETRY_S = 1.0
+SCATTERED = 4  # blocks a stretch must average for slice-by-slice copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,54 @@ def layer_bytes(tensor: torch.Tensor, num_blocks: int) -> tuple[LayerBytes, str]
     return LayerBytes(tuple(views)), f"{split}/{str(tensor.dtype).removeprefix('torch.')}/{shape}"
 
 
+def runs(pages: Sequence[int], blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first page, first block, count) of each stretch where both pool pages and vLLM block
+    ids go up one by one: each is one contiguous copy a layer (pages are handed out lowest
+    first and a request's blocks are mostly consecutive, so there are few)."""
+    out: list[tuple[int, int, int]] = []
+    for page, block in zip(pages, blocks, strict=True):
+        if out:
+            first_page, first_block, n = out[-1]
+            if page == first_page + n and block == first_block + n:
+                out[-1] = (first_page, first_block, n + 1)
+                continue
+        out.append((page, block, 1))
+    return out
+
+
+def copy_blocks(
+    pool: torch.Tensor,
+    pages: Sequence[int],
+    parts: Sequence[torch.Tensor],
+    blocks: Sequence[int],
+    *,
+    into_pool: bool,
+) -> None:
+    """Copy one layer of blocks between the pool's pages `pages` (`pool`: that layer,
+    (pages, chunk bytes)) and vLLM's blocks `blocks` (`parts`, each (blocks, part bytes)),
+    either way (on a GPU, across the bus). Few long stretches are copied slice by slice,
+    straight; scattered blocks by one gather and one scatter a part."""
+    pieces = runs(pages, blocks)
+    at = 0
+    for part in parts:
+        width = part.shape[1]
+        pool_part = pool[:, at : at + width]
+        if len(pieces) * SCATTERED <= len(pages):
+            for page, block, n in pieces:
+                if into_pool:
+                    pool_part[page : page + n].copy_(part[block : block + n])
+                else:
+                    part[block : block + n].copy_(pool_part[page : page + n])
+        else:
+            on_pool = torch.tensor(pages)
+            on_part = torch.tensor(blocks, device=part.device)
+            if into_pool:
+                pool_part.index_copy_(0, on_pool, part.index_select(0, on_part).to(pool.device))
+            else:
+                part.index_copy_(0, on_part, pool_part.index_select(0, on_pool).to(part.device))
+        at += width
+
+
 class WorkerSide:
     """State of one worker's connector."""
 
@@ -84,6 +135,10 @@ class WorkerSide:
         self._load_thread: threading.Thread | None = None
         self._saved_layers: set[int] = set()
         self._failed_saves: set[str] = set()  # import ids of the step's saves gone wrong
+        self._save_s: dict[str, float] = {}  # import id -> seconds its copies took
+        # (save, copy seconds, failed) to commit or abort, in order, off the step.
+        self._commits: queue.SimpleQueue[tuple[SaveJob, float, bool]] = queue.SimpleQueue()
+        threading.Thread(target=self._commit_saves, name="kvsched-commit", daemon=True).start()
         self._load_errors: set[int] = set()
 
     # ---- set-up --------------------------------------------------------------------------
@@ -198,8 +253,9 @@ class WorkerSide:
         for i in range(len(self.layers)):
             if i not in self._saved_layers:
                 self._copy_saves(i, saves)
-        for job in saves:
-            self._end_save(job)
+        for job in saves:  # committed off the step: the copies are done, vLLM goes on
+            failed = job.import_id in self._failed_saves
+            self._commits.put((job, self._save_s.pop(job.import_id, 0.0), failed))
         self._failed_saves.clear()
 
     def take_load_errors(self) -> set[int]:
@@ -216,29 +272,37 @@ class WorkerSide:
                 if pool is None:
                     self._load_errors.update(job.block_ids)
                     continue
-                plans.append((pool, torch.tensor(job.pages), torch.tensor(job.block_ids)))
+                plans.append((pool, job))
+            started = time.perf_counter()
             for i, layer in enumerate(self.layers):
-                for pool, pages, ids in plans:
-                    src = pool[i].index_select(0, pages)
-                    at = 0
-                    for part in layer.parts:
-                        width = part.shape[1]
-                        part.index_copy_(0, ids, src[:, at : at + width])
-                        at += width
+                for pool, job in plans:
+                    copy_blocks(pool[i], job.pages, layer.parts, job.block_ids, into_pool=False)
                 self._loaded[i].set()
+            took = time.perf_counter() - started
         except Exception:
             log.exception("loading from the KV pool failed: the blocks will be recomputed")
             self._load_errors.update(b for job in jobs for b in job.block_ids)
+            took = 0.0
         finally:
             for event in self._loaded:
                 event.set()
-            for job in jobs:
-                self._release(job)
+        blocks = sum(len(job.pages) for job in jobs) or 1
+        for job in jobs:  # the step's copy time shared by the blocks each load moved
+            copied = 0 if not took else len(job.pages)
+            self._release(job, copied * self.block_bytes, took * len(job.pages) / blocks)
 
-    def _release(self, job: LoadJob) -> None:
-        """End a load's export; one that had ended already may have lost its pages."""
+    @property
+    def block_bytes(self) -> int:
+        """One block's KV over every layer."""
+        return len(self.layers) * self.chunk_bytes
+
+    def _release(self, job: LoadJob, copied_bytes: int = 0, copy_s: float = 0.0) -> None:
+        """End a load's export (saying how long its copy took); one that had ended already
+        may have lost its pages."""
         try:
-            released = self.client.call("release", export_id=job.export_id)["released"]
+            released = self.client.call(
+                "release", export_id=job.export_id, copied_bytes=copied_bytes, copy_s=copy_s
+            )["released"]
         except (PoolRefusal, PoolUnavailable) as exc:
             log.warning("could not release a KV pool export: %s", exc)
             return  # it ends at its hold time; the copy was made while it was pinned
@@ -253,23 +317,26 @@ class WorkerSide:
             if pool is None:
                 self._failed_saves.add(job.import_id)
                 continue
-            dst = pool[i]
-            pages, ids = torch.tensor(job.pages), torch.tensor(job.block_ids)
-            at = 0
+            started = time.perf_counter()
             try:
-                for part in layer.parts:
-                    width = part.shape[1]
-                    dst[:, at : at + width].index_copy_(0, pages, part.index_select(0, ids))
-                    at += width
+                copy_blocks(pool[i], job.pages, layer.parts, job.block_ids, into_pool=True)
             except (RuntimeError, IndexError):
                 log.exception("saving to the KV pool failed")
                 self._failed_saves.add(job.import_id)
+            self._save_s[job.import_id] = (
+                self._save_s.get(job.import_id, 0.0) + time.perf_counter() - started
+            )
 
-    def _end_save(self, job: SaveJob) -> None:
+    def _commit_saves(self) -> None:
+        """The committer thread: ends each step's saves, in order."""
+        while True:
+            self._end_save(*self._commits.get())
+
+    def _end_save(self, job: SaveJob, copy_s: float, failed: bool) -> None:
         """Commit a save whose every layer was copied; abort one that was not (its staged
         pages were never all written: they must not become blocks)."""
         try:
-            if job.import_id in self._failed_saves:
+            if failed:
                 self.client.call("abort", import_id=job.import_id)
                 return
             self.client.call(
@@ -277,6 +344,8 @@ class WorkerSide:
                 import_id=job.import_id,
                 token_ids=list(job.token_ids),
                 cache_salt=job.cache_salt,
+                copied_bytes=len(job.pages) * self.block_bytes,
+                copy_s=copy_s,
             )
         except (PoolRefusal, PoolUnavailable) as exc:
             log.warning("the KV pool did not take %d blocks: %s", len(job.block_ids), exc)

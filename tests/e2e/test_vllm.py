@@ -367,18 +367,29 @@ def ids(seed: int, n: int) -> list[int]:
     return [10 + (seed * 7919 + i * 104729) % 4000 for i in range(n)]
 
 
-async def test_a_session_migrated_between_turns_answers_as_it_would_have_on_its_source(
-    cluster: LocalCluster, http: aiohttp.ClientSession
+@pytest.mark.parametrize(
+    ("kind", "seed"),
+    [(common.TRANSFER_KIND_MIGRATE_SESSION, 600), (common.TRANSFER_KIND_FETCH_PREFIX, 650)],
+    ids=["migrated-session", "fetched-prefix"],
+)
+async def test_moved_kv_is_loaded_and_answers_as_the_source_would(
+    cluster: LocalCluster,
+    http: aiohttp.ClientSession,
+    kind: common.TransferKind.ValueType,
+    seed: int,
 ) -> None:
+    """A session migrated between two turns, or a prefix fetched before a request: the
+    target loads the moved blocks instead of computing them, and answers exactly as the
+    source (which has them cached) does."""
     source, target = engines(cluster)
     assert source["node"] != target["node"]
-    first = ids(600, 300)
+    first = ids(seed, 300)
     reply, _ = await complete(http, source, first, 24)
-    second = [*first, *reply, *ids(601, 40)]
+    second = [*first, *reply, *ids(seed + 1, 40)]
     # Every block the source computed (the reply's last token was sampled, never fed back).
     computed = (len(first) + len(reply) - 1) // BLOCK
     hashes = HASHER.hash_prompt(second)[:computed]
-    moved = await move(cluster, common.TRANSFER_KIND_MIGRATE_SESSION, source, target, hashes)
+    moved = await move(cluster, kind, source, target, hashes)
     assert moved.state == pb.TRANSFER_STATE_DONE, moved.error
     assert moved.blocks == computed
     before = await prompt_sources(http, target)

@@ -6,6 +6,7 @@ memory and the transfers must agree (`check_integrity`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import os
@@ -149,7 +150,7 @@ def test_the_first_attach_creates_the_memory(make_pool: Pools) -> None:
     assert memory.path.parent == make_pool.directory and memory.path.exists()
     assert stat.S_IMODE(memory.path.stat().st_mode) == 0o600
     assert memory.path.stat().st_size == FMT.layers * 5 * FMT.chunk_bytes
-    assert memory.free_pages == 5 and pool.blocks == 0
+    assert memory.free_pages == 5 and pool.usage().blocks == 0
     assert pool.attach(FMT) is memory  # the same format again: the same pool
     assert memory_files(make_pool.directory) == [memory.path]
     pool.check_integrity()
@@ -177,7 +178,7 @@ async def test_another_format_is_refused_while_the_pool_holds_a_block(make_pool:
 async def test_another_format_is_refused_while_a_save_is_staged(make_pool: Pools) -> None:
     pool = make_pool(4)
     slots = await pool.begin_import(chain(tokens(1, 1)), 1, hold_s=HOLD_S)
-    assert slots.import_id is not None and pool.blocks == 0
+    assert slots.import_id is not None and pool.usage().blocks == 0
     with pytest.raises(PoolRefused):
         pool.attach(OTHER)
     assert pool.format == FMT and pool.memory.staged_pages == 1
@@ -273,13 +274,13 @@ async def test_an_import_makes_its_blocks_exportable(make_pool: Pools, salt: str
     hashes = chain(ids, salt)
     slots = await pool.begin_import(hashes, 3, hold_s=HOLD_S)
     assert slots.import_id and slots.have == 0 and slots.pages == (0, 1, 2)
-    assert pool.memory.staged_pages == 3 and pool.blocks == 0
+    assert pool.memory.staged_pages == 3 and pool.usage().blocks == 0
     pool.check_integrity()
     write_pages(pool, slots.pages, hashes)
     assert make_pool.events == []  # nothing visible before the commit
     assert await pool.commit_import(slots.import_id, ids, salt) == 3
     pool.check_integrity()
-    assert pool.blocks == 3 and pool.memory.staged_pages == 0
+    assert pool.usage().blocks == 3 and pool.memory.staged_pages == 0
     [event] = make_pool.events
     assert isinstance(event, BlockStored)
     assert event.block_hashes == tuple(hashes) and event.parent_block_hash is None
@@ -352,7 +353,7 @@ async def test_a_commit_with_wrong_token_ids_stores_nothing(
     with pytest.raises(EngineError):
         await pool.commit_import(slots.import_id, wrong(ids), None)
     pool.check_integrity()
-    assert pool.blocks == 0 and pool.snapshot() == [] and make_pool.events == []
+    assert pool.usage().blocks == 0 and pool.snapshot() == [] and make_pool.events == []
     assert pool.memory.free_pages == free and pool.memory.staged_pages == 0
     assert pinned_and_staged(pool) == (0, 0, 0)
     with pytest.raises(EngineError, match="no import"):  # the import was aborted
@@ -367,7 +368,7 @@ async def test_a_salted_chain_needs_its_salt(make_pool: Pools) -> None:
     assert slots.import_id is not None
     with pytest.raises(EngineError, match="do not hash"):
         await pool.commit_import(slots.import_id, ids, None)
-    assert pool.blocks == 0 and pool.memory.staged_pages == 0
+    assert pool.usage().blocks == 0 and pool.memory.staged_pages == 0
     pool.check_integrity()
 
 
@@ -382,7 +383,7 @@ async def test_an_abort_gives_the_staged_pages_back(make_pool: Pools) -> None:
     assert pool.abort(slots.import_id)
     assert not pool.abort(slots.import_id)
     assert pinned_and_staged(pool) == (0, 0, 0)
-    assert pool.memory.free_pages == 3 and pool.blocks == 1
+    assert pool.memory.free_pages == 3 and pool.usage().blocks == 1
     pool.check_integrity()
 
 
@@ -407,7 +408,7 @@ async def test_a_full_pool_evicts_its_least_recently_used_leaf(make_pool: Pools)
     a = await put(pool, a_ids[: 2 * BS])
     b = await put(pool, tokens(1, 11))
     await put(pool, a_ids)  # continues a (a use of a's prefix): b is now the oldest
-    assert pool.blocks == 4 and removed_hashes(make_pool.events) == []
+    assert pool.usage().blocks == 4 and removed_hashes(make_pool.events) == []
     c = await put(pool, tokens(1, 12))
     assert removed_hashes(make_pool.events) == b
     [removed] = [e for e in make_pool.events if isinstance(e, BlockRemoved)]
@@ -442,7 +443,7 @@ async def test_no_room_when_every_block_is_pinned(make_pool: Pools) -> None:
     hashes = chain(tokens(1, 31))
     with pytest.raises(EngineNoRoom, match="no room"):
         await pool.begin_import(hashes, 1, hold_s=HOLD_S)
-    assert pool.blocks == 2 and removed_hashes(make_pool.events) == []
+    assert pool.usage().blocks == 2 and removed_hashes(make_pool.events) == []
     assert pinned_and_staged(pool) == (1, 0, 2) and pool.memory.staged_pages == 0
     pool.check_integrity()
     assert pool.release(got.export_id)
@@ -459,7 +460,7 @@ async def test_the_snapshot_lists_every_block_parents_first(make_pool: Pools) ->
     a = await put(pool, a_ids)
     branch_ids = a_ids[:BS] + tokens(2, 41)  # shares a's first block
     branch = await put(pool, branch_ids)
-    assert branch[0] == a[0] and pool.blocks == 5
+    assert branch[0] == a[0] and pool.usage().blocks == 5
     s = await put(pool, tokens(1, 42), "tenant-b")
     snapshot = pool.snapshot()
     assert len(snapshot) == 6
@@ -507,7 +508,7 @@ async def test_async_calls_before_attach_raise(make_pool: Pools) -> None:
         await pool.release_export("x-1")
     with pytest.raises(EngineError, match="attached"):
         await pool.abort_import("i-1")
-    assert pool.snapshot() == [] and pool.blocks == 0 and not pool.attached
+    assert pool.snapshot() == [] and pool.usage().blocks == 0 and not pool.attached
     pool.check_integrity()  # nothing to check, and no error
     assert make_pool.events == []
 
@@ -525,3 +526,32 @@ async def test_close_ends_everything_and_removes_the_memory(make_pool: Pools) ->
     with pytest.raises(EngineError):  # a closed pool stages nothing more
         await pool.begin_import(chain(tokens(1, 62)), 1, hold_s=HOLD_S)
     assert os.listdir(make_pool.directory) == []
+
+
+@pytest.mark.parametrize("ends", ["committed", "aborted"])
+async def test_an_export_waits_for_blocks_being_committed_not_for_a_miss(
+    make_pool: Pools, ends: str
+) -> None:
+    pool = make_pool(4)
+    ids = tokens(3, 30)
+    hashes = chain(ids)
+    slots = await pool.begin_import(hashes, 3, hold_s=HOLD_S)
+    assert slots.import_id
+    write_pages(pool, slots.pages, hashes)
+    waiting = asyncio.create_task(
+        pool.export_blocks(hashes, 0, 3, wait_s=0.0, hold_s=HOLD_S, landing_s=HOLD_S)
+    )
+    await asyncio.sleep(0)  # let it start waiting
+    assert not waiting.done()
+    # A scheduler's load must not wait: the blocks are not in the pool yet.
+    miss = await pool.export_blocks(hashes, 0, 3, wait_s=0.0, hold_s=HOLD_S, landing_s=0.0)
+    assert miss.blocks == 0
+    if ends == "committed":
+        await pool.commit_import(slots.import_id, ids, None)
+    else:
+        pool.abort(slots.import_id)
+    got = await asyncio.wait_for(waiting, 5.0)
+    assert got.blocks == (3 if ends == "committed" else 0)
+    if got.export_id:
+        pool.release(got.export_id)
+    assert pinned_and_staged(pool) == (0, 0, 0)

@@ -169,7 +169,7 @@ async def test_attach_answers_the_pools_file_and_pages(served: Served) -> None:
     await save(client, tokens(1, 1))
     message = await refusal(client, "attach", format=asdict(OTHER))
     assert message.startswith("attach: ") and "holds blocks of" in message
-    assert served.pool.format == FMT and served.pool.blocks == 1
+    assert served.pool.format == FMT and served.pool.usage().blocks == 1
 
 
 async def test_calls_before_any_attach_are_refused(served: Served) -> None:
@@ -188,7 +188,7 @@ async def test_a_saved_chain_loads_back_from_the_same_pages(served: Served) -> N
     hashes = chain(ids)
     slots = await call(client, "save", block_hashes=hashes, upto=3, hold_s=HOLD_S)
     assert slots["have"] == 0 and slots["pages"] == [0, 1, 2] and slots["path"] == path
-    assert served.pool.blocks == 0 and served.events == []  # staged, not visible yet
+    assert served.pool.usage().blocks == 0 and served.events == []  # staged, not visible yet
     write_file(path, slots["pages"], hashes)
     committed = await call(
         client, "commit", import_id=slots["import_id"], token_ids=ids, cache_salt=None
@@ -214,7 +214,7 @@ async def test_a_saved_chain_loads_back_from_the_same_pages(served: Served) -> N
     for export_id in (loaded["export_id"], tail["export_id"]):
         assert await call(client, "release", export_id=export_id) == {"ok": True, "released": True}
     assert_nothing_held(served.pool)
-    assert served.pool.blocks == 3
+    assert served.pool.usage().blocks == 3
 
 
 async def test_release_answers_true_then_false(served: Served) -> None:
@@ -226,6 +226,25 @@ async def test_release_answers_true_then_false(served: Served) -> None:
     first = await call(client, "release", export_id=loaded["export_id"])
     second = await call(client, "release", export_id=loaded["export_id"])
     assert (first["released"], second["released"]) == (True, False)
+    assert_nothing_held(served.pool)
+
+
+async def test_engines_copy_reports_are_counted_and_bad_ones_refused(served: Served) -> None:
+    client = served.client()
+    await call(client, "attach", format=FORMAT)
+    hashes = chain(tokens(2, 6))
+    slots = await call(client, "save", block_hashes=hashes, upto=2, hold_s=HOLD_S)
+    write_file(slots["path"], slots["pages"], hashes)
+    await call(client, "commit", import_id=slots["import_id"], token_ids=list(tokens(2, 6)),
+               cache_salt=None, copied_bytes=1000, copy_s=0.5)  # fmt: skip
+    loaded = await call(client, "load", block_hashes=hashes, start=0, end=2, hold_s=HOLD_S)
+    for bad in ({"copy_s": -1.0}, {"copy_s": "1"}, {"copied_bytes": -5}, {"copy_s": True}):
+        with pytest.raises(PoolRefusal, match="cop"):
+            await call(client, "release", export_id=loaded["export_id"], **bad)
+    await call(client, "release", export_id=loaded["export_id"], copied_bytes=300, copy_s=0.25)
+    copies = served.pool.copies
+    assert copies.bytes == {"load": 300, "save": 1000}
+    assert copies.seconds == {"load": 0.25, "save": 0.5}
     assert_nothing_held(served.pool)
 
 
@@ -249,7 +268,7 @@ async def test_abort_gives_a_save_back(served: Served) -> None:
     }
     assert (await call(client, "abort", import_id=slots["import_id"]))["aborted"] is False
     assert_nothing_held(served.pool)
-    assert served.pool.blocks == 0 and served.events == []
+    assert served.pool.usage().blocks == 0 and served.events == []
 
 
 async def test_a_commit_with_wrong_token_ids_is_refused_and_gives_the_save_back(
@@ -265,7 +284,7 @@ async def test_a_commit_with_wrong_token_ids_is_refused_and_gives_the_save_back(
     )
     assert message.startswith("commit: ") and "do not hash" in message
     assert_nothing_held(served.pool)
-    assert served.pool.blocks == 0 and served.events == []
+    assert served.pool.usage().blocks == 0 and served.events == []
 
 
 async def test_a_commit_with_malformed_token_ids_leaves_the_save_staged(served: Served) -> None:
@@ -375,7 +394,7 @@ async def test_a_bad_call_is_refused_and_changes_nothing(
     if op in OPS:
         assert message.startswith(f"{op}: ")
     assert_nothing_held(served.pool)
-    assert served.pool.blocks == 2 and len(served.events) == events
+    assert served.pool.usage().blocks == 2 and len(served.events) == events
     assert served.pool.format == FMT
     # The connection is still up and serving.
     assert await call(client, "release", export_id="x-none") == {"ok": True, "released": False}
@@ -486,7 +505,7 @@ async def test_a_closed_connection_lets_go_of_what_it_held(served: Served) -> No
     await wait_for(
         lambda: pinned_and_staged(served.pool) == (1, 0, 1), 2.0, message="its holds ended"
     )
-    assert served.pool.memory.staged_pages == 0 and served.pool.blocks == 2
+    assert served.pool.memory.staged_pages == 0 and served.pool.usage().blocks == 2
     served.pool.check_integrity()
     assert (await call(other, "release", export_id=mine["export_id"]))["released"] is True
     other.close()

@@ -16,6 +16,8 @@ import numpy.typing as npt
 from services.common.kv_layout import KvLayout
 from services.messenger.transfer.runs import Span, merge_spans
 
+SIM_FORMAT = "kvsched-sim"  # a simulated engine's chunks: kv_layout's patterns
+
 
 class KvRegion:
     """The file at `path`, holding memory of geometry `layout`, mapped shared and writable:
@@ -23,9 +25,12 @@ class KvRegion:
 
     Views pin the mapping: `close()` fails while any view (or array) of it is alive."""
 
-    def __init__(self, path: str | os.PathLike[str], layout: KvLayout) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], layout: KvLayout, block_format: str = SIM_FORMAT
+    ) -> None:
         self.path = Path(path)
         self.layout = layout
+        self.block_format = block_format  # what a chunk's bytes are (a transfer's ends agree)
         fd = os.open(self.path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size

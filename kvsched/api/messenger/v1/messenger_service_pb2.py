@@ -26,39 +26,39 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from kvsched.api.common.v1 import common_pb2 as kvsched_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,kvsched/messenger/v1/messenger_service.proto\x12\x14kvsched.messenger.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1ekvsched/common/v1/common.proto\"R\n\x08KvLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\r\n\x05pages\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\xd7\x01\n\x14StartTransferRequest\x12-\n\x04plan\x18\x01 \x01(\x0b\x32\x1f.kvsched.common.v1.TransferPlan\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1c\n\x14source_messenger_url\x18\x04 \x01(\t\x12\x36\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32%.kvsched.messenger.v1.TransferBackend\"`\n\x15StartTransferResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.kvsched.messenger.v1.TransferState\"+\n\x14WatchTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x83\x02\n\x15WatchTransferResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.kvsched.messenger.v1.TransferState\x12\x13\n\x0blayers_done\x18\x03 \x01(\r\x12\x12\n\nbytes_done\x18\x04 \x01(\x04\x12\x18\n\x10\x62ytes_per_second\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0b\x62locks_done\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x01(\r\x12*\n\x07\x65lapsed\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\",\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"L\n\x16\x43\x61ncelTransferResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvsched.messenger.v1.TransferState\"\x87\x02\n\x13\x45xportBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x13\n\x0bstart_block\x18\x04 \x01(\r\x12\x11\n\tend_block\x18\x05 \x01(\r\x12\'\n\x04wait\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04hold\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x07\x62\x61\x63kend\x18\x08 \x01(\x0e\x32%.kvsched.messenger.v1.TransferBackend\"\xda\x01\n\x14\x45xportBlocksResponse\x12\x11\n\texport_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\r\n\x05pages\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12.\n\x06layout\x18\x06 \x01(\x0b\x32\x1e.kvsched.messenger.v1.KvLayout\x12\x11\n\tchecksums\x18\x07 \x03(\x06\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\t \x01(\x04\")\n\x14ReleaseExportRequest\x12\x11\n\texport_id\x18\x01 \x01(\t\")\n\x15ReleaseExportResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*l\n\x0fTransferBackend\x12 \n\x1cTRANSFER_BACKEND_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRANSFER_BACKEND_MOONCAKE\x10\x01\x12\x18\n\x14TRANSFER_BACKEND_TCP\x10\x02*\xb8\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_STATE_QUEUED\x10\x01\x12\x1a\n\x16TRANSFER_STATE_RUNNING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05\x32\xa6\x04\n\x10MessengerService\x12h\n\rStartTransfer\x12*.kvsched.messenger.v1.StartTransferRequest\x1a+.kvsched.messenger.v1.StartTransferResponse\x12j\n\rWatchTransfer\x12*.kvsched.messenger.v1.WatchTransferRequest\x1a+.kvsched.messenger.v1.WatchTransferResponse0\x01\x12k\n\x0e\x43\x61ncelTransfer\x12+.kvsched.messenger.v1.CancelTransferRequest\x1a,.kvsched.messenger.v1.CancelTransferResponse\x12\x65\n\x0c\x45xportBlocks\x12).kvsched.messenger.v1.ExportBlocksRequest\x1a*.kvsched.messenger.v1.ExportBlocksResponse\x12h\n\rReleaseExport\x12*.kvsched.messenger.v1.ReleaseExportRequest\x1a+.kvsched.messenger.v1.ReleaseExportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,kvsched/messenger/v1/messenger_service.proto\x12\x14kvsched.messenger.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1ekvsched/common/v1/common.proto\"b\n\x08KvLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\r\n\x05pages\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\"\xd7\x01\n\x14StartTransferRequest\x12-\n\x04plan\x18\x01 \x01(\x0b\x32\x1f.kvsched.common.v1.TransferPlan\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1c\n\x14source_messenger_url\x18\x04 \x01(\t\x12\x36\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32%.kvsched.messenger.v1.TransferBackend\"`\n\x15StartTransferResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.kvsched.messenger.v1.TransferState\"+\n\x14WatchTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x83\x02\n\x15WatchTransferResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.kvsched.messenger.v1.TransferState\x12\x13\n\x0blayers_done\x18\x03 \x01(\r\x12\x12\n\nbytes_done\x18\x04 \x01(\x04\x12\x18\n\x10\x62ytes_per_second\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0b\x62locks_done\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x01(\r\x12*\n\x07\x65lapsed\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\",\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"L\n\x16\x43\x61ncelTransferResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvsched.messenger.v1.TransferState\"\x87\x02\n\x13\x45xportBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x13\n\x0bstart_block\x18\x04 \x01(\r\x12\x11\n\tend_block\x18\x05 \x01(\r\x12\'\n\x04wait\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04hold\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x07\x62\x61\x63kend\x18\x08 \x01(\x0e\x32%.kvsched.messenger.v1.TransferBackend\"\xda\x01\n\x14\x45xportBlocksResponse\x12\x11\n\texport_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\r\n\x05pages\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12.\n\x06layout\x18\x06 \x01(\x0b\x32\x1e.kvsched.messenger.v1.KvLayout\x12\x11\n\tchecksums\x18\x07 \x03(\x06\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\t \x01(\x04\")\n\x14ReleaseExportRequest\x12\x11\n\texport_id\x18\x01 \x01(\t\")\n\x15ReleaseExportResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*l\n\x0fTransferBackend\x12 \n\x1cTRANSFER_BACKEND_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRANSFER_BACKEND_MOONCAKE\x10\x01\x12\x18\n\x14TRANSFER_BACKEND_TCP\x10\x02*\xb8\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_STATE_QUEUED\x10\x01\x12\x1a\n\x16TRANSFER_STATE_RUNNING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05\x32\xa6\x04\n\x10MessengerService\x12h\n\rStartTransfer\x12*.kvsched.messenger.v1.StartTransferRequest\x1a+.kvsched.messenger.v1.StartTransferResponse\x12j\n\rWatchTransfer\x12*.kvsched.messenger.v1.WatchTransferRequest\x1a+.kvsched.messenger.v1.WatchTransferResponse0\x01\x12k\n\x0e\x43\x61ncelTransfer\x12+.kvsched.messenger.v1.CancelTransferRequest\x1a,.kvsched.messenger.v1.CancelTransferResponse\x12\x65\n\x0c\x45xportBlocks\x12).kvsched.messenger.v1.ExportBlocksRequest\x1a*.kvsched.messenger.v1.ExportBlocksResponse\x12h\n\rReleaseExport\x12*.kvsched.messenger.v1.ReleaseExportRequest\x1a+.kvsched.messenger.v1.ReleaseExportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsched.api.messenger.v1.messenger_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERBACKEND']._serialized_start=1538
-  _globals['_TRANSFERBACKEND']._serialized_end=1646
-  _globals['_TRANSFERSTATE']._serialized_start=1649
-  _globals['_TRANSFERSTATE']._serialized_end=1833
+  _globals['_TRANSFERBACKEND']._serialized_start=1554
+  _globals['_TRANSFERBACKEND']._serialized_end=1662
+  _globals['_TRANSFERSTATE']._serialized_start=1665
+  _globals['_TRANSFERSTATE']._serialized_end=1849
   _globals['_KVLAYOUT']._serialized_start=134
-  _globals['_KVLAYOUT']._serialized_end=216
-  _globals['_STARTTRANSFERREQUEST']._serialized_start=219
-  _globals['_STARTTRANSFERREQUEST']._serialized_end=434
-  _globals['_STARTTRANSFERRESPONSE']._serialized_start=436
-  _globals['_STARTTRANSFERRESPONSE']._serialized_end=532
-  _globals['_WATCHTRANSFERREQUEST']._serialized_start=534
-  _globals['_WATCHTRANSFERREQUEST']._serialized_end=577
-  _globals['_WATCHTRANSFERRESPONSE']._serialized_start=580
-  _globals['_WATCHTRANSFERRESPONSE']._serialized_end=839
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=841
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=885
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=887
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=963
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=966
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1229
-  _globals['_EXPORTBLOCKSRESPONSE']._serialized_start=1232
-  _globals['_EXPORTBLOCKSRESPONSE']._serialized_end=1450
-  _globals['_RELEASEEXPORTREQUEST']._serialized_start=1452
-  _globals['_RELEASEEXPORTREQUEST']._serialized_end=1493
-  _globals['_RELEASEEXPORTRESPONSE']._serialized_start=1495
-  _globals['_RELEASEEXPORTRESPONSE']._serialized_end=1536
-  _globals['_MESSENGERSERVICE']._serialized_start=1836
-  _globals['_MESSENGERSERVICE']._serialized_end=2386
+  _globals['_KVLAYOUT']._serialized_end=232
+  _globals['_STARTTRANSFERREQUEST']._serialized_start=235
+  _globals['_STARTTRANSFERREQUEST']._serialized_end=450
+  _globals['_STARTTRANSFERRESPONSE']._serialized_start=452
+  _globals['_STARTTRANSFERRESPONSE']._serialized_end=548
+  _globals['_WATCHTRANSFERREQUEST']._serialized_start=550
+  _globals['_WATCHTRANSFERREQUEST']._serialized_end=593
+  _globals['_WATCHTRANSFERRESPONSE']._serialized_start=596
+  _globals['_WATCHTRANSFERRESPONSE']._serialized_end=855
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=857
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=901
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=903
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=979
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=982
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1245
+  _globals['_EXPORTBLOCKSRESPONSE']._serialized_start=1248
+  _globals['_EXPORTBLOCKSRESPONSE']._serialized_end=1466
+  _globals['_RELEASEEXPORTREQUEST']._serialized_start=1468
+  _globals['_RELEASEEXPORTREQUEST']._serialized_end=1509
+  _globals['_RELEASEEXPORTRESPONSE']._serialized_start=1511
+  _globals['_RELEASEEXPORTRESPONSE']._serialized_end=1552
+  _globals['_MESSENGERSERVICE']._serialized_start=1852
+  _globals['_MESSENGERSERVICE']._serialized_end=2402
 # @@protoc_insertion_point(module_scope)

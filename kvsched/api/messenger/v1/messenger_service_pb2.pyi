@@ -98,6 +98,7 @@ class KvLayout(_message.Message):
     PAGES_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
     layers: _builtins.int
     """Layers of the model."""
     pages: _builtins.int
@@ -106,6 +107,11 @@ class KvLayout(_message.Message):
     """Bytes of one block's K and V in one layer."""
     block_size: _builtins.int
     """Tokens per block."""
+    format: _builtins.str
+    """What a chunk's bytes are: the engine kind, attention backend packing, dtype and per-block
+    shape (e.g. "vllm/cpu/packed/float32/1x32x64"); KV moves only between equal formats.
+    Empty from a Messenger that predates it: the geometry alone is checked then.
+    """
     def __init__(
         self,
         *,
@@ -113,10 +119,11 @@ class KvLayout(_message.Message):
         pages: _builtins.int = ...,
         chunk_bytes: _builtins.int = ...,
         block_size: _builtins.int = ...,
+        format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "chunk_bytes", b"chunk_bytes", "layers", b"layers", "pages", b"pages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "chunk_bytes", b"chunk_bytes", "format", b"format", "layers", b"layers", "pages", b"pages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
