@@ -144,7 +144,7 @@ async def _load(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any]:
     if grant.export_id:
         held.exports.add(grant.export_id)
     return {
-        "export_id": grant.export_id,
+        "export_id": grant.export_id or None,
         "blocks": grant.blocks,
         "pages": list(grant.pages),
         "path": str(pool.memory.path),

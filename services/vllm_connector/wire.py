@@ -9,7 +9,8 @@ A call is `{"op": OP, ...arguments}`; its answer `{"ok": true, ...results}` or `
   block format; the pool's memory file to map and its pages.
 - `load` {block_hashes, start, end, hold_s} → {export_id, blocks, pages, path}: pin the pool's
   blocks `block_hashes[start:end]` from `start` on (`blocks` of them, each on its page of the
-  pool's memory file `path`: a Messenger that restarted has a new one).
+  pool's memory file `path`: a Messenger that restarted has a new one; none held: a null
+  `export_id` and nothing pinned).
 - `release` {export_id[, copied_bytes, copy_s]} → {released}: an engine that loaded the
   export's blocks says how many bytes it copied and how long that took (counted by the pool).
 - `save` {block_hashes, upto, hold_s} → {import_id, have, pages, path}: stage pages for the

@@ -128,7 +128,6 @@ class WorkerSide:
         self.index: dict[str, int] = {}  # layer name -> model order
         self.format: dict[str, object] = {}
         self.chunk_bytes = 0
-        self.attached = False  # the pool took our format (once is enough: it remembers)
         self._pool: tuple[str, torch.Tensor] | None = None  # its file, (layers, pages, chunk)
         self._jobs = StepJobs()
         self._loaded: list[threading.Event] = []
@@ -188,7 +187,6 @@ class WorkerSide:
         except PoolUnavailable as exc:
             log.warning("no KV pool yet (%s); trying again", exc)
             return False
-        self.attached = True
         log.info("attached to the KV pool (%d pages of %s)", answer["pages"], self.format)
         return True
 

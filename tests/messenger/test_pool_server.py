@@ -253,7 +253,7 @@ async def test_a_load_of_blocks_the_pool_lacks_pins_nothing(served: Served) -> N
     await call(client, "attach", format=FORMAT)
     hashes = chain(tokens(2, 5))
     loaded = await call(client, "load", block_hashes=hashes, start=0, end=2, hold_s=HOLD_S)
-    assert not loaded["export_id"] and loaded["blocks"] == 0 and loaded["pages"] == []
+    assert loaded["export_id"] is None and loaded["blocks"] == 0 and loaded["pages"] == []
     assert_nothing_held(served.pool)
 
 
