@@ -9,6 +9,7 @@ import pytest
 
 from kvsched.core.cluster import ClusterState, Role, SloConfig
 from kvsched.core.decision import Completion, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.index import Tier
 from kvsched.core.policies import ALL_POLICIES, POLICIES, Policy, make_policy, parse_spec
 from kvsched.core.policies.disaggregated import split_roles
 from kvsched.core.sessions import NO_HOST
@@ -65,6 +66,18 @@ def test_least_loaded_ignores_cache() -> None:
     d = make_policy("least_loaded", cluster).place(request(1, hashes), 0.0, RNG)
     assert d.instance == 1
     assert d.rule == "fewest pending prefill tokens"
+
+
+def test_a_prefix_in_an_instances_node_pool_counts_as_its_hit() -> None:
+    cluster = make_cluster(3)
+    hashes = chain(1, 10)
+    cluster.index.store(0, hashes[:4], None)
+    cluster.index.store(2, hashes, None, Tier.CPU)  # only in its node's KV pool
+    cluster.index.store(2, hashes[:2], None)
+    policy = make_policy("cache_aware", cluster)
+    view = policy.view(request(1, hashes))
+    assert list(view.hit_blocks) == [4, 0, 10]  # slot 2: its CPU tier's longer match
+    assert policy.place(request(1, hashes), 0.0, RNG).instance == 2
 
 
 def test_cache_aware_follows_the_longest_match_unless_imbalanced() -> None:

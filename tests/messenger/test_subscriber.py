@@ -41,12 +41,13 @@ async def test_a_restarted_publisher_is_reported_and_followed() -> None:
         await pub.close()
         await wait_for(lambda: port_free(port), 5.0, message="ZMQ let go of the port")
         pub = KvEventPublisher(endpoint, topic=TOPIC)  # numbering from 0 again
-        getter = asyncio.ensure_future(next_item(items))
-        for _ in range(500):  # until the SUB socket has reconnected
+        getter = asyncio.ensure_future(anext(items))
+        deadline = asyncio.get_running_loop().time() + 30.0
+        # Publish until the SUB socket has reconnected (seconds on a loaded machine).
+        while not getter.done() and asyncio.get_running_loop().time() < deadline:
             await pub.publish([AllBlocksCleared()], ts=0.0)
-            done, _ = await asyncio.wait({getter}, timeout=0.01)
-            if done:
-                break
+            await asyncio.wait({getter}, timeout=0.01)
+        assert getter.done(), "the subscriber never heard the restarted publisher"
         marker = getter.result()
         assert isinstance(marker, Resync) and marker.restarted
         assert sub.restarts == 1

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from kvsched.core.cluster import ClusterState, Role
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.index import Tier
 from kvsched.core.transfers import plan_copy
 
 FloatVec = npt.NDArray[np.float64]
@@ -31,7 +32,7 @@ class View:
 
     req: RequestInfo
     eligible: BoolVec  # live instances of the role this request needs
-    hit_blocks: FloatVec  # leading prompt blocks held on GPU (speculative entries included)
+    hit_blocks: FloatVec  # leading prompt blocks held (GPU or its node pool; speculative too)
     hit_tokens: FloatVec  # the same in tokens, capped so one prompt token is always computed
     max_blocks: int  # most blocks any placement can reuse (prompt − 1 tokens, whole blocks)
 
@@ -139,15 +140,18 @@ class Policy(ABC):
 
     def view(self, req: RequestInfo) -> View:
         """The request's hits on every instance; the candidates are the live instances that
-        take prompt work."""
+        take prompt work. A hit is the longer of what an instance holds in its own memory
+        (GPU tier) and in its node's KV pool (CPU tier), which the engine loads before its
+        prefill; the load's time is not modelled yet (a memcpy, against a recompute)."""
         cluster = self.cluster
         bs = cluster.block_size
         eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
         max_blocks = max(req.prompt_tokens - 1, 0) // bs
         hashes = req.block_hashes[:max_blocks]
         blocks = np.zeros(cluster.n)
-        for slot, n in cluster.index.match(hashes).items():
-            blocks[slot] = n
+        for tier in (Tier.CPU, Tier.GPU):
+            for slot, n in cluster.index.match(hashes, tier).items():
+                blocks[slot] = max(blocks[slot], n)
         tokens = np.minimum(blocks * bs, max(req.prompt_tokens - 1, 0))
         return View(req, eligible, blocks, tokens, max_blocks)
 
