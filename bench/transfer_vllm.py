@@ -14,9 +14,9 @@ figure against a baseline measured in the same run on the same machine:
    `kvsched_messenger_pool_copied_bytes` / `_copy_seconds`) against a raw in-memory copy of
    the same bytes;
 3. out of vLLM: the connector's copy rate from vLLM's paged cache into the pool against the
-   same raw copy, and a first turn's time to first token while the connector saves its
-   blocks against the same turn on a cluster without pools (started after the first, on the
-   same machine).
+   same raw copy; and, after the cluster, a first turn's time to first token on a vLLM
+   engine saving its blocks into a pool against one without a connector (two engines
+   started alike, their requests alternating).
 
     .venv/bin/python -m bench.transfer_vllm [--context 8000] [--repeat 5]
 
@@ -28,9 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,8 @@ from bench.transfer import cluster, raw_copy_seconds, transfer_once
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.launcher.plan import ClusterOptions
+from services.launcher.ports import Ports
+from services.launcher.vllm import DEFAULT_PYTHON, VllmServer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "out" / "models" / "tiny-llama"
@@ -130,7 +136,7 @@ def raw_memcpy_seconds(nbytes: int, repeat: int) -> list[float]:
 async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
     """Sections 1 and 2, and section 3's turns with saving."""
     rows: dict[str, list[float]] = {k: [] for k in (
-        "save_ttft", "move_s", "first_layer_s", "bytes", "loaded_ttft", "local_ttft",
+        "move_s", "first_layer_s", "bytes", "loaded_ttft", "local_ttft",
         "recompute_ttft", "loaded_tokens", "raw_tcp_s", "raw_memcpy_s", "load_mb_per_s",
         "save_mb_per_s")}  # fmt: skip
     async with cluster(OPTIONS) as (ep, _):
@@ -148,7 +154,7 @@ async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
                 if r == 1:
                     copies = {n: await copied(http, m, DIRECTION[n]) for n, m in metrics.items()}
                 first = ids(context, 100 + r)
-                save_ttft, _ = await ttft(http, source, first)
+                await ttft(http, source, first)
                 second = [*first, *await reply_of(http, source, first), *ids(64, 900 + r)]
                 computed = (len(first) + 16 - 1) // BLOCK
                 hashes = HASHER.hash_prompt(second)[:computed]
@@ -160,7 +166,7 @@ async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
                 recompute, _ = await ttft(http, target, ids(len(second), 500 + r))
                 if r:
                     for key, value in (
-                        ("save_ttft", save_ttft), ("move_s", whole), ("first_layer_s", first_layer),
+                        ("move_s", whole), ("first_layer_s", first_layer),
                         ("bytes", nbytes), ("loaded_ttft", loaded), ("local_ttft", local),
                         ("recompute_ttft", recompute), ("loaded_tokens", cached),
                     ):  # fmt: skip
@@ -176,20 +182,79 @@ async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
     return rows
 
 
-async def without_pools(context: int, repeat: int) -> list[float]:
-    """Section 3's baseline: first turns on an engine with no connector."""
-    out = []
-    async with cluster(replace(OPTIONS, kv_pool_bytes=0)) as (ep, _):
-        engine = next(e["url"] for e in ep["engines"] if e["node"] == "node-0")
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-            for r in range(repeat + 1):
-                value, _ = await ttft(http, engine, ids(context, 100 + r))
-                if r:
-                    out.append(value)
-    return out
+_POOL = """
+import asyncio, sys
+from kvsched.core.vllm_hashing import VllmBlockHasher
+from services.messenger.kv_pool import KvPool
+from services.messenger.pool_server import PoolServer
+
+async def serve():
+    pool = KvPool(512 << 20, node="bench", hasher_for=VllmBlockHasher, on_events=lambda e: None)
+    await PoolServer(pool, sys.argv[1]).start()
+    await asyncio.Event().wait()
+
+asyncio.run(serve())
+"""
 
 
-def summary(rows: dict[str, list[float]], bare: list[float]) -> dict[str, Any]:
+async def saving_or_not(context: int, repeat: int) -> tuple[list[float], list[float]]:
+    """Section 3: first turns' time to first token on two vLLM engines started alike, one
+    saving into a KV pool (served by its own process, as a Messenger's), one without a
+    connector; their requests alternate, so both see the machine as loaded."""
+    with tempfile.TemporaryDirectory(prefix="kvsched-bench-") as tmp:
+        socket = str(Path(tmp) / "pool.sock")
+        pool = subprocess.Popen([sys.executable, "-c", _POOL, socket], cwd=REPO)
+        ports = Ports()
+        servers = [
+            VllmServer(DEFAULT_PYTHON, MODEL_DIR, MODEL, ports(), ports(), ports(), BLOCK,
+                       "sha256", dtype="float32", cpu_cores=str(i), pool_socket=sock)
+            for i, sock in enumerate((socket, ""))
+        ]  # fmt: skip
+        engines = [
+            subprocess.Popen(
+                server.argv(),
+                env={**os.environ, **server.env()},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            for server in servers
+        ]
+        saving: list[float] = []
+        bare: list[float] = []
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+                urls = [f"http://127.0.0.1:{server.port}" for server in servers]
+                for url in urls:
+                    await until_healthy(http, url)
+                for r in range(repeat + 1):
+                    for url, out in zip(urls, (saving, bare), strict=True):
+                        value, _ = await ttft(http, url, ids(context, 100 + 2 * r + len(out)))
+                        if r:
+                            out.append(value)
+        finally:
+            for process in engines:
+                os.killpg(process.pid, signal.SIGTERM)
+            pool.terminate()
+            for process in (*engines, pool):
+                process.wait(60)
+    return saving, bare
+
+
+async def until_healthy(http: aiohttp.ClientSession, url: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with http.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)  # polling interval
+    raise RuntimeError(f"{url} did not start")
+
+
+def summary(rows: dict[str, list[float]], saving: list[float], bare: list[float]) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in rows.items()}
     nbytes = int(med["bytes"])
     raw_tcp, raw_mem = med["raw_tcp_s"], med["raw_memcpy_s"]
@@ -212,9 +277,9 @@ def summary(rows: dict[str, list[float]], bare: list[float]) -> dict[str, Any]:
         "raw_memcpy_mb_per_s": raw_mem_rate,
         "load_ratio_to_memcpy": med["load_mb_per_s"] / raw_mem_rate,
         "save_ratio_to_memcpy": med["save_mb_per_s"] / raw_mem_rate,
-        "save_ttft_s": med["save_ttft"],
+        "save_ttft_s": statistics.median(saving),
         "no_save_ttft_s": statistics.median(bare),
-        "save_to_no_save": med["save_ttft"] / statistics.median(bare),
+        "save_to_no_save": statistics.median(saving) / statistics.median(bare),
     }
 
 
@@ -226,8 +291,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=10, help="rounds timed (after one warm-up)")
     args = p.parse_args()
     rows = asyncio.run(with_pools(args.context, args.repeat))
-    bare = asyncio.run(without_pools(args.context, args.repeat))
-    s = summary(rows, bare)
+    saving, bare = asyncio.run(saving_or_not(args.context, args.repeat))
+    s = summary(rows, saving, bare)
     kib = s["bytes"] / 1024
     print(
         f"pool to pool: {s['context_tokens']} tokens ({kib:.0f} KiB) in "
@@ -241,9 +306,9 @@ def main() -> None:
         f"against a raw memcpy's {s['raw_memcpy_mb_per_s']:.0f} MB/s "
         f"({s['load_ratio_to_memcpy']:.2f}x)\n"
         f"out of vLLM: vLLM to pool copies {s['save_mb_per_s']:.0f} MB/s "
-        f"({s['save_ratio_to_memcpy']:.2f}x the raw memcpy); first turn's TTFT saving its blocks "
-        f"{s['save_ttft_s'] * 1e3:.1f} ms, without a pool {s['no_save_ttft_s'] * 1e3:.1f} ms "
-        f"({s['save_to_no_save']:.2f}x)",
+        f"({s['save_ratio_to_memcpy']:.2f}x the raw memcpy); a first turn's TTFT on an engine "
+        f"saving its blocks {s['save_ttft_s'] * 1e3:.1f} ms, on one without a connector "
+        f"{s['no_save_ttft_s'] * 1e3:.1f} ms ({s['save_to_no_save']:.2f}x)",
         flush=True,
     )
     print(json.dumps(s))
