@@ -4,6 +4,7 @@ missing fields) that raise `RequestError` before anything changes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
@@ -140,7 +141,11 @@ def transfer_message(state: ConductorState, plan: TransferPlan) -> common.Transf
 
 
 def decision_message(
-    state: ConductorState, decision: Decision, *, explain: bool = False
+    state: ConductorState,
+    decision: Decision,
+    *,
+    landing: Sequence[TransferPlan] = (),
+    explain: bool = False,
 ) -> pb.Decision:
     inst = state.instances.get(state.id_of(decision.instance))
     dec = state.instances.get(state.id_of(decision.decode_instance))
@@ -158,6 +163,7 @@ def decision_message(
         rule=decision.rule,
         policy=state.scheduler.policy.name,
         transfers=[transfer_message(state, t) for t in decision.transfers],
+        landing=[transfer_message(state, t) for t in landing],
     )
     if explain:
         for row in decision.explain():

@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
-from kvsched.core.decision import Decision, RequestInfo
+from kvsched.core.decision import Decision, RequestInfo, TransferPlan
 from kvsched.core.policies import POLICIES
 from services.common import durations
 from services.common.store import Lease, StoreError
@@ -88,12 +88,15 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             request.session_id,
         )
 
-    def _place(self, request: pb.ScheduleRequest) -> tuple[Decision, bool]:
-        """Place one request and count it; raises RequestError."""
+    def _place(self, request: pb.ScheduleRequest) -> tuple[Decision, bool, list[TransferPlan]]:
+        """Place one request, count it and start its transfers; returns the decision, whether
+        a session was rebound, and the transfers under way that it must wait for (see
+        `TransferRunner.landing`). Raises RequestError."""
         metrics = self.c.metrics
         started = time.perf_counter()
         try:
-            decision, rebound = self.state.place(self._info(request), self.c.clock())
+            info = self._info(request)
+            decision, rebound = self.state.place(info, self.c.clock())
         except RequestError:
             metrics.decisions.labels("error").inc()
             raise
@@ -106,7 +109,11 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             metrics.cached_tokens.inc(decision.cached_tokens)
             if decision.transfers:
                 self.c.transfers.launch(decision.transfers, prefill_s=decision.estimated_ttft_s)
-        return decision, rebound
+            landing = self.c.transfers.landing(
+                decision.instance, info.block_hashes, decision.transfers
+            )
+            return decision, rebound, landing
+        return decision, rebound, []
 
     def _annotate(self, decision: Decision) -> None:
         span = trace.get_current_span()
@@ -270,7 +277,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
     async def Schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
         await self._require_leader(context)
         try:
-            decision, rebound = self._place(request)
+            decision, rebound, landing = self._place(request)
         except RequestError as exc:
             await abort(context, exc)
         self._annotate(decision)
@@ -285,7 +292,9 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         if rebound:
             await self._durable(context)
         return pb.ScheduleResponse(
-            decision=convert.decision_message(self.state, decision, explain=request.explain)
+            decision=convert.decision_message(
+                self.state, decision, landing=landing, explain=request.explain
+            )
         )
 
     def _stream_answer(
@@ -297,13 +306,15 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             request = item.schedule
             rid = request.request_id
             try:
-                decision, rebound = self._place(request)
+                decision, rebound, landing = self._place(request)
             except RequestError as exc:
                 return self._stream_error(rid, exc), False
             if decision.rejected:
                 rejection = convert.rejection_message(decision)
                 return pb.ScheduleStreamResponse(request_id=rid, rejection=rejection), False
-            msg = convert.decision_message(self.state, decision, explain=request.explain)
+            msg = convert.decision_message(
+                self.state, decision, landing=landing, explain=request.explain
+            )
             return pb.ScheduleStreamResponse(request_id=rid, decision=msg), rebound
         if kind == "finish":
             try:

@@ -69,6 +69,8 @@ class TransferRunner:
     def __init__(self, conductor: Conductor) -> None:
         self.c = conductor
         self._tasks: dict[str, asyncio.Task[TransferOutcome]] = {}
+        # Target slot -> the transfers under way to it (for placements that count on them).
+        self._landing: dict[int, dict[str, TransferPlan]] = {}
         self._outcomes: OrderedDict[str, TransferOutcome] = OrderedDict()
         self._channels: dict[str, tuple[grpc.aio.Channel, _Stub]] = {}
 
@@ -91,10 +93,35 @@ class TransferRunner:
                 self._run(plan, self.deadline_s(plan, wait_s)), name=f"transfer {tid}"
             )
             self._tasks[tid] = task
-            task.add_done_callback(functools.partial(self._forget, tid))
+            self._landing.setdefault(plan.target, {})[tid] = plan
+            task.add_done_callback(functools.partial(self._forget, plan))
 
-    def _forget(self, transfer_id: str, _: asyncio.Task[TransferOutcome]) -> None:
-        self._tasks.pop(transfer_id, None)
+    def _forget(self, plan: TransferPlan, _: asyncio.Task[TransferOutcome]) -> None:
+        self._tasks.pop(plan.transfer_id, None)
+        landing = self._landing.get(plan.target)
+        if landing is not None:
+            landing.pop(plan.transfer_id, None)
+            if not landing:
+                del self._landing[plan.target]
+
+    def landing(
+        self, target: int, block_hashes: Sequence[int], own: Sequence[TransferPlan] = ()
+    ) -> list[TransferPlan]:
+        """The transfers under way to slot `target`, other than `own`, that bring blocks of
+        the chain `block_hashes` (those whose first block to copy is the chain's block there):
+        a request placed on `target` that counts on them must wait for them, or its engine
+        computes what is still arriving. Changes nothing."""
+        under_way = self._landing.get(target)
+        if not under_way:
+            return []
+        own_ids = {plan.transfer_id for plan in own}
+        return [
+            plan
+            for tid, plan in under_way.items()
+            if tid not in own_ids
+            and plan.skip_blocks < min(len(block_hashes), len(plan.block_hashes))
+            and block_hashes[plan.skip_blocks] == plan.block_hashes[plan.skip_blocks]
+        ]
 
     def deadline_s(self, plan: TransferPlan, wait_s: float) -> float:
         """Wall seconds a transfer may take: a floor, plus a multiple of its estimate."""
@@ -122,6 +149,7 @@ class TransferRunner:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._landing.clear()
 
     async def close(self) -> None:
         await self.stop()

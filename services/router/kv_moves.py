@@ -13,6 +13,9 @@ only waits where the request needs the KV:
   the prompt cached and decodes. When the hand-off failed, the prefill instance (which has the
   prompt cached) serves the request itself.
 - Off the critical path (a replicated prefix, an idle-gap migration): nothing to wait for.
+- Transfers still under way for earlier requests that bring blocks this one counts on (the
+  Conductor names them: `landing`): wait for them too, or the engine computes what is still
+  arriving; a failed one costs only a recompute.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class KvMoves:
     ) -> Forward:
         """Run what must happen before the request is forwarded; returns where it goes.
         `source_url` maps instance ids to base URLs (a failed migration's source)."""
+        for planned in placement.landing:  # a failure costs only a recompute
+            await self._landed(planned)
         handoff = next(
             (t for t in placement.transfers if t.kind == common.TRANSFER_KIND_HANDOFF), None
         )

@@ -83,6 +83,12 @@ class PlannedTransfer:
     on_critical_path: bool
 
 
+def planned(plan: common.TransferPlan) -> PlannedTransfer:
+    return PlannedTransfer(
+        plan.transfer_id, plan.kind, plan.source_instance_id, plan.on_critical_path
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a request goes, and who decided."""
@@ -97,6 +103,8 @@ class Placement:
     decode_instance_id: str = ""  # another instance decodes (disaggregated); "" for none
     decode_url: str = ""
     transfers: tuple[PlannedTransfer, ...] = ()
+    # Transfers under way for earlier requests that bring KV this one counts on.
+    landing: tuple[PlannedTransfer, ...] = ()
 
     @property
     def by_conductor(self) -> bool:
@@ -287,10 +295,8 @@ class Placer:
             decode_url=decision.decode_instance_url.rstrip("/")
             if decode != decision.instance_id
             else "",
-            transfers=tuple(
-                PlannedTransfer(t.transfer_id, t.kind, t.source_instance_id, t.on_critical_path)
-                for t in decision.transfers
-            ),
+            transfers=tuple(map(planned, decision.transfers)),
+            landing=tuple(map(planned, decision.landing)),
         )
 
     def fallback(

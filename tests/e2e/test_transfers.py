@@ -189,20 +189,42 @@ async def test_a_hot_prefix_is_replicated_and_a_busy_holders_prefix_fetched(
     ]
     assert len(holders) == 2, holders  # the first holder, and the replica's target
 
-    # With its holders busy, a request fetches the prefix instead of recomputing it.
-    busy = [r for iid in holders for r in await flood(http, cluster, iid)]
-    async with http.post(
-        f"{cluster.routers[1]}/v1/completions",
-        json={"prompt": [*system, *tokens(50, 200)], "max_tokens": 2},
-        headers=cluster.auth,
-    ) as resp:
-        answer = await resp.json()
-        assert resp.status == 200
-        ran_on = resp.headers["x-kvsched-instance"]
-    assert ran_on not in holders
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4000 // 16 * 16
+    # With its holders busy, a request fetches the prefix instead of recomputing it. A second
+    # one placed while the (paced) fetch is under way counts on it too: it waits for it
+    # rather than reaching the engine before the prefix and computing it.
+    others = [iid for iid in await nodes(http, cluster) if iid not in holders]
+    busy = [r for iid in [*holders, *others[1:]] for r in await flood(http, cluster, iid)]
+
+    async def sharing(seed: int) -> tuple[str, int]:
+        async with http.post(
+            f"{cluster.routers[1]}/v1/completions",
+            json={"prompt": [*system, *tokens(50, seed)], "max_tokens": 2},
+            headers=cluster.auth,
+        ) as resp:
+            answer = await resp.json()
+            assert resp.status == 200
+            return resp.headers["x-kvsched-instance"], answer["usage"]["prompt_tokens_details"][
+                "cached_tokens"
+            ]
+
+    first = asyncio.create_task(sharing(200))
+    await wait_for(functools.partial(_running, http, cluster), 10.0, message="a fetch runs")
+    placed = [first, asyncio.create_task(sharing(201))]
+    (ran_on, cached), (second_on, second_cached) = await asyncio.gather(*placed)
+    assert ran_on == second_on == others[0]
+    assert cached >= 4000 // 16 * 16
+    assert second_cached >= 4000 // 16 * 16
     assert await transfers(http, cluster, "fetch_prefix") == fetched + 1
     await asyncio.gather(*busy)
+
+
+async def _running(http: aiohttp.ClientSession, cluster: LocalCluster) -> bool:
+    async with http.get(f"{cluster.conductor_http}/metrics") as resp:
+        text = await resp.text()
+    return any(
+        line.startswith("kvsched_conductor_transfers_running ") and float(line.split()[1]) > 0
+        for line in text.splitlines()
+    )
 
 
 async def _more(

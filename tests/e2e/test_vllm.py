@@ -33,6 +33,7 @@ from services.launcher.vllm import DEFAULT_PYTHON
 from services.router.keys import new_key
 from tests.conftest import REPO
 from tests.e2e.conftest import LocalCluster, local_cluster
+from tests.e2e.test_transfers import set_policy, transfers
 from tests.fixtures.poll import wait_for
 
 pytestmark = pytest.mark.vllm
@@ -568,3 +569,43 @@ async def test_a_source_engine_killed_mid_move_does_not_stop_it_its_kv_is_in_the
         return source["id"] in await instances(http, cluster)
 
     await wait_for(back, 600.0, interval=1.0, message="the restarted engine registered again")
+
+
+# ---- a prefix fetched by the Conductor's own decision ---------------------------------------
+
+
+async def test_with_its_holder_busy_a_prefix_is_fetched_and_answers_as_recomputed(
+    cluster: LocalCluster, http: aiohttp.ClientSession, tenants: tuple[Path, dict[str, str]]
+) -> None:
+    """`mooncake` (colocated): requests sharing a long prefix pile up on its holder until
+    the other engine, fetching the prefix, is the faster start; that engine loads it from
+    its pool (the requests placed there while it lands wait for it) and answers as
+    recomputing would."""
+    await set_policy(cluster, "mooncake:colocated=1,min_hits=1000000")  # fetches, no replicas
+    try:
+        auth = {"Authorization": f"Bearer {tenants[1]['acme']}"}
+        prefix = ids(1100, 3000)
+
+        async def one(k: int, suffix: int) -> tuple[dict[str, Any], str, dict[str, Any]]:
+            body = {"model": MODEL, "prompt": [*prefix, *ids(1200 + k, suffix)],
+                    "max_tokens": 8, "temperature": 0, "ignore_eos": True}  # fmt: skip
+            answer, headers = await post(http, cluster.routers[0] + "/v1/completions", body, **auth)
+            return body, headers["x-kvsched-instance"], answer
+
+        _, holder, _ = await one(0, 100)
+        other = next(e for e in engines(cluster) if e["id"] != holder)
+        fetched = await transfers(http, cluster, "fetch_prefix")
+        before = await prompt_sources(http, other)
+        ran = await asyncio.gather(*(one(k, 3000) for k in range(1, 9)))
+        assert await transfers(http, cluster, "fetch_prefix") > fetched
+        # The prefix's blocks were loaded on the other engine, never computed there.
+        counts = grown(await prompt_sources(http, other), before)
+        served = sum(1 for r in ran if r[1] == other["id"])
+        whole = len(prefix) // BLOCK * BLOCK
+        assert counts.get("external_kv_transfer", 0) >= whole
+        assert counts.get("local_compute", 0) == served * (len(prefix) - whole + 3000)
+        body, _, answer = next(r for r in ran if r[1] == other["id"])
+        alone, _ = await post(http, other["url"] + "/v1/completions", body)  # unsalted: computed
+        assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+    finally:
+        await set_policy(cluster, "elastic")

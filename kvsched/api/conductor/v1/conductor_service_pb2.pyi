@@ -763,6 +763,7 @@ class Decision(_message.Message):
     POLICY_FIELD_NUMBER: _builtins.int
     TRANSFERS_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
+    LANDING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     instance_id: _builtins.str
@@ -793,6 +794,13 @@ class Decision(_message.Message):
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateCost]:
         """Every candidate's terms, best first (only when asked for)."""
 
+    @_builtins.property
+    def landing(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TransferPlan]:
+        """Transfers already under way, ordered for earlier requests, that bring blocks this
+        placement counts on to its instance: wait for them before the request starts, as for a
+        critical-path transfer (one that fails costs only a recompute).
+        """
+
     def __init__(
         self,
         *,
@@ -808,10 +816,11 @@ class Decision(_message.Message):
         policy: _builtins.str = ...,
         transfers: _abc.Iterable[_common_pb2.TransferPlan] | None = ...,
         candidates: _abc.Iterable[Global___CandidateCost] | None = ...,
+        landing: _abc.Iterable[_common_pb2.TransferPlan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimated_ttft", b"estimated_ttft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "candidates", b"candidates", "decode_instance_id", b"decode_instance_id", "decode_instance_url", b"decode_instance_url", "estimated_ttft", b"estimated_ttft", "fetched_tokens", b"fetched_tokens", "instance_id", b"instance_id", "instance_url", b"instance_url", "policy", b"policy", "request_id", b"request_id", "rule", b"rule", "transfers", b"transfers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "candidates", b"candidates", "decode_instance_id", b"decode_instance_id", "decode_instance_url", b"decode_instance_url", "estimated_ttft", b"estimated_ttft", "fetched_tokens", b"fetched_tokens", "instance_id", b"instance_id", "instance_url", b"instance_url", "landing", b"landing", "policy", b"policy", "request_id", b"request_id", "rule", b"rule", "transfers", b"transfers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
