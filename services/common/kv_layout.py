@@ -23,6 +23,7 @@ import xxhash
 
 from kvsched.core.models import ModelConfig
 
+SIM_FORMAT = "kvsched-sim"  # the block format of a simulated engine: chunks of these patterns
 PATTERN_WORDS = 8  # a chunk repeats a 64-byte pattern
 _PATTERN_BYTES = PATTERN_WORDS * 8
 _U64 = np.uint64

@@ -38,6 +38,7 @@ from services.engine.kv_routes import KvTransferRoutes
 from services.engine.metrics import EngineMetrics
 from services.engine.model import build_model
 from services.engine.openai_stream import DONE, Shape, error_chunk
+from services.engine.pool_link import PoolLink
 from services.engine.runner import LiveEngine, Request
 from services.engine.settings import KV_TOPIC, EngineSettings
 from services.engine.text import Words
@@ -117,7 +118,7 @@ class EngineApp:
             ids = await self._prompt_ids(req)
             output = self.live.model.output_tokens(len(ids), req.max_tokens)
             session = request.headers.get(SESSION_HEADER) or None
-            live_req = self.live.submit(ids, output, req.cache_salt, session)
+            live_req = await self.live.admit(ids, output, req.cache_salt, session)
             span.set_attribute("gen_ai.usage.prompt_tokens", len(ids))
             span.set_attribute("gen_ai.request.max_tokens", output)
             shape = Shape.new(kind, self.settings.model, req.include_usage)
@@ -327,6 +328,8 @@ def build(
         stream_interval=settings.stream_interval,
         hasher=settings.block_hashes.hasher(settings.block_size),
     )
+    if settings.kv_pool_socket:
+        live.pool = PoolLink(settings.kv_pool_socket, memory, live.transfers)
     tokenizer = tokenizer or PromptTokenizer(settings.tokenizer)
     words = words or Words(tokenizer, settings.seed)
     return EngineApp(settings, live, tokenizer, words, tracer)

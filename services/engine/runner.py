@@ -32,6 +32,7 @@ from services.engine.kv_publisher import KvEventPublisher
 from services.engine.kv_transfer import KvTransfers
 from services.engine.metrics import EngineMetrics
 from services.engine.model import EngineModel
+from services.engine.pool_link import PoolLink
 
 log = logging.getLogger("kvsched.engine")
 MAX_LAG_S = 0.05  # wall seconds the loop may trail the model clock and still catch up
@@ -45,6 +46,7 @@ class Request:
 
     job: Job
     prompt_ids: Sequence[int]
+    salt: str | None = None
     generated: int = 0
     done: bool = False
     error: str | None = None
@@ -100,6 +102,9 @@ class LiveEngine:
             sync=self.sync_cache,
             freed=self._wakeup,
         )
+        self.pool: PoolLink | None = None  # the node's KV pool, when the engine uses one
+        self._saves: asyncio.Queue[Request] = asyncio.Queue()  # prefilled, to save to the pool
+        self._saver: asyncio.Task[None] | None = None
         self.requests: dict[int, Request] = {}
         self.failed: str | None = None  # why the loop stopped, once it has
         self._ids = itertools.count()
@@ -115,20 +120,42 @@ class LiveEngine:
         return (time.monotonic() - self._t0) / self.scale
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        if self.pool is not None:
+            self._saver = loop.create_task(self._save_prefilled(self.pool))
 
     async def stop(self) -> None:
         """Stop stepping; requests still in the engine end with an error, exports are
         released and imports aborted."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._saver):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._saver = None
         self._fail_all("the engine is shutting down")
         self.transfers.close()
+        if self.pool is not None:
+            await self.pool.close()
 
     # ---- requests ----------------------------------------------------------------------
+
+    async def admit(
+        self,
+        prompt_ids: Sequence[int],
+        output: int,
+        salt: str | None = None,
+        session: str | None = None,
+    ) -> Request:
+        """`submit`, once the prompt's blocks beyond the engine's own cache hit that the
+        node's KV pool holds are loaded from it (when the engine uses a pool)."""
+        if self.failed is not None:
+            raise unavailable(self.failed)
+        digests = self.hasher.digests(prompt_ids, salt)
+        if self.pool is not None:
+            await self.pool.load([event_hash(d) for d in digests], prompt_ids, salt)
+        return self.submit(prompt_ids, output, salt, session, digests=digests)
 
     def submit(
         self,
@@ -136,16 +163,20 @@ class LiveEngine:
         output: int,
         salt: str | None = None,
         session: str | None = None,
+        *,
+        digests: Sequence[bytes] | None = None,
     ) -> Request:
         """Queue a request for `output` tokens (checked by `EngineModel.output_tokens`);
-        `Request.wait` reports its tokens as steps produce them. Raises `ApiError` 503 when
-        the loop has stopped."""
+        `Request.wait` reports its tokens as steps produce them. `digests`: the prompt's
+        block digests, when already computed. Raises `ApiError` 503 when the loop has
+        stopped."""
         if self.failed is not None:
             raise unavailable(self.failed)
-        digests = self.hasher.digests(prompt_ids, salt)
+        if digests is None:
+            digests = self.hasher.digests(prompt_ids, salt)
         hashes = [event_hash(d) for d in digests]
         job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), self.now())
-        request = Request(job, prompt_ids)
+        request = Request(job, prompt_ids, salt)
         self.names.hold(hashes, digests, prompt_ids, salt, session)
         self.requests[job.rid] = request
         self.engine.submit(job)
@@ -245,6 +276,8 @@ class LiveEngine:
             request = requests.get(job.rid)
             if request is None:
                 continue
+            if self.pool is not None and job.hashes:
+                self._saves.put_nowait(request)
             m.ttft.observe(max(end - job.arrival, 0.0))
             m.queries.inc(job.prompt)
             m.hits.inc(job.cached_tokens)
@@ -274,6 +307,16 @@ class LiveEngine:
         if produced:
             m.generation_tokens.inc(produced)
         m.itl.observe(gap, produced - firsts)
+
+    async def _save_prefilled(self, pool: PoolLink) -> None:
+        """Save each prefilled prompt's blocks into the pool, off the step loop, in order
+        (those evicted meanwhile are not saved)."""
+        while True:
+            request = await self._saves.get()
+            try:
+                await pool.save(request.job.hashes, request.prompt_ids, request.salt)
+            except Exception:  # a bug here must not stop the engine from saving again
+                log.exception("saving blocks into the KV pool failed")
 
     def _finish(self, job: Job) -> None:
         if self.requests.pop(job.rid, None) is not None:

@@ -70,6 +70,7 @@ class EngineSettings:
     shutdown_grace_s: float = 5.0  # SIGTERM: how long running streams may still finish
     otlp_endpoint: str | None = None
     kv_memory_dir: str = DEFAULT_KV_MEMORY_DIR  # where the KV memory file lives (shared memory)
+    kv_pool_socket: str | None = None  # the node's KV pool (its Messenger's socket); None: none
     role: Role = Role.BOTH  # what the Conductor may place here (reported, not enforced)
 
     def __post_init__(self) -> None:
@@ -148,6 +149,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "seed", d.seed, "seed of the engine's output text")
     _flag(p, "shutdown-grace", d.shutdown_grace_s, "seconds streams may finish on SIGTERM")
     _flag(p, "kv-memory-dir", d.kv_memory_dir, "directory of the KV memory file (shared memory)")
+    _flag(p, "kv-pool-socket", "", "the node KV pool's socket, to save into and load from")
     _flag(p, "role", d.role.value, "what this engine serves: both, prefill or decode")
     a = p.parse_args(argv)
     roles = [r.value for r in Role]
@@ -185,6 +187,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             shutdown_grace_s=a.shutdown_grace,
             otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
             kv_memory_dir=a.kv_memory_dir,
+            kv_pool_socket=a.kv_pool_socket or None,
             role=Role(a.role),
         )
     except ValueError as exc:

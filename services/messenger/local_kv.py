@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
+from services.common.kv_layout import SIM_FORMAT
 from services.messenger.engine_api import Exported, ImportSlots, KvMemory
 from services.messenger.kv_pool import KvPool
 from services.messenger.transfer.backend import Backend
-from services.messenger.transfer.region import SIM_FORMAT, KvRegion
+from services.messenger.transfer.region import KvRegion
 
 if TYPE_CHECKING:
     from services.messenger.relay import EngineRelay

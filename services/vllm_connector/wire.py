@@ -25,6 +25,8 @@ A call is `{"op": OP, ...arguments}`; its answer `{"ok": true, ...results}` or `
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
 from typing import Any
 
@@ -62,3 +64,13 @@ def decode(body: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise WireError("a message must be a JSON object")
     return message
+
+
+def map_pool_file(path: str) -> mmap.mmap:
+    """The pool's memory file `path` (named by `attach`, `load` and `save`), mapped shared
+    and read/write, whole. Raises `OSError` (or `ValueError` for an empty file)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)

@@ -20,8 +20,6 @@ transfer between pools.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import queue
 import threading
 import time
@@ -33,6 +31,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from services.vllm_connector.metadata import LoadJob, SaveJob, StepJobs
 from services.vllm_connector.pool_client import PoolClient, PoolRefusal, PoolUnavailable
+from services.vllm_connector.wire import map_pool_file
 
 log = logging.getLogger(__name__)
 ATTACH_RETRY_S = 1.0
@@ -197,16 +196,11 @@ class WorkerSide:
             return self._pool[1]
         layers, chunk = len(self.layers), self.chunk_bytes
         try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                size = os.fstat(fd).st_size
-                mapped = mmap.mmap(fd, size, mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-        except OSError as exc:
+            mapped = map_pool_file(path)
+        except (OSError, ValueError) as exc:
             log.error("cannot map the KV pool's memory %s: %s", path, exc)
             return None
-        pages = size // (layers * chunk)
+        pages = len(mapped) // (layers * chunk)
         memory = torch.frombuffer(mapped, dtype=torch.uint8)[: layers * pages * chunk]
         self._pool = (path, memory.view(layers, pages, chunk))
         log.info("mapped the KV pool's memory %s (%d pages)", path, pages)

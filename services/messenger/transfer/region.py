@@ -13,10 +13,8 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
-from services.common.kv_layout import KvLayout
+from services.common.kv_layout import SIM_FORMAT, KvLayout
 from services.messenger.transfer.runs import Span, merge_spans
-
-SIM_FORMAT = "kvsched-sim"  # a simulated engine's chunks: kv_layout's patterns
 
 
 class KvRegion:

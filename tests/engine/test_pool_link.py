@@ -1,0 +1,131 @@
+"""A simulated engine on its node's KV pool, through the same socket and calls as kvsched's
+vLLM connector: a real `KvPool` served by a real `PoolServer`, and engines served in process.
+What one engine computes is saved into the pool; another engine of the node loads it instead
+of computing it, byte for byte; a pool that is absent or of another format is only a miss."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.common.kv_layout import SIM_FORMAT, expected_chunk
+from services.engine.kv_memory import KvMemory
+from services.messenger.kv_pool import BlockFormat, KvPool
+from services.messenger.pool_server import PoolServer
+from tests.engine.conftest import FAST, RunningEngine
+from tests.fixtures.poll import wait_for
+
+BS = FAST.block_size
+
+
+@dataclass
+class Pool:
+    pool: KvPool
+    socket: Path
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[Pool]:
+    directory = Path(tempfile.mkdtemp(prefix="kp"))  # a socket path must fit in 108 bytes
+    kv_pool = KvPool(
+        64 << 20,
+        node="node-0",
+        hasher_for=FAST.block_hashes.hasher,
+        on_events=lambda events: None,
+        directory=directory,
+    )
+    server = PoolServer(kv_pool, directory / "pool.sock")
+    await server.start()
+    try:
+        yield Pool(kv_pool, directory / "pool.sock")
+    finally:
+        await server.stop()
+        kv_pool.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 104729) % 3900 for i in range(n)]
+
+
+async def cached_tokens(engine: RunningEngine, ids: list[int]) -> int:
+    answer = await engine.complete({"model": FAST.model, "prompt": ids, "max_tokens": 2})
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def held_right(memory: KvMemory, hashes: list[int]) -> bool:
+    """Every block of `hashes` has a page holding that block's own bytes."""
+    layout = memory.layout
+    for h in hashes:
+        page = memory.page_of[h]
+        for layer in range(layout.layers):
+            want = np.frombuffer(expected_chunk(h, layer, layout.chunk_bytes), dtype=np.uint8)
+            if not np.array_equal(memory.chunks[layer, page], want):
+                return False
+    return True
+
+
+async def test_blocks_one_engine_computed_are_loaded_by_another_not_computed(
+    start_engine: Any, pool: Pool
+) -> None:
+    start = start_engine
+    first = await start(instance_id="e-0", kv_pool_socket=str(pool.socket))
+    second = await start(instance_id="e-1", kv_pool_socket=str(pool.socket))
+    ids = prompt(1, 10 * BS + 5)
+    assert await cached_tokens(first, ids) == 0
+    hashes = list(first.live.engine.cache.nodes)[:10]
+
+    await wait_for(lambda: pool.pool.usage().blocks >= 10, 5.0, message="the prompt saved")
+    assert pool.pool.format == BlockFormat(
+        SIM_FORMAT, first.live.memory.layout.layers, first.live.memory.layout.chunk_bytes, BS
+    )
+    # The second engine finds the ten blocks in the pool: loaded, cached, never computed.
+    assert await cached_tokens(second, ids) == 10 * BS
+    link = second.live.pool
+    assert link is not None and link.loaded_blocks == 10
+    assert held_right(second.live.memory, hashes)
+    second.live.check_integrity()
+    usage = pool.pool.usage()
+    assert (usage.pinned, usage.staged, usage.exports, usage.imports) == (0, 0, 0, 0)
+    # A longer prompt loads only what its own cache lacks.
+    longer = [*ids[: 10 * BS], *prompt(2, 4 * BS + 3)]
+    assert await cached_tokens(first, longer) == 10 * BS
+    await wait_for(lambda: pool.pool.usage().blocks >= 14, 5.0, message="the longer prompt saved")
+    assert await cached_tokens(second, longer) == 14 * BS
+    assert link.loaded_blocks == 14
+
+
+async def test_without_a_reachable_pool_the_engine_computes_as_before(
+    start_engine: Any, tmp_path: Path
+) -> None:
+    start = start_engine
+    engine = await start(kv_pool_socket=str(tmp_path / "none.sock"))
+    ids = prompt(3, 4 * BS + 1)
+    assert await cached_tokens(engine, ids) == 0
+    assert await cached_tokens(engine, ids) == 4 * BS  # its own cache still works
+    link = engine.live.pool
+    assert link is not None and link.loaded_blocks == link.saved_blocks == 0
+    engine.live.check_integrity()
+
+
+async def test_a_pool_holding_another_format_is_a_miss(start_engine: Any, pool: Pool) -> None:
+    start = start_engine
+    first = await start(instance_id="e-0", kv_pool_socket=str(pool.socket))
+    ids = prompt(4, 4 * 2 * BS + 1)
+    await cached_tokens(first, ids)
+    await wait_for(lambda: pool.pool.usage().blocks >= 8, 5.0, message="blocks saved")
+    fmt = pool.pool.format
+    # An engine of twice the block size cannot share the pool: it computes, saves nothing.
+    other = await start(instance_id="e-1", kv_pool_socket=str(pool.socket), block_size=2 * BS)
+    assert await cached_tokens(other, ids) == 0
+    assert await cached_tokens(other, ids) == 4 * 2 * BS  # its own cache
+    assert pool.pool.format == fmt and pool.pool.usage().blocks == 8
+    link = other.live.pool
+    assert link is not None and link.saved_blocks == link.loaded_blocks == 0
