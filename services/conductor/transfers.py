@@ -98,6 +98,10 @@ class TransferRunner:
 
     def _forget(self, plan: TransferPlan, _: asyncio.Task[TransferOutcome]) -> None:
         self._tasks.pop(plan.transfer_id, None)
+        self._landed(plan)
+
+    def _landed(self, plan: TransferPlan) -> None:
+        """`plan` no longer brings anything to its target (it ended, or was stopped)."""
         landing = self._landing.get(plan.target)
         if landing is not None:
             landing.pop(plan.transfer_id, None)
@@ -182,6 +186,7 @@ class TransferRunner:
                 error = "" if ok else last.error or mpb.TransferState.Name(last.state)
             except _Failed as exc:
                 ok, nbytes, error = False, 0, str(exc)
+            self._landed(plan)  # placements from now on find its blocks, or not, in the index
             seconds = time.monotonic() - started
             moved = await self._apply(plan, ok, nbytes, seconds)
             span.set_attribute("kvsched.transfer.bytes", nbytes)

@@ -93,6 +93,16 @@ class EngineMetrics:
         self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            [*LABELS, "source"],
+            registry=r,
+        )
+        # The node pool's blocks count as vLLM counts its KV connector's loads.
+        self.computed_tokens = by_source.labels(*values, "local_compute")
+        self.hit_tokens = by_source.labels(*values, "local_cache_hit")
+        self.loaded_tokens = by_source.labels(*values, "external_kv_transfer")
         # Ours, not vLLM's: blocks a Messenger read out of this engine or wrote into it.
         self.exported_blocks = counter(
             "kvsched_engine_kv_exported_blocks", "Cached blocks pinned for a Messenger to read."

@@ -34,6 +34,7 @@ from services.vllm_connector.wire import WireError, body_length, decode, encode,
 log = logging.getLogger("kvsched.engine")
 HOLD_S = 30.0  # longest the pool keeps a load pinned or a save staged for us
 CALL_TIMEOUT_S = 5.0
+ATTACH_RETRY_S = 1.0  # the Messenger (and its pool) may start after the engine
 
 
 class PoolLink:
@@ -148,6 +149,13 @@ class PoolLink:
         return committed.blocks
 
     # ---- the socket ----------------------------------------------------------------------
+
+    async def keep_attaching(self) -> None:
+        """Attach now, or every `ATTACH_RETRY_S` until the pool answers: the node's
+        Messenger is ready only once its engines attached."""
+        while not await self._attach():
+            await asyncio.sleep(ATTACH_RETRY_S)
+        log.info("attached to the KV pool at %s", self.path)
 
     async def _attach(self) -> bool:
         if not self._attached:

@@ -47,6 +47,7 @@ class Request:
     job: Job
     prompt_ids: Sequence[int]
     salt: str | None = None
+    loaded_tokens: int = 0  # loaded from the node's pool just before it was queued
     generated: int = 0
     done: bool = False
     error: str | None = None
@@ -153,9 +154,12 @@ class LiveEngine:
         if self.failed is not None:
             raise unavailable(self.failed)
         digests = self.hasher.digests(prompt_ids, salt)
+        loaded = 0
         if self.pool is not None:
-            await self.pool.load([event_hash(d) for d in digests], prompt_ids, salt)
-        return self.submit(prompt_ids, output, salt, session, digests=digests)
+            loaded = await self.pool.load([event_hash(d) for d in digests], prompt_ids, salt)
+        request = self.submit(prompt_ids, output, salt, session, digests=digests)
+        request.loaded_tokens = loaded * self.model.block_size
+        return request
 
     def submit(
         self,
@@ -282,6 +286,10 @@ class LiveEngine:
             m.queries.inc(job.prompt)
             m.hits.inc(job.cached_tokens)
             m.prompt_tokens.inc(job.prompt)
+            loaded = min(request.loaded_tokens, job.cached_tokens)
+            m.loaded_tokens.inc(loaded)
+            m.hit_tokens.inc(job.cached_tokens - loaded)
+            m.computed_tokens.inc(job.prompt - job.cached_tokens)
             produced += job.generated - request.generated
             request.generated = job.generated
             request._notify()
@@ -311,6 +319,7 @@ class LiveEngine:
     async def _save_prefilled(self, pool: PoolLink) -> None:
         """Save each prefilled prompt's blocks into the pool, off the step loop, in order
         (those evicted meanwhile are not saved)."""
+        await pool.keep_attaching()
         while True:
             request = await self._saves.get()
             try:

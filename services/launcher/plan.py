@@ -172,7 +172,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     conductors = ",".join(conductor_urls)
 
     roles = engine_roles(opts.policy, opts.nodes * opts.engines_per_node)
-    pooled = opts.engine == "vllm" and opts.kv_pool_bytes > 0
+    pooled = opts.kv_pool_bytes > 0
     for n in range(opts.nodes):
         node = f"node-{n}"
         socket = pool_socket(run_dir, node) if pooled else ""
@@ -270,7 +270,10 @@ def _engine(
     sim += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
     sim += ["--block-size", str(opts.block_size), "--time-scale", repr(opts.time_scale)]
     sim += ["--model", opts.model, "--model-config", opts.model_config, "--role", role]
-    sim += ["--seed", str(opts.seed), *hash_flags(opts.block_hashes), *opts.engine_flags]
+    sim += ["--seed", str(opts.seed), *hash_flags(opts.block_hashes)]
+    if pool_socket:
+        sim += ["--kv-pool-socket", pool_socket]
+    sim += opts.engine_flags
     if opts.model_dir is not None:
         sim += ["--tokenizer", str(opts.model_dir)]
     return Child(name, "engine", tuple(sim), ready, entry), f"{url},kind=sim"

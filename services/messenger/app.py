@@ -197,19 +197,18 @@ class Messenger:
         )
 
     def _unready(self) -> str | None:
-        """Why KV cannot move here yet: an engine has not answered yet, or the node's vLLM
+        """Why KV cannot move here yet: an engine has not answered yet, or the node's
         engines have not attached to its pool (they start first and attach within a second
         of the pool's socket appearing)."""
         waiting = [r.engine_url for r in self.relays if r.instance_id is None]
         if waiting:
             return f"engines not identified yet: {', '.join(waiting)}"
-        pooled = any(t.kind == "vllm" for t in self.settings.engines)
-        if self.pool is not None and pooled and not self.pool.attached:
+        if self.pool is not None and not self.pool.attached:
             return "no engine has attached to the KV pool yet"
         return None
 
     def _pool_events(self, events: list[Event]) -> None:
-        """The pool's blocks are every vLLM engine's of this node, in host memory."""
+        """The pool's blocks are every engine's of this node that uses it, in host memory."""
         for relay in self.relays:
             if relay.uses_pool:
                 relay.send_local(events)

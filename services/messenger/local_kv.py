@@ -2,9 +2,12 @@
 writes, mapped into the Messenger and registered with the transfer backend once (not per
 transfer):
 
-- a simulated engine: its own KV memory, exported and imported through its HTTP API;
-- a vLLM engine: the node's KV pool (`kv_pool`), which its KV connector saves computed
-  blocks to and loads missing blocks from; a transfer to or from it moves pool to pool.
+- an engine that uses the node's KV pool (`kv_pool`; a vLLM engine through kvsched's KV
+  connector, a simulated engine through its pool link): the pool, which the engine saves
+  computed blocks to and loads missing blocks from; a transfer to or from it moves pool to
+  pool;
+- a simulated engine without a pool: its own KV memory, exported and imported through its
+  HTTP API.
 
 An engine that restarted keeps its KV in a new file: the old mapping is unregistered and
 closed, and the new one mapped and registered, the first time a transfer needs it.

@@ -38,6 +38,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.load import LoadReport
 from services.common.durations import duration
 from services.common.kv_events import Event, EventBatch
+from services.common.kv_layout import SIM_FORMAT
 from services.messenger.batcher import Batcher
 from services.messenger.engine_api import (
     EngineApi,
@@ -91,7 +92,7 @@ class EngineRelay:
         pool: KvPool | None = None,
     ) -> None:
         s = settings
-        self.pool = pool  # the node's, which a vLLM engine saves to and loads from
+        self.pool = pool  # the node's, which its engines save to and load from
         self.target = target
         self.engine_url = target.url
         self.settings = s
@@ -133,9 +134,13 @@ class EngineRelay:
 
     @property
     def uses_pool(self) -> bool:
-        """Whether the node's KV pool holds blocks for this engine (a vLLM engine's connector
-        saves to it and loads from it)."""
-        return self.pool is not None and self.pool.attached and self.api is self._vllm
+        """Whether the node's KV pool holds blocks for this engine, which saves to it and
+        loads from it (kvsched's KV connector in vLLM, the simulated engine's pool link): the
+        pool is in the block format of this engine's kind (engines of one node share one)."""
+        pool = self.pool
+        if pool is None or not pool.attached or pool.format is None:
+            return False
+        return (pool.format.kind == SIM_FORMAT) == (self.api is self._sim)
 
     def send_local(self, events: list[Event]) -> None:
         """Announce blocks this node holds for the engine beyond its own cache (the pool's)."""

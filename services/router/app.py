@@ -378,7 +378,7 @@ class Router:
         # No usage will come when a stream was not asked for it: then count events instead.
         count_events = req.stream and not req.include_usage
         forward = Forward(placement)
-        if placement.transfers:
+        if placement.transfers or placement.landing:
             _PROPAGATOR.inject(headers)  # the prefill of a hand-off: under the request's span
             known = {i.instance_id: i.url for i in self.placer.instances}
             forward = await self.kv_moves.settle(

@@ -13,7 +13,16 @@ import pytest
 
 from services.common.etcd import EtcdStore
 from tests.e2e.conftest import LocalCluster, local_cluster
-from tests.e2e.test_transfers import bound_in_etcd, flood, nodes, session_view, tokens, turn
+from tests.e2e.test_transfers import (
+    POOL_BYTES,
+    bound_in_etcd,
+    flood,
+    nodes,
+    same_node,
+    session_view,
+    tokens,
+    turn,
+)
 from tests.fixtures.poll import wait_for
 
 pytestmark = pytest.mark.slow
@@ -21,7 +30,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with local_cluster(tmp_path_factory.mktemp("up-idle"), "--policy", "elastic:admission=0") as up:
+    with local_cluster(
+        tmp_path_factory.mktemp("up-idle"),
+        "--policy", "elastic:admission=0",
+        "--kv-pool-bytes", str(POOL_BYTES),
+    ) as up:  # fmt: skip
         yield up
 
 
@@ -42,7 +55,9 @@ async def test_a_session_moves_in_its_idle_gap_off_the_critical_path(
     long_turn = asyncio.create_task(turn(http, cluster, "idle", context))
     engine = cluster.engine(host)["url"]
     await wait_for(lambda: _prefilling(http, engine), 20.0, message="the long turn prefills")
-    busy = await flood(http, cluster, host)
+    # Its node's other engine, which could take the session from the node's pool with no
+    # transfer at all, is busy too: the session must leave the node.
+    busy = [r for iid in same_node(cluster, host) for r in await flood(http, cluster, iid)]
     assert (await long_turn)[0] == host
     view = await wait_for(
         lambda: _moved_off(http, cluster, "idle", host), 30.0, message="an idle-gap migration"

@@ -34,6 +34,9 @@ pytestmark = pytest.mark.slow
 T_HOT = 20_000
 CONTEXT_BYTES = 3200 * 2048  # the migrated context below, in the mini model's KV bytes
 RATE = CONTEXT_BYTES // 2  # about two seconds a migration
+# A node's pool holds what its two engines compute for a flood (below) and more, so the
+# floods do not evict a session's context or a prefix from it before it moves.
+POOL_BYTES = 2 << 30
 EAR = f"ear:t_hot_tokens={T_HOT},t_cool_s=300"
 _FLOODS = itertools.count(1000)  # every flood's prompts are new: nothing cached shortens them
 
@@ -45,6 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         "--policy", EAR,
         "--transfer-backend", "tcp",
         f"--messenger-flag=--transfer-rate={RATE}",
+        "--kv-pool-bytes", str(POOL_BYTES),
     ) as up:  # fmt: skip
         yield up
 
@@ -134,7 +138,9 @@ async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
     assert (await turn(http, cluster, "mig", context))[0] == host
     assert await bound_in_etcd(etcd_client, "mig") == host
     before = await transfers(http, cluster, "migrate_session")
-    busy = await flood(http, cluster, host)
+    # Its node's other engine could serve the turn from the node's KV pool without a
+    # migration: busy too, the session must leave the node.
+    busy = [r for iid in same_node(cluster, host) for r in await flood(http, cluster, iid)]
 
     moving = asyncio.create_task(turn(http, cluster, "mig", [*context, *tokens(100, 3)]))
     view = await wait_for(
@@ -142,6 +148,7 @@ async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
     )
     target = view["moving_to_instance_id"]
     assert target != host and view["host_instance_id"] == host
+    loaded = await loaded_tokens(http, cluster, target)
     # Its KV is on the wire: the binding in etcd is still the source's.
     assert await bound_in_etcd(etcd_client, "mig") == host
     assert not moving.done()  # the turn waits for its KV (critical path)
@@ -149,6 +156,8 @@ async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
     ran_on, cached = await moving
     assert ran_on == target
     assert cached >= len(context) // 16 * 16  # the migrated context hit on the target
+    # Moved pool to pool: the target engine loaded it from its node's pool, as vLLM counts.
+    assert await loaded_tokens(http, cluster, target) - loaded >= len(context) // 16 * 16
     assert await bound_in_etcd(etcd_client, "mig") == target  # rebound once verified
     assert await transfers(http, cluster, "migrate_session") == before + 1
 
@@ -161,61 +170,109 @@ async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
     assert "transfer migrate_session" in spans and "transfer wait" in spans
 
 
+async def loaded_tokens(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> float:
+    """Prompt tokens `instance`'s engine loaded from its node's pool (vLLM's metric)."""
+    async with http.get(cluster.engine(instance)["url"] + "/metrics") as resp:
+        text = await resp.text()
+    prefix = "vllm:prompt_tokens_by_source_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix) and 'source="external_kv_transfer"' in line
+    )
+
+
+def same_node(cluster: LocalCluster, instance: str) -> list[str]:
+    """`instance` and the other engines of its node (they share the node's KV pool)."""
+    node = cluster.engine(instance)["node"]
+    return [e["id"] for e in cluster.endpoints["engines"] if e["node"] == node]
+
+
 async def _moving(http: aiohttp.ClientSession, cluster: LocalCluster, sid: str) -> Any:
     view = await session_view(http, cluster, sid)
     return view if view.get("moving_to_instance_id") else None
 
 
-async def test_a_hot_prefix_is_replicated_and_a_busy_holders_prefix_fetched(
+async def test_a_busy_nodes_prefix_is_fetched_and_a_hot_prefix_replicated(
     cluster: LocalCluster, http: aiohttp.ClientSession
 ) -> None:
-    await set_policy(cluster, "mooncake:colocated=1,min_hits=2,hot_score=0.01")
+    """`mooncake` (colocated). A prefix one node holds (its engine, and its KV pool for the
+    other engine there): with both engines of that node busy, a request runs on the other
+    node with the prefix fetched pool to pool, not recomputed; a second request placed while
+    the (paced) fetch lands counts on it too and waits for it, rather than reaching the
+    engine first and computing it. Then a prefix turned hot is replicated to the other
+    node's pool before anyone there asks for it."""
+    await set_policy(cluster, "mooncake:colocated=1,min_hits=1000000")  # fetches, no replicas
     system = tokens(4000, 7)  # a shared system prompt
-    replicated = await transfers(http, cluster, "replicate_prefix")
+    whole = 4000 // 16 * 16
+    holder, _ = await sharing(http, cluster, system, 100)
+    near = same_node(cluster, holder)
+    far = [e["id"] for e in cluster.endpoints["engines"] if e["id"] not in near]
+
+    async def only_near() -> bool:  # the pool's blocks are announced once saved
+        held = await held_tokens(http, cluster, system)
+        return all(held[iid] >= whole for iid in near) and not any(held[iid] for iid in far)
+
+    await wait_for(only_near, 5.0, message="the prefix held on the holder's node only")
     fetched = await transfers(http, cluster, "fetch_prefix")
+    # The holder's node last and at once: the floods' prompts are saved into its pool as
+    # they are computed, and soon evict the prefix from it.
+    busy = await flood(http, cluster, far[1])
+    for requests in await asyncio.gather(*(flood(http, cluster, iid) for iid in near)):
+        busy += requests
+    first = asyncio.create_task(sharing(http, cluster, system, 200))
+    await wait_for(functools.partial(_running, http, cluster), 10.0, message="a fetch runs")
+    second = asyncio.create_task(sharing(http, cluster, system, 201))
+    (ran_on, cached), (second_on, second_cached) = await asyncio.gather(first, second)
+    assert ran_on == second_on == far[0]
+    assert cached >= whole and second_cached >= whole
+    assert await transfers(http, cluster, "fetch_prefix") == fetched + 1
+    await asyncio.gather(*busy)
+
+    await set_policy(cluster, "mooncake:colocated=1,min_hits=2,hot_score=0.01")
+    hot = tokens(4000, 8)
+    replicated = await transfers(http, cluster, "replicate_prefix")
     for k in range(8):  # sessionless requests reusing the prefix make it hot
-        async with http.post(
-            f"{cluster.routers[1]}/v1/completions",
-            json={"prompt": [*system, *tokens(50, 100 + k)], "max_tokens": 2},
-            headers=cluster.auth,
-        ) as resp:
-            assert resp.status == 200
+        await sharing(http, cluster, hot, 300 + k)
         if await _more(http, cluster, "replicate_prefix", replicated, settle_s=1.0):
             break
     else:
         raise AssertionError("the prefix was never replicated")
-    holders = [
-        iid for iid in await nodes(http, cluster) if await _holds(http, cluster, iid, system)
-    ]
-    assert len(holders) == 2, holders  # the first holder, and the replica's target
 
-    # With its holders busy, a request fetches the prefix instead of recomputing it. A second
-    # one placed while the (paced) fetch is under way counts on it too: it waits for it
-    # rather than reaching the engine before the prefix and computing it.
-    others = [iid for iid in await nodes(http, cluster) if iid not in holders]
-    busy = [r for iid in [*holders, *others[1:]] for r in await flood(http, cluster, iid)]
+    # Both nodes hold it now: every engine can load it from its node's pool.
+    async def everywhere() -> bool:
+        return all(n >= whole for n in (await held_tokens(http, cluster, hot)).values())
 
-    async def sharing(seed: int) -> tuple[str, int]:
-        async with http.post(
-            f"{cluster.routers[1]}/v1/completions",
-            json={"prompt": [*system, *tokens(50, seed)], "max_tokens": 2},
-            headers=cluster.auth,
-        ) as resp:
-            answer = await resp.json()
-            assert resp.status == 200
-            return resp.headers["x-kvsched-instance"], answer["usage"]["prompt_tokens_details"][
-                "cached_tokens"
-            ]
+    await wait_for(everywhere, 5.0, message="the hot prefix held on both nodes")
 
-    first = asyncio.create_task(sharing(200))
-    await wait_for(functools.partial(_running, http, cluster), 10.0, message="a fetch runs")
-    placed = [first, asyncio.create_task(sharing(201))]
-    (ran_on, cached), (second_on, second_cached) = await asyncio.gather(*placed)
-    assert ran_on == second_on == others[0]
-    assert cached >= 4000 // 16 * 16
-    assert second_cached >= 4000 // 16 * 16
-    assert await transfers(http, cluster, "fetch_prefix") == fetched + 1
-    await asyncio.gather(*busy)
+
+async def sharing(
+    http: aiohttp.ClientSession, cluster: LocalCluster, prefix: list[int], seed: int
+) -> tuple[str, int]:
+    """A sessionless request starting with `prefix`: where it ran, its cached tokens."""
+    async with http.post(
+        f"{cluster.routers[1]}/v1/completions",
+        json={"prompt": [*prefix, *tokens(50, seed)], "max_tokens": 2},
+        headers=cluster.auth,
+    ) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return resp.headers["x-kvsched-instance"], cached
+
+
+async def held_tokens(
+    http: aiohttp.ClientSession, cluster: LocalCluster, prompt: list[int]
+) -> dict[str, int]:
+    """Each instance's cached tokens of `prompt`'s blocks, in its engine or its node's pool,
+    by the Conductor's index."""
+    hashes = VllmBlockHasher(16).hash_prompt(prompt, cluster.salt)
+    async with http.post(
+        f"{cluster.conductor_http}/api/explain", json={"block_hashes": hashes}
+    ) as resp:
+        body = await resp.json()
+        assert resp.status == 200, body
+    return {row["instance"]: int(row["hit_tokens"]) for row in body["candidates"]}
 
 
 async def _running(http: aiohttp.ClientSession, cluster: LocalCluster) -> bool:
@@ -244,37 +301,18 @@ async def _count_above(
     return await transfers(http, cluster, kind) > was
 
 
-async def _holds(
-    http: aiohttp.ClientSession, cluster: LocalCluster, instance: str, prompt: list[int]
-) -> bool:
-    """Whether the instance's engine holds every full block of `prompt` (by an export that
-    pins them for an instant)."""
-    url = cluster.engine(instance)["url"]
-    hashes = VllmBlockHasher(16).hash_prompt(prompt, cluster.salt)
-    body = {"block_hashes": hashes, "hold_s": 1.0}
-    async with http.post(f"{url}/kvsched/kv/export", json=body) as resp:
-        answer = await resp.json()
-    if answer["export_id"]:
-        await http.delete(f"{url}/kvsched/kv/export/{answer['export_id']}")
-    return bool(answer["blocks"] == len(hashes))
-
-
 async def test_a_messenger_killed_mid_migration_leaves_the_session_served_on_its_source(
     cluster: LocalCluster, http: aiohttp.ClientSession, etcd_client: EtcdStore
 ) -> None:
     await set_policy(cluster, EAR)
-    context = tokens(3000, 11)
-    host, _ = await turn(http, cluster, "kill", context)
+    sid, host, context = await first_turn(http, cluster, "kill", 3000)
     node = cluster.engine(host)["node"]
-    sibling = next(
-        e["id"] for e in cluster.endpoints["engines"] if e["node"] == node and e["id"] != host
-    )
-    busy = await flood(http, cluster, host)
-    busy += await flood(http, cluster, sibling)  # the target will be on the other node
+    # The target will be on the other node.
+    busy = [r for iid in same_node(cluster, host) for r in await flood(http, cluster, iid)]
 
-    moving = asyncio.create_task(turn(http, cluster, "kill", [*context, *tokens(100, 12)]))
+    moving = asyncio.create_task(turn(http, cluster, sid, [*context, *tokens(100, 12)]))
     view = await wait_for(
-        lambda: _moving(http, cluster, "kill"), 20.0, interval=0.01, message="a migration"
+        lambda: _moving(http, cluster, sid), 20.0, interval=0.01, message="a migration"
     )
     target = view["moving_to_instance_id"]
     target_node = cluster.engine(target)["node"]
@@ -284,17 +322,45 @@ async def test_a_messenger_killed_mid_migration_leaves_the_session_served_on_its
 
     ran_on, _ = await moving
     assert ran_on == host  # the copy failed: the turn ran where the session's KV is
-    assert await bound_in_etcd(etcd_client, "kill") == host
-    after = await session_view(http, cluster, "kill")
+    assert await bound_in_etcd(etcd_client, sid) == host
+    after = await session_view(http, cluster, sid)
     assert after["host_instance_id"] == host and not after["moving_to_instance_id"]
     # ... and keeps being served there once the dead node's instances left routing.
     await wait_for(
         lambda: _gone(http, cluster, target), INSTANCE_TTL_S + 10.0, message="target gone"
     )
-    assert (await turn(http, cluster, "kill", [*context, *tokens(100, 12), *tokens(50, 13)]))[
+    assert (await turn(http, cluster, sid, [*context, *tokens(100, 12), *tokens(50, 13)]))[
         0
     ] == host
     await asyncio.gather(*busy)
+
+
+async def first_turn(
+    http: aiohttp.ClientSession, cluster: LocalCluster, name: str, n: int
+) -> tuple[str, str, list[int]]:
+    """A new session's first turn of `n` new tokens, placed by the Conductor: the session's
+    id, host and context. A Conductor still digesting the KV events of earlier floods
+    (their prompts stored, and saved into the nodes' pools) can answer the Router late,
+    which then places the turn itself: that session and its tokens are left, and new ones
+    tried."""
+    attempts = itertools.count()
+
+    async def placed() -> tuple[str, str, list[int]] | None:
+        k = next(attempts)
+        sid, prompt = f"{name}-{k}", tokens(n, 5000 + k)
+        async with http.post(
+            f"{cluster.routers[0]}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4},
+            headers={**cluster.auth, "x-session-id": sid},
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            if "x-kvsched-fallback" in resp.headers:
+                return None
+            return sid, resp.headers["x-kvsched-instance"], prompt
+
+    found = await wait_for(placed, 30.0, interval=0.5, message="a turn the Conductor placed")
+    assert found is not None
+    return found
 
 
 async def _gone(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> bool:

@@ -5,6 +5,7 @@ of computing it, byte for byte; a pool that is absent or of another format is on
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -60,6 +61,17 @@ async def cached_tokens(engine: RunningEngine, ids: list[int]) -> int:
     return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+async def prompt_sources(engine: RunningEngine) -> dict[str, int]:
+    """`vllm:prompt_tokens_by_source_total`, by source."""
+    async with engine.http.get(engine.url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        line.split('source="', 1)[1].split('"', 1)[0]: int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total{")
+    }
+
+
 def held_right(memory: KvMemory, hashes: list[int]) -> bool:
     """Every block of `hashes` has a page holding that block's own bytes."""
     layout = memory.layout
@@ -90,6 +102,12 @@ async def test_blocks_one_engine_computed_are_loaded_by_another_not_computed(
     assert await cached_tokens(second, ids) == 10 * BS
     link = second.live.pool
     assert link is not None and link.loaded_blocks == 10
+    # Counted as vLLM counts its KV connector's loads.
+    assert await prompt_sources(second) == {
+        "local_compute": len(ids) - 10 * BS,
+        "local_cache_hit": 0,
+        "external_kv_transfer": 10 * BS,
+    }
     assert held_right(second.live.memory, hashes)
     second.live.check_integrity()
     usage = pool.pool.usage()
@@ -129,3 +147,17 @@ async def test_a_pool_holding_another_format_is_a_miss(start_engine: Any, pool: 
     assert pool.pool.format == fmt and pool.pool.usage().blocks == 8
     link = other.live.pool
     assert link is not None and link.saved_blocks == link.loaded_blocks == 0
+
+
+async def test_requests_arriving_together_both_find_the_loaded_blocks(
+    start_engine: Any, pool: Pool
+) -> None:
+    first = await start_engine(instance_id="e-0", kv_pool_socket=str(pool.socket))
+    second = await start_engine(instance_id="e-1", kv_pool_socket=str(pool.socket))
+    ids = prompt(5, 10 * BS + 5)
+    await cached_tokens(first, ids)
+    await wait_for(lambda: pool.pool.usage().blocks >= 10, 5.0, message="the prompt saved")
+    got = await asyncio.gather(
+        cached_tokens(second, [*ids, 1, 2, 3]), cached_tokens(second, [*ids, 4, 5, 6])
+    )
+    assert list(got) == [10 * BS, 10 * BS]
