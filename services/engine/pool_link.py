@@ -53,6 +53,11 @@ class PoolLink:
         self._warned = False
 
     @property
+    def attached(self) -> bool:
+        """Whether the pool knows this engine's block format (until a call fails)."""
+        return self._attached
+
+    @property
     def format(self) -> dict[str, Any]:
         layout = self.memory.layout
         return {"kind": SIM_FORMAT, "layers": layout.layers,

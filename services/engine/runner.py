@@ -280,8 +280,8 @@ class LiveEngine:
             request = requests.get(job.rid)
             if request is None:
                 continue
-            if self.pool is not None and job.hashes:
-                self._saves.put_nowait(request)
+            if self.pool is not None and self.pool.attached and job.hashes:
+                self._saves.put_nowait(request)  # (none queue up while there is no pool)
             m.ttft.observe(max(end - job.arrival, 0.0))
             m.queries.inc(job.prompt)
             m.hits.inc(job.cached_tokens)
