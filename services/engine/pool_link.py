@@ -191,25 +191,38 @@ class PoolLink:
 
     async def _call(self, op: str, **arguments: Any) -> dict[str, Any] | None:
         """One call's answer; None when the pool could not be asked or said no (logged
-        once until a call succeeds again)."""
+        once until a call succeeds again). A call on a connection kept from earlier calls
+        that breaks (the Messenger restarted) is made once more, on a new connection."""
+        message = {"op": op, **arguments}
         async with self._lock:
-            try:
-                answer = await asyncio.wait_for(self._exchange(op, arguments), CALL_TIMEOUT_S)
-            except (OSError, WireError, TimeoutError, asyncio.IncompleteReadError) as exc:
-                self._drop()
-                self._miss(f"the KV pool at {self.path}: {exc}")
-                return None
+            for last_try in (self._stream is None, True):
+                try:
+                    answer = await asyncio.wait_for(self._exchange(message), CALL_TIMEOUT_S)
+                    break
+                except (OSError, WireError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                    self._drop()
+                    if last_try:
+                        self._miss(f"the KV pool at {self.path}: {exc}")
+                        return None
         if answer.get("ok") is not True:
             self._miss(f"the KV pool refused {op}: {answer.get('error')}")
             return None
         self._warned = False
         return answer
 
-    async def _exchange(self, op: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    async def _exchange(self, message: dict[str, Any]) -> dict[str, Any]:
         if self._stream is None:
             self._stream = await asyncio.open_unix_connection(self.path)
+            if message["op"] != "attach":  # a new connection may reach a new pool
+                attached = await self._roundtrip({"op": "attach", "format": self.format})
+                if attached.get("ok") is not True:
+                    return attached
+        return await self._roundtrip(message)
+
+    async def _roundtrip(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self._stream is not None
         reader, writer = self._stream
-        writer.write(encode({"op": op, **arguments}))
+        writer.write(encode(message))
         await writer.drain()
         header = await reader.readexactly(4)
         return decode(await reader.readexactly(body_length(header)))

@@ -32,16 +32,21 @@ class Pool:
     socket: Path
 
 
-@pytest.fixture
-async def pool() -> AsyncIterator[Pool]:
-    directory = Path(tempfile.mkdtemp(prefix="kp"))  # a socket path must fit in 108 bytes
-    kv_pool = KvPool(
+def new_pool(directory: Path) -> KvPool:
+    """A node's pool of 64 MiB, no one listening to its events."""
+    return KvPool(
         64 << 20,
         node="node-0",
         hasher_for=FAST.block_hashes.hasher,
         on_events=lambda events: None,
         directory=directory,
     )
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[Pool]:
+    directory = Path(tempfile.mkdtemp(prefix="kp"))  # a socket path must fit in 108 bytes
+    kv_pool = new_pool(directory)
     server = PoolServer(kv_pool, directory / "pool.sock")
     await server.start()
     try:
@@ -161,3 +166,35 @@ async def test_requests_arriving_together_both_find_the_loaded_blocks(
         cached_tokens(second, [*ids, 1, 2, 3]), cached_tokens(second, [*ids, 4, 5, 6])
     )
     assert list(got) == [10 * BS, 10 * BS]
+
+
+async def test_an_engine_finds_a_restarted_messengers_new_pool(start_engine: Any) -> None:
+    """The Messenger restarted: a new pool in a new file behind the same socket. The engine's
+    next request reconnects, attaches again, and its blocks are saved into the new pool."""
+    directory = Path(tempfile.mkdtemp(prefix="kp"))
+    socket = directory / "pool.sock"
+
+    async def serve() -> tuple[KvPool, PoolServer]:
+        pool = new_pool(directory)
+        server = PoolServer(pool, socket)
+        await server.start()
+        return pool, server
+
+    try:
+        old, server = await serve()
+        engine = await start_engine(kv_pool_socket=str(socket))
+        await cached_tokens(engine, prompt(6, 4 * BS + 1))
+        await wait_for(lambda: old.usage().blocks >= 4, 5.0, message="saved into the first")
+        await server.stop()
+        old.close()
+        new, server = await serve()
+        try:
+            ids = prompt(7, 4 * BS + 1)
+            assert await cached_tokens(engine, ids) == 0  # the new pool holds nothing yet
+            await wait_for(lambda: new.usage().blocks >= 4, 5.0, message="saved into the new")
+            engine.live.check_integrity()
+        finally:
+            await server.stop()
+            new.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
