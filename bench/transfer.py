@@ -1,10 +1,10 @@
 """KV transfer benchmarks on live local clusters (`kvsched up`'s processes, started here):
 
 1. throughput: one Messenger moves a session's KV (N blocks × every layer) from another
-   node's engine into its own, the whole path timed from StartTransfer to verified and
-   committed (export, checksums, reads, verification, commit), for each backend, against a
-   raw TCP socket copy of the same number of bytes between two processes in the same run
-   (goal: ≥ 0.9× the raw copy);
+   node's pool into its own (once the source engine saved the blocks into its pool), the
+   whole path timed from StartTransfer to verified and committed (export, checksums, reads,
+   verification, commit), for each backend, against a raw TCP socket copy of the same number
+   of bytes between two processes in the same run (goal: ≥ 0.9× the raw copy);
 2. first layer: time until the first layer is verified (usable by a consumer) against the
    whole transfer, from the same transfers' progress streams;
 3. migration downtime: a session whose host is made hot migrates with its next turn (`ear`,
@@ -44,8 +44,9 @@ from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.models import DEFAULT_MODEL, MINI_MODEL
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import ClusterOptions, plan_cluster
+from services.launcher.plan import ClusterOptions, plan_cluster, pool_socket
 from services.launcher.supervisor import Supervisor
+from services.vllm_connector.pool_client import PoolClient
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ async def cluster(opts: ClusterOptions) -> Any:
         sup = Supervisor(plan, run_dir / "logs")
         try:
             await sup.start()
-            yield plan.endpoints(sup.pids()), key
+            yield plan.endpoints(sup.pids()), key, run_dir
         finally:
             sup.stop()
 
@@ -82,6 +83,27 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 # ---- 1 and 2: throughput and first layer -------------------------------------------------------
+
+
+async def saved(socket_path: str, hashes: list[int], timeout_s: float = 60.0) -> None:
+    """Wait until the node pool at `socket_path` holds the chain `hashes` (the engine saves a
+    prompt's blocks once it computed them), so a transfer times the move alone."""
+    client = PoolClient(socket_path)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            answer = await asyncio.to_thread(
+                client.call, "load", block_hashes=hashes, start=0, end=len(hashes), hold_s=5.0
+            )
+            if answer["export_id"] is not None:
+                await asyncio.to_thread(client.call, "release", export_id=answer["export_id"])
+            if answer["blocks"] == len(hashes):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the source engine did not save its prompt into its pool")
+            await asyncio.sleep(0.01)
+    finally:
+        client.close()
 
 
 async def transfer_once(
@@ -126,7 +148,7 @@ async def throughput(backend: str, geometry: Geometry, repeat: int) -> dict[str,
         transfer_backend=backend,
         engine_flags=("--capacity-blocks", str(geometry.capacity_blocks)),
     )
-    async with cluster(opts) as (ep, _):
+    async with cluster(opts) as (ep, _, run_dir):
         engines = {e["id"]: e["url"] for e in ep["engines"]}
         target = next(m["url"] for m in ep["messengers"] if m["node"] == "node-1")
         timeout = aiohttp.ClientTimeout(total=600)
@@ -144,6 +166,7 @@ async def throughput(backend: str, geometry: Geometry, repeat: int) -> dict[str,
                 ) as resp:
                     assert resp.status == 200, await resp.text()
                 hashes = VllmBlockHasher(geometry.block_size).hash_prompt(prompt)
+                await saved(pool_socket(run_dir, "node-0"), hashes)
                 first, whole, nbytes = await transfer_once(stub, ep, hashes)
                 if r:
                     firsts.append(first)
@@ -213,7 +236,7 @@ async def downtime(migrations: int) -> dict[str, Any]:
         block_size=64,
         time_scale=0.1,
     )
-    async with cluster(opts) as (ep, key):
+    async with cluster(opts) as (ep, key, _):
         router = ep["routers"][0]["url"]
         engines = {e["id"]: e["url"] for e in ep["engines"]}
         auth = {"Authorization": f"Bearer {key}"}
