@@ -1,13 +1,19 @@
 """KV transfers between two Messengers in separate processes, each with a simulated engine of
-its own node, through each backend: the bytes arrive exactly, layer by layer; a corrupted
-chunk is read again or fails the transfer, never accepted; a Messenger killed mid-transfer or a
-cancel leaves nothing half-committed; a hand-off streams while the prefill runs."""
+its own node and the node's KV pool (which the engine saves to and loads from, as vLLM does
+through kvsched's connector), through each backend: the bytes arrive exactly, layer by layer;
+a corrupted chunk is read again or fails the transfer, never accepted; a Messenger killed
+mid-transfer or a cancel leaves nothing half-committed; a hand-off streams while the prefill
+runs. What a pool holds is asked through its socket, as an engine asks it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import json
 import mmap
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.kv_layout import KvLayout, expected_chunk
 from services.common.tls import ClientTls, aio_channel, channel_credentials
+from services.vllm_connector.pool_client import PoolClient, PoolUnavailable
 from tests.conductor.conftest import ConductorProcess
 from tests.conftest import MOONCAKE
 from tests.fixtures.etcd import make_tls, start_etcd
@@ -39,6 +46,7 @@ from tests.messenger.conftest import (
 
 SOURCE, TARGET = "node-0/e0", "node-1/e0"
 BLOCKS = 24
+POOL_BYTES = 64 << 20
 BACKENDS = ["tcp", pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE])]
 
 
@@ -49,12 +57,19 @@ def prompt(seed: int, blocks: int = BLOCKS) -> list[int]:
 @dataclass
 class Nodes:
     """Two nodes' engines registered with one Conductor (a process), shared by a module's
-    tests (each uses prompts of its own); every test starts both Messengers anew."""
+    tests (each uses prompts of its own); every test starts both Messengers, and so both
+    nodes' pools, anew (behind the same sockets, in the format they remember)."""
 
     conductor: ConductorProcess
     source: EngineProcess
     target: EngineProcess
     backend: str
+    sockets: dict[str, str]  # instance id -> its node pool's socket
+
+    def pool_flags(self, engine: EngineProcess) -> tuple[str, ...]:
+        """A Messenger's flags for the pool of `engine`'s node."""
+        socket = self.sockets[engine.instance_id]
+        return ("--kv-pool-bytes", str(POOL_BYTES), "--kv-pool-socket", socket)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -62,16 +77,23 @@ def nodes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Nodes]:
     tmp = tmp_path_factory.mktemp("transfers")
+    short = Path(tempfile.mkdtemp(prefix="kt"))  # a socket's path must fit in 108 bytes
+    sockets = {SOURCE: str(short / "node-0.sock"), TARGET: str(short / "node-1.sock")}
     flags = ("--capacity-blocks", "96")
     with start_etcd(tmp / "etcd") as etcd:
         conductor = ConductorProcess(etcd, "c1", tmp / "conductor.log", max_instances=4)
-        source = EngineProcess(tmp / "source.log", SOURCE, flags=flags)
-        target = EngineProcess(tmp / "target.log", TARGET, flags=flags)
+        source = EngineProcess(
+            tmp / "source.log", SOURCE, flags=(*flags, "--kv-pool-socket", sockets[SOURCE])
+        )
+        target = EngineProcess(
+            tmp / "target.log", TARGET, flags=(*flags, "--kv-pool-socket", sockets[TARGET])
+        )
         try:
-            yield Nodes(conductor, source, target, request.param)
+            yield Nodes(conductor, source, target, request.param, sockets)
         finally:
             for proc in (target, source, conductor):
                 proc.stop()
+            shutil.rmtree(short, ignore_errors=True)
 
 
 @dataclass
@@ -93,11 +115,21 @@ class Pair:
     def target(self) -> EngineProcess:
         return self.nodes.target
 
+    async def pool(self, engine: EngineProcess, op: str, **arguments: Any) -> dict[str, Any]:
+        """One call to the pool of `engine`'s node, as an engine makes it."""
+        client = PoolClient(self.nodes.sockets[engine.instance_id], timeout_s=5.0)
+        try:
+            return await asyncio.to_thread(client.call, op, **arguments)
+        finally:
+            client.close()
+
     async def layout(self, engine: EngineProcess) -> tuple[str, KvLayout]:
-        async with self.http.get(engine.url + "/kvsched/info") as r:
-            mem = (await r.json())["kv_memory"]
-        return mem["path"], KvLayout(
-            mem["layers"], mem["pages"], mem["chunk_bytes"], mem["block_size"]
+        """The memory file of `engine`'s node pool and its layout."""
+        socket = Path(self.nodes.sockets[engine.instance_id])
+        fmt = json.loads(socket.with_suffix(".format").read_text(encoding="utf-8"))
+        answer = await self.pool(engine, "attach", format=fmt)
+        return answer["path"], KvLayout(
+            fmt["layers"], answer["pages"], fmt["chunk_bytes"], fmt["block_size"]
         )
 
     async def start(
@@ -125,25 +157,37 @@ class Pair:
         return [p async for p in self.stub.WatchTransfer(request, timeout=30.0)]
 
     async def visible(self, engine: EngineProcess, hashes: Sequence[int]) -> list[int] | None:
-        """The pages `engine` holds `hashes` in, when it holds them all (pinning them for an
-        instant), else None."""
-        body = {"block_hashes": list(hashes), "hold_s": 5.0}
-        async with self.http.post(engine.url + "/kvsched/kv/export", json=body) as r:
-            answer = await r.json()
+        """The pages the pool of `engine`'s node holds `hashes` in, when it holds them all
+        (pinning them for an instant), else None (also when there is no pool to ask)."""
+        try:
+            answer = await self.pool(
+                engine, "load", block_hashes=list(hashes), start=0, end=len(hashes), hold_s=5.0
+            )
+        except PoolUnavailable:
+            return None
         if answer["export_id"] is not None:
-            await self.http.delete(f"{engine.url}/kvsched/kv/export/{answer['export_id']}")
+            await self.pool(engine, "release", export_id=answer["export_id"])
         return answer["pages"] if answer["blocks"] == len(hashes) else None
 
     async def free_for(self, engine: EngineProcess, hashes: Sequence[int]) -> bool:
-        """Whether `engine` can reserve pages for all of `hashes` now (its pages came back)."""
-        body = {"block_hashes": list(hashes), "hold_s": 5.0}
-        async with self.http.post(engine.url + "/kvsched/kv/import", json=body) as r:
-            answer = await r.json()
-        if r.status != 200:
-            return False
+        """Whether the pool of `engine`'s node can stage pages for all of `hashes` now (its
+        pages came back)."""
+        answer = await self.pool(
+            engine, "save", block_hashes=list(hashes), upto=len(hashes), hold_s=5.0
+        )
         if answer["import_id"] is not None:
-            await self.http.delete(f"{engine.url}/kvsched/kv/import/{answer['import_id']}")
+            await self.pool(engine, "abort", import_id=answer["import_id"])
         return answer["have"] == 0 and len(answer["pages"]) == len(hashes)
+
+    async def computed(self, tokens: Sequence[int]) -> list[int]:
+        """The source engine computes `tokens`, and its node's pool holds their blocks (the
+        engine saves them once computed); their hashes."""
+        await self.source.complete(self.http, tokens)
+        hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+        await wait_for(
+            lambda: self.visible(self.source, hashes), 10.0, message="the source saved them"
+        )
+        return hashes
 
 
 @pytest.fixture
@@ -161,15 +205,21 @@ async def pair_of(
         client = client_of([nodes.conductor.url])
         backend = ("--transfer-backend", nodes.backend)
         conductor = nodes.conductor.url
-        source_m = start_messenger_process(conductor, "node-0", [nodes.source.url], *backend)
-        target_m = start_messenger_process(
-            conductor, "node-1", [nodes.target.url], *backend, *target_flags
+        source_m = start_messenger_process(
+            conductor, "node-0", [nodes.source.url], *backend, *nodes.pool_flags(nodes.source)
         )
+        target_m = start_messenger_process(
+            conductor, "node-1", [nodes.target.url], *backend,
+            *nodes.pool_flags(nodes.target), *target_flags,
+        )  # fmt: skip
         for m, engine in ((source_m, nodes.source), (target_m, nodes.target)):
             await wait_for(
                 functools.partial(_registered_by, client, engine.instance_id, m.url),
                 20.0,
                 message=f"{engine.instance_id} registered (log: {m.log})",
+            )
+            await wait_for(
+                functools.partial(_ready, http, m), 20.0, message=f"{m.log.name}'s pool ready"
             )
         channel = grpc.aio.insecure_channel(target_m.url)
         channels.append(channel)
@@ -179,6 +229,14 @@ async def pair_of(
     yield make
     for channel in channels:
         await channel.close(None)
+
+
+async def _ready(http: aiohttp.ClientSession, messenger: MessengerProcess) -> bool:
+    """Whether the Messenger is ready to move KV (its engines answered, its pool attached)."""
+    with contextlib.suppress(aiohttp.ClientError):
+        async with http.get(messenger.http_url + "/ready") as r:
+            return r.status == 200
+    return False
 
 
 async def _registered_by(client: ConductorClient, instance_id: str, messenger: str) -> bool:
@@ -201,8 +259,7 @@ async def test_blocks_arrive_byte_exact_layer_by_layer_and_become_cache_hits(
 ) -> None:
     pair: Pair = await pair_of()
     tokens = prompt(1)
-    await pair.source.complete(pair.http, tokens)
-    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+    hashes = await pair.computed(tokens)
     assert len(hashes) == BLOCKS and await pair.visible(pair.target, hashes) is None
 
     progress = await pair.watch(await pair.start(hashes))
@@ -233,15 +290,18 @@ async def test_blocks_arrive_byte_exact_layer_by_layer_and_become_cache_hits(
     await wait_for(
         lambda: cached_tokens(pair.client, tokens), 10.0, message="the Conductor indexes them"
     )
-    status = await instance_status(pair.client, TARGET)
-    assert status is not None and status.gpu_blocks >= BLOCKS
+
+    async def in_its_engine() -> bool:  # the pool's blocks were indexed first, as CPU tier
+        status = await instance_status(pair.client, TARGET)
+        return status is not None and status.gpu_blocks >= BLOCKS
+
+    await wait_for(in_its_engine, 10.0, message="the Conductor indexes the engine's blocks")
 
 
 async def test_a_corrupted_chunk_is_read_again(pair_of: Callable[..., Any]) -> None:
     pair: Pair = await pair_of(target_flags=("--fault-corrupt-chunks", "3"))
     tokens = prompt(2)
-    await pair.source.complete(pair.http, tokens)
-    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+    hashes = await pair.computed(tokens)
     last = (await pair.watch(await pair.start(hashes)))[-1]
     assert last.state == mpb.TRANSFER_STATE_DONE, last.error
     metrics = await pair.target_messenger.metrics(pair.http)
@@ -265,8 +325,7 @@ async def test_a_chunk_that_stays_corrupt_fails_the_transfer_and_nothing_is_comm
     flags = ("--fault-corrupt-chunks", "1000000", "--chunk-retries", "2")
     pair: Pair = await pair_of(target_flags=flags)
     tokens = prompt(3)
-    await pair.source.complete(pair.http, tokens)
-    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+    hashes = await pair.computed(tokens)
     last = (await pair.watch(await pair.start(hashes)))[-1]
     assert last.state == mpb.TRANSFER_STATE_FAILED
     assert "checksum" in last.error and "nothing was committed" in last.error
@@ -296,8 +355,7 @@ async def test_a_source_messenger_killed_mid_transfer_fails_it_cleanly(
 ) -> None:
     pair: Pair = await pair_of(target_flags=_paced())
     tokens = prompt(4)
-    await pair.source.complete(pair.http, tokens)
-    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+    hashes = await pair.computed(tokens)
     tid = await pair.start(hashes)
     await _until_running(pair, tid)
     pair.source_messenger.kill()
@@ -308,20 +366,20 @@ async def test_a_source_messenger_killed_mid_transfer_fails_it_cleanly(
     assert pair.target_messenger.process.poll() is None  # the target's Messenger serves on
 
 
-async def test_a_target_messenger_killed_mid_transfer_leaves_nothing_on_its_engine(
+async def test_a_target_messenger_killed_mid_transfer_leaves_nothing_on_its_node(
     pair_of: Callable[..., Any],
 ) -> None:
     pair: Pair = await pair_of(target_flags=_paced())
     tokens = prompt(5)
-    await pair.source.complete(pair.http, tokens)
-    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+    hashes = await pair.computed(tokens)
     tid = await pair.start(hashes, timeout_s=3.0)
     await _until_running(pair, tid)
     pair.target_messenger.kill()
-    # Its engine's reservation ends at the transfer's deadline (its hold): never committed.
+    # The node's pool went with its Messenger, the staged blocks with it: the engine has
+    # nothing of them, and computes the prompt (its pool link a miss, not an error).
     assert await pair.visible(pair.target, hashes[:1]) is None
-    await wait_for(lambda: pair.free_for(pair.target, hashes), 10.0, message="pages back")
-    assert await pair.visible(pair.target, hashes[:1]) is None
+    answer = await pair.target.complete(pair.http, tokens)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 async def test_a_cancelled_transfer_commits_nothing(
@@ -329,8 +387,7 @@ async def test_a_cancelled_transfer_commits_nothing(
 ) -> None:
     pair: Pair = await pair_of(target_flags=_paced())
     tokens = prompt(6)
-    await pair.source.complete(pair.http, tokens)
-    hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+    hashes = await pair.computed(tokens)
     tid = await pair.start(hashes)
     await _until_running(pair, tid)
     answer = await pair.stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id=tid))
@@ -442,6 +499,8 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
         "--serve-tls-cert", str(tls.server_cert), "--serve-tls-key", str(tls.server_key),
         "--serve-tls-client-ca", ca,
     ]  # fmt: skip
+    source_flags = [*flags, *nodes.pool_flags(nodes.source)]
+    target_flags = [*flags, *nodes.pool_flags(nodes.target)]
     await nodes.source.ready(http)
     await nodes.target.ready(http)
     with start_etcd(tmp_path / "etcd") as etcd:
@@ -450,8 +509,12 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
             tls_cert=tls.server_cert, tls_key=tls.server_key, tls_client_ca=ca,
         )  # fmt: skip
         try:
-            source_m = start_messenger_process(conductor.url, "node-0", [nodes.source.url], *flags)
-            target_m = start_messenger_process(conductor.url, "node-1", [nodes.target.url], *flags)
+            source_m = start_messenger_process(
+                conductor.url, "node-0", [nodes.source.url], *source_flags
+            )
+            target_m = start_messenger_process(
+                conductor.url, "node-1", [nodes.target.url], *target_flags
+            )
             credentials = channel_credentials(ClientTls(ca, cert, key))
             async with ConductorClient(
                 [conductor.url], credentials=credentials, deadline_s=2.0, retries=30
@@ -462,12 +525,11 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
                         20.0,
                         message=f"{engine.instance_id} registered over TLS (log: {m.log})",
                     )
-            tokens = prompt(9)
-            await nodes.source.complete(http, tokens)
-            hashes = VllmBlockHasher(BLOCK).hash_prompt(tokens)
+                    await wait_for(functools.partial(_ready, http, m), 20.0, message="ready")
             async with aio_channel(target_m.url, ClientTls(ca, cert, key)) as channel:
                 stub = mpb_grpc.MessengerServiceStub(channel)
                 pair = Pair(nodes, client, source_m, target_m, http, stub)
+                hashes = await pair.computed(prompt(9))
                 last = (await pair.watch(await pair.start(hashes)))[-1]
                 assert last.state == mpb.TRANSFER_STATE_DONE, last.error
             async with aio_channel(target_m.url, ClientTls(ca)) as channel:  # no certificate
