@@ -1,8 +1,8 @@
 """The engine's HTTP API: vLLM's routes (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/tokenize`, `/health`, `/metrics`) plus the JSON views a Messenger reads
-(`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`), the KV transfer routes it calls
-(`/kvsched/kv/export`, `/kvsched/kv/import`: `services.engine.kv_routes`) and the step
-counters the load generator reads (`/kvsched/stats`).
+(`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`) and the step counters the load
+generator reads (`/kvsched/stats`). KV leaves and enters the engine only through its node's
+KV pool (`services.engine.pool_link`), as a vLLM engine's does through kvsched's connector.
 
 `build` assembles one engine (model, KV memory, KV-event publisher, metrics, step loop,
 routes); the caller serves `EngineApp.app` and calls `start`/`close` around it.
@@ -34,7 +34,6 @@ from services.common.openai_api import (
 )
 from services.engine.kv_memory import KvMemory
 from services.engine.kv_publisher import KvEventPublisher
-from services.engine.kv_routes import KvTransferRoutes
 from services.engine.metrics import EngineMetrics
 from services.engine.model import build_model
 from services.engine.openai_stream import DONE, Shape, error_chunk
@@ -83,7 +82,6 @@ class EngineApp:
                 web.get("/kvsched/load", self.load),
                 web.get("/kvsched/kv/snapshot", self.snapshot),
                 web.get("/kvsched/stats", self.stats),
-                *KvTransferRoutes(live, lambda: self.draining).routes(),
             ]
         )
 
@@ -216,8 +214,7 @@ class EngineApp:
     # ---- kvsched views -----------------------------------------------------------------
 
     async def info(self, request: web.Request) -> web.Response:
-        pub, memory = self.live.publisher, self.live.memory
-        layout = memory.layout
+        pub = self.live.publisher
         return web.json_response(
             {
                 "instance_id": self.settings.instance_id,
@@ -230,13 +227,6 @@ class EngineApp:
                     "replay_endpoint": pub.replay_endpoint,
                     "topic": pub.topic.decode(),
                     "shape": pub.shape,
-                },
-                "kv_memory": {
-                    "path": str(memory.path),
-                    "layers": layout.layers,
-                    "pages": layout.pages,
-                    "chunk_bytes": layout.chunk_bytes,
-                    "block_size": layout.block_size,
                 },
             }
         )

@@ -1,20 +1,23 @@
-"""Exports and imports of cached blocks: the engine's side of a KV transfer, between steps.
+"""Exports and imports of cached blocks over a KV store (a prefix cache, its KV memory and
+vLLM's names of its blocks): the bookkeeping of both ends of a KV transfer. A node's KV pool
+(`services.messenger.kv_pool`) is such a store, exported from and imported into by its
+Messenger and by its engines; a simulated engine imports what it loads from its pool
+(`services.engine.pool_link`).
 
-An export pins blocks a Messenger reads from the engine's KV memory: they stay cached and on
-their pages (locked in the prefix cache, without counting as a use) until released, or until
-their hold time passes (a reader that died must leave nothing pinned). An export may wait for
-its first block: a prefill still computing a prompt stores it soon.
+An export pins blocks a reader copies out of the KV memory: they stay cached and on their
+pages (locked in the prefix cache, without counting as a use) until released, or until their
+hold time passes (a reader that died must leave nothing pinned). An export may wait for its
+first block: a block still being saved arrives soon.
 
-An import is two calls around a Messenger's write. `import_begin` holds the chain's cached
-prefix, reserves pages in the prefix cache for the missing blocks and stages as many KV memory
-pages for the Messenger to write. `import_commit` checks the blocks' token ids really hash to
-the chain, then makes them cached blocks as the simulator does for a copy nobody waits on
+An import is two calls around a writer's copy. `import_begin` holds the chain's cached prefix,
+reserves pages in the prefix cache for the missing blocks and stages as many KV memory pages
+for the writer. `import_commit` checks the blocks' token ids really hash to the chain, then
+makes them cached blocks as the simulator does for a copy nobody waits on
 (`kvsched.sim.replay`): committed, then unlocked, so they are evictable and most recently used,
-and the engine publishes them like blocks it computed. `import_abort`, or the hold time
-passing, gives everything back.
+and the store names them like blocks computed there. `import_abort`, or the hold time passing,
+gives everything back.
 
-Pure bookkeeping over the engine's cache, memory and names, on the event loop; the HTTP side
-is `services.engine.kv_routes`.
+Pure bookkeeping on the event loop.
 """
 
 from __future__ import annotations

@@ -103,13 +103,6 @@ class EngineMetrics:
         self.computed_tokens = by_source.labels(*values, "local_compute")
         self.hit_tokens = by_source.labels(*values, "local_cache_hit")
         self.loaded_tokens = by_source.labels(*values, "external_kv_transfer")
-        # Ours, not vLLM's: blocks a Messenger read out of this engine or wrote into it.
-        self.exported_blocks = counter(
-            "kvsched_engine_kv_exported_blocks", "Cached blocks pinned for a Messenger to read."
-        )
-        self.imported_blocks = counter(
-            "kvsched_engine_kv_imported_blocks", "Blocks a Messenger wrote that became cached."
-        )
         self.success = Counter(
             "vllm:request_success",
             "Successfully processed requests.",

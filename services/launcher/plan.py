@@ -77,14 +77,10 @@ class ClusterOptions:
             raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32")
         if self.kv_pool_bytes < 0:
             raise ValueError("--kv-pool-bytes must not be negative")
-        if (
-            self.engine == "vllm"
-            and not self.kv_pool_bytes
-            and any(r != "both" for r in engine_roles(self.policy, 2))
-        ):
+        if not self.kv_pool_bytes and any(r != "both" for r in engine_roles(self.policy, 2)):
             raise ValueError(
-                f"policy {self.policy} hands KV from prefill to decode engines: vLLM engines "
-                "move KV only through their nodes' KV pools (--kv-pool-bytes)"
+                f"policy {self.policy} hands KV from prefill to decode engines: engines move "
+                "KV only through their nodes' KV pools (--kv-pool-bytes)"
             )
 
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import aiohttp
 
 from kvsched.core.load import LoadReport
 from services.common.kv_events import BlockStored, Limits
-from services.common.kv_layout import KvLayout
 
 ROLES = frozenset({"both", "prefill", "decode"})
 
@@ -49,14 +47,6 @@ class KvEventsEndpoint:
 
 
 @dataclass(frozen=True, slots=True)
-class KvMemory:
-    """Where an engine keeps its KV bytes: a file on this node, laid out as `layout`."""
-
-    path: str
-    layout: KvLayout
-
-
-@dataclass(frozen=True, slots=True)
 class EngineInfo:
     """`GET /kvsched/info`."""
 
@@ -66,32 +56,6 @@ class EngineInfo:
     block_size: int
     capacity_blocks: int
     kv_events: KvEventsEndpoint
-    kv_memory: KvMemory | None = None  # None: the engine keeps no KV bytes we can move
-
-
-@dataclass(frozen=True, slots=True)
-class Exported:
-    """`POST /kvsched/kv/export`: blocks pinned for reading, from the asked start on."""
-
-    export_id: str
-    blocks: int
-    pages: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    cache_salt: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class ImportSlots:
-    """`POST /kvsched/kv/import`: pages reserved for the blocks after the `have` the engine
-    holds already (no import, and no pages, when it holds them all)."""
-
-    import_id: str | None
-    have: int
-    pages: tuple[int, ...]
-
-
-class EngineNoRoom(EngineError):
-    """The engine cannot reserve pages for an import now (its KV memory is taken)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +70,7 @@ class Snapshot:
 
 
 class EngineApi:
-    """HTTP calls to one simulated engine at `base_url` on a shared session (its engine port,
-    and its KV memory's exports and imports)."""
+    """HTTP calls to one simulated engine at `base_url` on a shared session."""
 
     has_snapshot = True
 
@@ -164,63 +127,6 @@ class EngineApi:
 
     async def load(self) -> LoadReport:
         return parse_load(await self._get("/kvsched/load", self._timeout))
-
-    async def export_blocks(
-        self, hashes: Sequence[int], start: int, end: int, *, wait_s: float, hold_s: float
-    ) -> Exported:
-        """Pin the cached blocks `hashes[start:end]` from `start` on, waiting up to `wait_s`
-        for block `start` to be cached; they stay pinned `hold_s` unless released."""
-        body = {
-            "block_hashes": list(hashes),
-            "start": start,
-            "end": end,
-            "wait_s": wait_s,
-            "hold_s": hold_s,
-        }
-        timeout = aiohttp.ClientTimeout(total=wait_s + (self._timeout.total or 0.5))
-        raw = await self._send("POST", "/kvsched/kv/export", body, timeout)
-        return parse_exported(raw, self._limits)
-
-    async def release_export(self, export_id: str) -> bool:
-        raw = await self._send("DELETE", f"/kvsched/kv/export/{quote(export_id)}", None)
-        return bool(_object(raw, "release").get("released"))
-
-    async def begin_import(self, hashes: Sequence[int], upto: int, *, hold_s: float) -> ImportSlots:
-        """Reserve pages for `hashes[:upto]` beyond what the engine holds; raises
-        `EngineNoRoom` when it has none to give."""
-        body = {"block_hashes": list(hashes), "upto": upto, "hold_s": hold_s}
-        return parse_import(await self._send("POST", "/kvsched/kv/import", body), self._limits)
-
-    async def commit_import(
-        self, import_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> int:
-        """Make the imported blocks visible (the engine checks their tokens hash to them);
-        returns how many were new to it."""
-        body = {"token_ids": list(token_ids), "cache_salt": cache_salt}
-        raw = await self._send("POST", f"/kvsched/kv/import/{quote(import_id)}/commit", body)
-        return _int(_object(raw, "commit"), "stored")
-
-    async def abort_import(self, import_id: str) -> bool:
-        raw = await self._send("DELETE", f"/kvsched/kv/import/{quote(import_id)}", None)
-        return bool(_object(raw, "abort").get("aborted"))
-
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        body: Any,
-        timeout: aiohttp.ClientTimeout | None = None,
-    ) -> Any:
-        """One JSON call; raises `EngineUnreachable` (no answer), `EngineNoRoom` (507) or
-        `EngineMalformed` (an error status or an answer off the contract, with its message)."""
-        url = self.base_url + path
-        status, data = await self._request(method, path, body, timeout or self._timeout)
-        raw = _json(path, data)
-        if status == 507:
-            raise EngineNoRoom(_error_message(raw) or f"{method} {url}: no room")
-        if status != 200:
-            raise EngineMalformed(f"{method} {url}: HTTP {status}: {_error_message(raw)}")
-        return raw
 
     async def snapshot(self) -> Snapshot:
         path = "/kvsched/kv/snapshot"
@@ -282,77 +188,7 @@ def parse_info(raw: Any) -> EngineInfo:
             replay_endpoint=_str(events, "replay_endpoint", optional=True) or None,
             topic=_str(events, "topic", optional=True),
         ),
-        kv_memory=_kv_memory(info.get("kv_memory")),
     )
-
-
-def _error_message(raw: Any) -> str:
-    """The message of an OpenAI error body, if that is what `raw` is."""
-    error = raw.get("error") if isinstance(raw, Mapping) else None
-    message = error.get("message") if isinstance(error, Mapping) else None
-    return message if isinstance(message, str) else ""
-
-
-def _ints(raw: Mapping[str, Any], key: str, *, high: int, cap: int) -> tuple[int, ...]:
-    values = raw.get(key)
-    if (
-        not isinstance(values, list)
-        or len(values) > cap
-        or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= high for v in values
-        )
-    ):
-        raise EngineMalformed(f"{key} must be a list of at most {cap} integers in [0, {high}]")
-    return tuple(values)
-
-
-def _kv_memory(raw: Any) -> KvMemory | None:
-    if raw is None:
-        return None
-    mem = _object(raw, "info.kv_memory")
-    try:
-        layout = KvLayout(
-            layers=_int(mem, "layers", low=1, high=1 << 16),
-            pages=_int(mem, "pages", low=1, high=1 << 32),
-            chunk_bytes=_int(mem, "chunk_bytes", low=8, high=1 << 32),
-            block_size=_int(mem, "block_size", low=1, high=1 << 20),
-        )
-    except ValueError as exc:
-        raise EngineMalformed(f"info.kv_memory: {exc}") from None
-    return KvMemory(_str(mem, "path"), layout)
-
-
-def parse_exported(raw: Any, limits: Limits | None = None) -> Exported:
-    """An `Exported` from `/kvsched/kv/export`'s JSON; raises `EngineMalformed`."""
-    lim = limits or Limits()
-    exp = _object(raw, "export")
-    salt = exp.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise EngineMalformed(f"cache_salt must be a string or null, got {salt!r}")
-    blocks = _int(exp, "blocks", high=lim.max_tokens)
-    pages = _ints(exp, "pages", high=(1 << 32) - 1, cap=lim.max_tokens)
-    if len(pages) != blocks:
-        raise EngineMalformed(f"{blocks} blocks exported but {len(pages)} pages named")
-    return Exported(
-        export_id=_str(exp, "export_id", optional=blocks == 0),
-        blocks=blocks,
-        pages=pages,
-        token_ids=_ints(exp, "token_ids", high=(1 << 32) - 1, cap=lim.max_tokens),
-        cache_salt=salt,
-    )
-
-
-def parse_import(raw: Any, limits: Limits | None = None) -> ImportSlots:
-    """An `ImportSlots` from `/kvsched/kv/import`'s JSON; raises `EngineMalformed`."""
-    lim = limits or Limits()
-    imp = _object(raw, "import")
-    import_id = imp.get("import_id")
-    if import_id is not None and (not isinstance(import_id, str) or not import_id):
-        raise EngineMalformed(f"import_id must be a string or null, got {import_id!r}")
-    pages = _ints(imp, "pages", high=(1 << 32) - 1, cap=lim.max_tokens)
-    if (import_id is None) != (not pages):
-        raise EngineMalformed("an import names pages exactly when it has an id")
-    return ImportSlots(import_id, _int(imp, "have", high=lim.max_tokens), pages)
 
 
 def parse_load(raw: Any) -> LoadReport:

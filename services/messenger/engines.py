@@ -1,8 +1,8 @@
 """Which engines a Messenger serves and how it talks to each: the `--engine` flag, and the
 engine port, the one interface a relay needs (who the engine is, its load, its KV-event
 endpoints, an optional snapshot), with two implementations: stock vLLM's OpenAI server
-(`VllmEngine`) and our simulated engine (`EngineApi`, which also keeps KV memory that
-transfers read and write).
+(`VllmEngine`) and our simulated engine (`EngineApi`). Neither is asked for KV: both save to
+and load from their node's KV pool, which transfers read and write.
 
 `--engine URL[,key=value...]`, repeated or with several URLs in one value: `kind` (`auto`,
 the default, asks for the simulated engine's `/kvsched/info` and takes a 404 for vLLM; `sim`;

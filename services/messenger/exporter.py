@@ -21,7 +21,8 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from services.common.durations import seconds
 from services.common.kv_layout import checksums
 from services.messenger.engine_api import EngineError
-from services.messenger.local_kv import KvEnd, LocalKv, TransferRefused
+from services.messenger.kv_pool import KvPool
+from services.messenger.local_kv import LocalKv, TransferRefused
 from services.messenger.transfer.region import KvRegion
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ DEFAULT_HOLD_S = 60.0
 
 @dataclass(slots=True)
 class _Export:
-    api: KvEnd
+    api: KvPool
     expiry: asyncio.TimerHandle
 
 

@@ -38,7 +38,7 @@ from services.common.kv_layout import KvLayout
 from services.engine.kv_memory import DEFAULT_DIR, KvMemory
 from services.engine.kv_names import EngineNames
 from services.engine.kv_transfer import KvTransfers, NoRoom, TransferError
-from services.messenger.engine_api import EngineError, EngineNoRoom, Exported, ImportSlots
+from services.messenger.engine_api import EngineError
 
 log = logging.getLogger(__name__)
 MEDIUM = "CPU"  # how vLLM's events name host memory
@@ -65,6 +65,31 @@ class BlockFormat:
 
     def layout(self, pages: int) -> KvLayout:
         return KvLayout(self.layers, pages, self.chunk_bytes, self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """An export: blocks pinned for reading, from the asked start on."""
+
+    export_id: str
+    blocks: int
+    pages: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ImportSlots:
+    """An import: pages staged for the blocks after the `have` the pool holds already (no
+    import, and no pages, when it holds them all)."""
+
+    import_id: str | None
+    have: int
+    pages: tuple[int, ...]
+
+
+class PoolFull(EngineError):
+    """The pool cannot stage pages for an import now (every page holds a pinned block)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,12 +250,12 @@ class KvPool:
 
     async def begin_import(self, hashes: Sequence[int], upto: int, *, hold_s: float) -> ImportSlots:
         """Stage pages for the blocks of `hashes[:upto]` the pool lacks (evicting LRU
-        blocks); raises `EngineNoRoom` when it cannot."""
+        blocks); raises `PoolFull` when it cannot."""
         store = self._live()
         try:
             grant = store.transfers.import_begin(hashes, upto, hold_s)
         except NoRoom as exc:
-            raise EngineNoRoom(str(exc)) from None
+            raise PoolFull(str(exc)) from None
         except TransferError as exc:
             raise EngineError(str(exc)) from None
         finally:

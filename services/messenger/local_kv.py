@@ -1,29 +1,21 @@
-"""This node's engines as ends of KV transfers, each with the KV memory a transfer reads or
-writes, mapped into the Messenger and registered with the transfer backend once (not per
-transfer):
-
-- an engine that uses the node's KV pool (`kv_pool`; a vLLM engine through kvsched's KV
-  connector, a simulated engine through its pool link): the pool, which the engine saves
-  computed blocks to and loads missing blocks from; a transfer to or from it moves pool to
-  pool;
-- a simulated engine without a pool: its own KV memory, exported and imported through its
-  HTTP API.
-
-An engine that restarted keeps its KV in a new file: the old mapping is unregistered and
-closed, and the new one mapped and registered, the first time a transfer needs it.
+"""This node's engines as ends of KV transfers: an engine's end is its node's KV pool
+(`kv_pool`), which the engine saves computed blocks to and loads missing blocks from
+(kvsched's KV connector in vLLM, the pool link of a simulated engine), so a transfer moves
+pool to pool. The pool's memory is mapped into the Messenger and registered with the transfer
+backend once (not per transfer); a pool that moved to a new file (replaced while empty) is
+unregistered and the new one mapped and registered, the first time a transfer needs it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.kv_layout import SIM_FORMAT
-from services.messenger.engine_api import Exported, ImportSlots, KvMemory
+from services.engine.kv_memory import KvMemory
 from services.messenger.kv_pool import KvPool
 from services.messenger.transfer.backend import Backend
 from services.messenger.transfer.region import KvRegion
@@ -43,33 +35,9 @@ class TransferRefused(Exception):
         self.code = code
 
 
-class KvEnd(Protocol):
-    """One end of a transfer: the store whose blocks are exported from, or imported into,
-    the memory the transfer reads or writes (`EngineApi`, `KvPool`). Failures raise
-    `EngineError` (`EngineNoRoom` when an import finds no room)."""
-
-    async def export_blocks(
-        self, hashes: Sequence[int], start: int, end: int, *, wait_s: float, hold_s: float
-    ) -> Exported: ...
-
-    async def release_export(self, export_id: str) -> bool: ...
-
-    async def begin_import(
-        self, hashes: Sequence[int], upto: int, *, hold_s: float
-    ) -> ImportSlots: ...
-
-    async def commit_import(
-        self, import_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> int: ...
-
-    async def abort_import(self, import_id: str) -> bool: ...
-
-
-POOL = "pool"  # the key of the node pool's region
-
-
 class LocalKv:
-    """The KV memory of the engines this Messenger relays."""
+    """The node's KV pool as the end of every transfer to or from the engines this Messenger
+    relays."""
 
     def __init__(
         self,
@@ -80,7 +48,7 @@ class LocalKv:
         self._relays = relays
         self.backend = backend
         self.pool = pool
-        self._regions: dict[str, KvRegion] = {}  # instance id (or POOL) -> its mapped memory
+        self._region: KvRegion | None = None  # the pool's memory, mapped and registered
 
     @property
     def backend_value(self) -> pb.TransferBackend.ValueType:
@@ -98,42 +66,37 @@ class LocalKv:
                 f"{pb.TransferBackend.Name(wanted) if named else wanted}",
             )
 
-    def engine(self, instance_id: str) -> tuple[KvEnd, KvRegion]:
-        """The end that holds `instance_id`'s movable KV (its own memory, or the node's pool)
-        and that memory, mapped and registered. Raises `TransferRefused`: NOT_FOUND when no
-        engine of this node is that instance, FAILED_PRECONDITION when it keeps no KV bytes
-        (or its file cannot be mapped)."""
+    def engine(self, instance_id: str) -> tuple[KvPool, KvRegion]:
+        """The end that holds `instance_id`'s movable KV (the node's pool) and its memory,
+        mapped and registered. Raises `TransferRefused`: NOT_FOUND when no engine of this
+        node is that instance, FAILED_PRECONDITION when it uses no pool (or the pool's file
+        cannot be mapped)."""
         relay = next((r for r in self._relays() if r.instance_id == instance_id), None)
-        if relay is not None and relay.uses_pool:
-            # The pool's blocks are the node's: they outlive an engine that stopped answering.
-            assert self.pool is not None
-            memory, fmt = self.pool.memory, self.pool.format
-            assert fmt is not None  # attached
-            region = self._region(POOL, KvMemory(str(memory.path), memory.layout), fmt.kind)
-            return self.pool, region
-        if relay is None or relay.info is None or not relay.up:
+        if relay is None or relay.info is None:
             raise TransferRefused(
                 grpc.StatusCode.NOT_FOUND,
-                f"instance {instance_id!r} is not an engine of this node that answers now",
+                f"instance {instance_id!r} is not an engine of this node that answered",
             )
-        kv, own = relay.kv, relay.info.kv_memory
-        if own is None or kv is None:
+        if not relay.uses_pool:
             raise TransferRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"instance {instance_id!r} keeps no KV memory a Messenger can move (a vLLM "
-                "engine needs its node's KV pool: --kv-pool-bytes, and kvsched's KV connector)",
+                f"instance {instance_id!r} keeps no KV a Messenger can move: its node needs a "
+                "KV pool (--kv-pool-bytes) that the engine saves to and loads from (kvsched's "
+                "KV connector in vLLM, --kv-pool-socket for a simulated engine)",
             )
-        return kv, self._region(instance_id, own)
+        # The pool's blocks are the node's: they outlive an engine that stopped answering.
+        assert self.pool is not None and self.pool.format is not None  # attached
+        return self.pool, self._mapped(self.pool.memory, self.pool.format.kind)
 
-    def _region(self, owner: str, memory: KvMemory, block_format: str = SIM_FORMAT) -> KvRegion:
-        """`owner`'s memory mapped and registered (again, if it moved to a new file)."""
-        region = self._regions.get(owner)
+    def _mapped(self, memory: KvMemory, block_format: str) -> KvRegion:
+        """The pool's memory mapped and registered (again, if the pool moved to a new file)."""
+        region = self._region
         if region is not None and (
-            str(region.path) != memory.path
+            region.path != memory.path
             or region.layout != memory.layout
             or region.block_format != block_format
         ):
-            self._drop(owner)  # the engine restarted into a new file
+            self._drop()  # the pool was replaced (it held nothing)
             region = None
         if region is None:
             try:
@@ -141,22 +104,23 @@ class LocalKv:
             except (OSError, ValueError) as exc:
                 raise TransferRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"cannot map the KV memory of {owner!r}: {exc}",
+                    f"cannot map the node's KV pool: {exc}",
                 ) from None
             self.backend.register(region)
-            self._regions[owner] = region
-            log.info("registered the KV memory of %s (%d bytes)", owner, region.size)
+            self._region = region
+            log.info("registered the node's KV pool (%d bytes)", region.size)
         return region
 
-    def _drop(self, instance_id: str) -> None:
-        region = self._regions.pop(instance_id)
+    def _drop(self) -> None:
+        region, self._region = self._region, None
+        if region is None:
+            return
         self.backend.unregister(region)
         try:
             region.close()
         except BufferError:  # a transfer still holds a view: the mapping goes when it ends
-            log.warning("the old KV memory of %s is still in use", instance_id)
+            log.warning("the old KV pool's memory is still in use")
 
     def close(self) -> None:
-        """Unregister and unmap every region (the backend is stopped first)."""
-        for instance_id in list(self._regions):
-            self._drop(instance_id)
+        """Unregister and unmap the pool's memory (the backend is stopped first)."""
+        self._drop()

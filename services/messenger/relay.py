@@ -128,11 +128,6 @@ class EngineRelay:
         self._floor = 0  # engine batches below it are in the last snapshot
 
     @property
-    def kv(self) -> EngineApi | None:
-        """The engine's KV memory API (the simulated engine's), if it has one."""
-        return self._sim if self.api is self._sim else None
-
-    @property
     def uses_pool(self) -> bool:
         """Whether the node's KV pool holds blocks for this engine, which saves to it and
         loads from it (kvsched's KV connector in vLLM, the simulated engine's pool link): the

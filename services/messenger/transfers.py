@@ -42,8 +42,9 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
 from services.common.durations import duration, seconds
 from services.common.kv_layout import KvLayout, checksums
-from services.messenger.engine_api import EngineError, EngineNoRoom
-from services.messenger.local_kv import KvEnd, LocalKv, TransferRefused
+from services.messenger.engine_api import EngineError
+from services.messenger.kv_pool import KvPool, PoolFull
+from services.messenger.local_kv import LocalKv, TransferRefused
 from services.messenger.transfer.backend import Reader, SourceExport
 from services.messenger.transfer.errors import TransferError
 from services.messenger.transfer.region import KvRegion
@@ -315,7 +316,7 @@ class Transfers:
         hashes = list(plan.block_hashes)
         try:
             slots = await api.begin_import(hashes, len(hashes), hold_s=transfer.deadline_s)
-        except EngineNoRoom as exc:
+        except PoolFull as exc:
             raise _Failed(f"the target engine has no room: {exc}") from None
         except EngineError as exc:
             raise _Failed(f"the target engine did not reserve pages: {exc}") from None
@@ -559,7 +560,7 @@ class _Failed(Exception):
     """The transfer cannot complete (its message says why)."""
 
 
-async def _quietly(api: KvEnd, import_id: str) -> None:
+async def _quietly(api: KvPool, import_id: str) -> None:
     """Abort an import; if the engine does not answer, its hold time aborts it."""
     with contextlib.suppress(EngineError):
         await api.abort_import(import_id)

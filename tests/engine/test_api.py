@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -226,13 +225,12 @@ async def test_kvsched_info_and_load(start_engine: Any) -> None:
     )
     info = await eng.get_json("/kvsched/info")
     kv = info.pop("kv_events")
-    memory = info.pop("kv_memory")
     assert info == {"instance_id": "node-0/e0", "model": MODEL, "role": "decode",
                     "block_size": 16, "capacity_blocks": 500}  # fmt: skip
     # The mini-KV model: 32 layers, 1 KV head of 16 bf16 values, K and V, 16 tokens a chunk.
-    assert memory == {"path": str(eng.live.memory.path), "layers": 32, "pages": 500,
-                      "chunk_bytes": 16 * 2 * 1 * 16 * 2, "block_size": 16}  # fmt: skip
-    assert Path(memory["path"]).name.startswith(f"kvsched-kv-{os.getpid()}-node-0_e0")
+    layout = eng.live.memory.layout
+    assert (layout.layers, layout.pages, layout.chunk_bytes) == (32, 500, 16 * 2 * 1 * 16 * 2)
+    assert eng.live.memory.path.name.startswith(f"kvsched-kv-{os.getpid()}-node-0_e0")
     assert kv["endpoint"].startswith("tcp://127.0.0.1:") and kv["topic"] == "kv-events"
     assert kv["replay_endpoint"].startswith("tcp://127.0.0.1:") and kv["shape"] == "map"
     load = await eng.get_json("/kvsched/load")

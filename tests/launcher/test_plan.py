@@ -113,10 +113,11 @@ def test_each_node_has_its_own_pool_socket_and_no_pool_means_no_connector(
      ({"engine": "vllm", "model_dir": Path("m")}, "multiples of 32"),
      ({"engine": "vllm", "model_dir": Path("m"), "block_size": 32, "policy": "static_pd",
        "kv_pool_bytes": 0}, "KV pools"),
+     ({"policy": "static_pd", "kv_pool_bytes": 0}, "KV pools"),
      ({"engine": "vllm", "model_dir": Path("m"), "block_size": 32, "kv_pool_bytes": -1},
       "must not be negative")],
 )  # fmt: skip
-def test_vllm_clusters_refuse_what_cannot_work(kwargs: dict[str, object], error: str) -> None:
+def test_clusters_refuse_what_cannot_work(kwargs: dict[str, object], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         ClusterOptions(**kwargs)  # type: ignore[arg-type]
 

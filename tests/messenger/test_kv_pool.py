@@ -22,8 +22,8 @@ import pytest
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.kv_events import BlockRemoved, BlockStored, EngineHash, Event
 from services.common.kv_layout import KvLayout, expected_chunk
-from services.messenger.engine_api import EngineError, EngineNoRoom
-from services.messenger.kv_pool import BlockFormat, KvPool, PoolRefused
+from services.messenger.engine_api import EngineError
+from services.messenger.kv_pool import BlockFormat, KvPool, PoolFull, PoolRefused
 from tests.fixtures.poll import wait_for
 
 BS = 4
@@ -441,7 +441,7 @@ async def test_no_room_when_every_block_is_pinned(make_pool: Pools) -> None:
     a = await put(pool, tokens(2, 30))
     got = await pool.export_blocks(a, 0, 2, wait_s=0.0, hold_s=HOLD_S)
     hashes = chain(tokens(1, 31))
-    with pytest.raises(EngineNoRoom, match="no room"):
+    with pytest.raises(PoolFull, match="no room"):
         await pool.begin_import(hashes, 1, hold_s=HOLD_S)
     assert pool.usage().blocks == 2 and removed_hashes(make_pool.events) == []
     assert pinned_and_staged(pool) == (1, 0, 2) and pool.memory.staged_pages == 0

@@ -54,7 +54,7 @@ async def test_the_engine_is_known_and_indexed_through_vllms_api_alone(
         start_conductor, start_engine, start_messenger, http, capacity_blocks=24
     )
     relay = relay_of(messenger, engine)
-    assert isinstance(relay.api, VllmEngine) and relay.kv is None
+    assert isinstance(relay.api, VllmEngine) and not relay.uses_pool
     assert relay.info is not None
     assert (relay.info.block_size, relay.info.capacity_blocks) == (BLOCK, 24)
     for seed in range(5):  # 30 blocks into 24 pages: evictions too
