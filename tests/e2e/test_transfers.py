@@ -28,6 +28,7 @@ from services.common.etcd import EtcdStore
 from services.conductor import keys
 from tests.e2e.conftest import INSTANCE_TTL_S, LocalCluster, local_cluster
 from tests.fixtures.poll import wait_for
+from tests.fixtures.vllm_metrics import prompt_sources
 
 pytestmark = pytest.mark.slow
 
@@ -172,14 +173,8 @@ async def test_a_hot_hosts_session_migrates_rebinding_only_once_its_kv_landed(
 
 async def loaded_tokens(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> float:
     """Prompt tokens `instance`'s engine loaded from its node's pool (vLLM's metric)."""
-    async with http.get(cluster.engine(instance)["url"] + "/metrics") as resp:
-        text = await resp.text()
-    prefix = "vllm:prompt_tokens_by_source_total{"
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(prefix) and 'source="external_kv_transfer"' in line
-    )
+    sources = await prompt_sources(http, cluster.engine(instance)["url"])
+    return sources.get("external_kv_transfer", 0.0)
 
 
 def same_node(cluster: LocalCluster, instance: str) -> list[str]:

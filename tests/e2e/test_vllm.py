@@ -35,6 +35,7 @@ from tests.conftest import REPO
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.e2e.test_transfers import set_policy, transfers
 from tests.fixtures.poll import wait_for
+from tests.fixtures.vllm_metrics import prompt_sources as vllm_prompt_sources
 
 pytestmark = pytest.mark.vllm
 
@@ -348,16 +349,8 @@ async def move(
 
 
 async def prompt_sources(http: aiohttp.ClientSession, engine: dict[str, Any]) -> dict[str, float]:
-    """vLLM's own count of prompt tokens by where their KV came from: `local_compute`,
-    `local_cache_hit`, `external_kv_transfer` (our connector's loads)."""
-    async with http.get(engine["url"] + "/metrics") as resp:
-        text = await resp.text()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            counts[source] = counts.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
+    """vLLM's own count of `engine`'s prompt tokens by where their KV came from."""
+    return await vllm_prompt_sources(http, engine["url"])
 
 
 def grown(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:

@@ -9,19 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import mmap
-import shutil
 import signal
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from kvsched.core.models import MINI_MODEL
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.kv_layout import SIM_FORMAT, KvLayout, expected_chunk
-from services.messenger.kv_pool import KvPool
-from services.messenger.pool_server import PoolServer
 from services.vllm_connector.pool_client import PoolClient
 from tests.engine.conftest import EngineProcess, engine_process
+from tests.engine.test_pool_link import served_pool
 from tests.fixtures.poll import wait_for
 
 BS = 16
@@ -44,34 +41,14 @@ async def kv_engine(kv_dir: Path, name: str, *flags: str) -> AsyncIterator[Engin
         yield engine
 
 
-@contextlib.asynccontextmanager
-async def node_pool() -> AsyncIterator[tuple[KvPool, str]]:
-    """A node's KV pool served on a socket, as its Messenger serves it."""
-    directory = Path(tempfile.mkdtemp(prefix="kp"))  # a socket's path must fit in 108 bytes
-    pool = KvPool(
-        16 << 20,
-        node="node-0",
-        hasher_for=VllmBlockHasher,
-        on_events=lambda events: None,
-        directory=directory,
-    )
-    server = PoolServer(pool, directory / "pool.sock")
-    await server.start()
-    try:
-        yield pool, str(directory / "pool.sock")
-    finally:
-        await server.stop()
-        pool.close()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 async def test_an_engine_process_saves_into_and_loads_from_its_node_pool(tmp_path: Path) -> None:
     kv_dir = tmp_path / "kv"
     kv_dir.mkdir()
     async with (
-        node_pool() as (pool, socket),
-        kv_engine(kv_dir, "node-0/e0", "--kv-pool-socket", socket) as eng,
+        served_pool() as served,
+        kv_engine(kv_dir, "node-0/e0", "--kv-pool-socket", str(served.socket)) as eng,
     ):
+        pool, socket = served.pool, str(served.socket)
         (own,) = kv_dir.iterdir()  # the engine's own KV memory
         assert own.name.startswith(f"kvsched-kv-{eng.proc.pid}-")
         await wait_for(lambda: pool.attached, 10.0, message="the engine attached")

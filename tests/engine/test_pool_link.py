@@ -6,6 +6,7 @@ of computing it, byte for byte; a pool that is absent or of another format is on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from services.messenger.kv_pool import BlockFormat, KvPool
 from services.messenger.pool_server import PoolServer
 from tests.engine.conftest import FAST, RunningEngine
 from tests.fixtures.poll import wait_for
+from tests.fixtures.vllm_metrics import prompt_sources
 
 BS = FAST.block_size
 
@@ -43,8 +45,9 @@ def new_pool(directory: Path) -> KvPool:
     )
 
 
-@pytest.fixture
-async def pool() -> AsyncIterator[Pool]:
+@contextlib.asynccontextmanager
+async def served_pool() -> AsyncIterator[Pool]:
+    """A node's pool served on a socket, as its Messenger serves it."""
     directory = Path(tempfile.mkdtemp(prefix="kp"))  # a socket path must fit in 108 bytes
     kv_pool = new_pool(directory)
     server = PoolServer(kv_pool, directory / "pool.sock")
@@ -57,6 +60,12 @@ async def pool() -> AsyncIterator[Pool]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.fixture
+async def pool() -> AsyncIterator[Pool]:
+    async with served_pool() as served:
+        yield served
+
+
 def prompt(seed: int, n: int) -> list[int]:
     return [100 + (seed * 7919 + i * 104729) % 3900 for i in range(n)]
 
@@ -64,17 +73,6 @@ def prompt(seed: int, n: int) -> list[int]:
 async def cached_tokens(engine: RunningEngine, ids: list[int]) -> int:
     answer = await engine.complete({"model": FAST.model, "prompt": ids, "max_tokens": 2})
     return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-async def prompt_sources(engine: RunningEngine) -> dict[str, int]:
-    """`vllm:prompt_tokens_by_source_total`, by source."""
-    async with engine.http.get(engine.url + "/metrics") as resp:
-        text = await resp.text()
-    return {
-        line.split('source="', 1)[1].split('"', 1)[0]: int(float(line.rsplit(" ", 1)[1]))
-        for line in text.splitlines()
-        if line.startswith("vllm:prompt_tokens_by_source_total{")
-    }
 
 
 def held_right(memory: KvMemory, hashes: list[int]) -> bool:
@@ -108,7 +106,7 @@ async def test_blocks_one_engine_computed_are_loaded_by_another_not_computed(
     link = second.live.pool
     assert link is not None and link.loaded_blocks == 10
     # Counted as vLLM counts its KV connector's loads.
-    assert await prompt_sources(second) == {
+    assert await prompt_sources(second.http, second.url) == {
         "local_compute": len(ids) - 10 * BS,
         "local_cache_hit": 0,
         "external_kv_transfer": 10 * BS,
