@@ -42,10 +42,10 @@ import aiohttp
 import grpc
 import numpy as np
 
-from bench.transfer import cluster, raw_copy_seconds, transfer_once
+from bench.transfer import cluster, raw_copy_seconds, saved, transfer_once
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.launcher.plan import ClusterOptions
+from services.launcher.plan import ClusterOptions, pool_socket
 from services.launcher.ports import Ports
 from services.launcher.vllm import DEFAULT_PYTHON, VllmServer
 
@@ -139,7 +139,7 @@ async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
         "move_s", "first_layer_s", "bytes", "loaded_ttft", "local_ttft",
         "recompute_ttft", "loaded_tokens", "raw_tcp_s", "raw_memcpy_s", "load_mb_per_s",
         "save_mb_per_s")}  # fmt: skip
-    async with cluster(OPTIONS) as (ep, _):
+    async with cluster(OPTIONS) as (ep, _, run_dir):
         engines = {e["node"]: e["url"] for e in ep["engines"]}
         messengers = {m["node"]: m["url"] for m in ep["messengers"]}
         metrics = {m["node"]: m["http_url"] for m in ep["messengers"]}
@@ -158,6 +158,7 @@ async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
                 second = [*first, *await reply_of(http, source, first), *ids(64, 900 + r)]
                 computed = (len(first) + 16 - 1) // BLOCK
                 hashes = HASHER.hash_prompt(second)[:computed]
+                await saved(pool_socket(run_dir, "node-0"), hashes)
                 first_layer, whole, nbytes = await transfer_once(stub, ep, hashes)
                 loaded, cached = await ttft(http, target, second)
                 if cached != computed * BLOCK:
