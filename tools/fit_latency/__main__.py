@@ -1,0 +1,68 @@
+"""`python -m tools.fit_latency`: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import tools.fit_latency
+from tools.fit_latency.blis import BLIS_VLLM, blis_row
+from tools.fit_latency.files import DEFAULT_PROFILES, DISTSERVE_CAPACITY, OUT_DIR
+from tools.fit_latency.output import print_profile, profile_json, write_json
+from tools.fit_latency.profiles import fit_a100, fit_h100, load_inputs
+from tools.fit_latency.provenance import A100_METHOD, A100_SOURCES, H100_METHOD, H100_SOURCES
+from tools.fit_latency.scaling import capacity_from_blis, distserve_models
+
+
+def _description() -> str | None:
+    doc = tools.fit_latency.__doc__
+    return doc.splitlines()[0] if doc else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=_description())
+    parser.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES)
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="output folder for the JSON")
+    args = parser.parse_args(argv)
+
+    inp = load_inputs(args.profiles)
+    blis_h100 = blis_row(inp.blis_rows, "H100", BLIS_VLLM)
+    if blis_h100.total_kv_blocks is None:
+        raise LookupError("BLIS H100 row has no total_kv_blocks")
+    arch, h100, a100 = inp.a100_ops.arch, inp.gpus["H100"], inp.gpus["A100-80"]
+    cap_h100 = capacity_from_blis(blis_h100.total_kv_blocks, arch, h100, h100)
+    cap_a100 = capacity_from_blis(blis_h100.total_kv_blocks, arch, h100, a100)
+    models = ", ".join(distserve_models(inp.profiles / DISTSERVE_CAPACITY))
+    print(f"DistServe capacity table covers {models}: no Llama rows, not used")
+
+    hf = fit_h100(inp, cap_h100)
+    af = fit_a100(inp, cap_a100)
+    docs = [
+        profile_json(
+            name="llama-3.1-8b-h100",
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            gpu="H100-80GB-SXM",
+            k=hf.constants,
+            sources=H100_SOURCES,
+            method=H100_METHOD,
+            checks=hf.checks,
+        ),
+        profile_json(
+            name="llama-3-8b-a100",
+            model="meta-llama/Meta-Llama-3-8B",
+            gpu="A100-80GB-SXM",
+            k=af.constants,
+            sources=A100_SOURCES,
+            method=A100_METHOD,
+            checks=af.checks,
+        ),
+    ]
+    for doc in docs:
+        print_profile(doc)
+        print(f"  wrote {write_json(doc, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
