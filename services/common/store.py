@@ -1,5 +1,6 @@
 """The small key-value store interface the Conductor codes against: errors, values and the
-`Store` protocol. `services.common.etcd.EtcdStore` implements it over etcd."""
+`Store` protocol. `services.common.etcd.EtcdStore` implements it over etcd,
+`services.common.memory_store.MemoryStore` in process memory."""
 
 from __future__ import annotations
 
