@@ -1,0 +1,245 @@
+"""The server interceptor: one SERVER span per RPC, parented on the caller's trace context
+and current while the handler runs (the whole stream for streaming RPCs)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+from opentelemetry import trace
+from opentelemetry.context import Context, attach, detach, get_current
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from services.common.telemetry.propagation import extract
+from services.common.telemetry.spans import MethodInfo, end_with_code, method_info
+
+if TYPE_CHECKING:
+    _ServerInterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
+else:  # the runtime class is a plain ABC, not subscriptable
+    _ServerInterceptorBase = grpc.aio.ServerInterceptor
+
+_Behavior = Callable[..., Any]
+
+
+def _context_code(context: Any) -> grpc.StatusCode | None:
+    # ``code()`` reports what ``abort``/``set_code`` set (None if neither); the context grpc.aio
+    # hands to sync handlers has no getters.
+    getter = getattr(context, "code", None)
+    return getter() if getter is not None else None
+
+
+def _context_details(context: Any) -> str | None:
+    getter = getattr(context, "details", None)
+    return (getter() or None) if getter is not None else None
+
+
+def _finish_server_span(span: Span, context: Any, exc: BaseException | None) -> None:
+    """End ``span`` with the status grpc.aio will send for this outcome."""
+    code = _context_code(context)
+    if exc is None:
+        code = code or grpc.StatusCode.OK
+    elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        # Client gone, deadline, or a stream abandoned after an abort / server stop.
+        code = code if code not in (None, grpc.StatusCode.OK) else grpc.StatusCode.CANCELLED
+    elif isinstance(exc, grpc.aio.AbortError):
+        if code is None:  # aborted through a sync-handler context: code not readable
+            span.set_status(Status(StatusCode.ERROR, "aborted"))
+            span.end()
+            return
+    else:
+        span.record_exception(exc)
+        code = code if code not in (None, grpc.StatusCode.OK) else grpc.StatusCode.UNKNOWN
+    if code is grpc.StatusCode.OK:
+        end_with_code(span, code, None)
+    else:
+        end_with_code(span, code, _context_details(context))
+
+
+class _TracingServerInterceptor(_ServerInterceptorBase):
+    """Wraps each method handler once (cached per method) and keeps its kind: coroutine,
+    async generator or plain function, which is how grpc.aio picks the calling convention
+    (async vs thread pool; generator vs ``context.write``)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+        self._wrapped: dict[
+            str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
+        ] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
+            return handler  # type: ignore[return-value]  # the stubs miss the Optional
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and (cached[0] is handler or cached[0] == handler):
+            return cached[1]
+        wrapped = self._wrap_handler(handler, method_info(method))
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap_handler(
+        self, handler: grpc.RpcMethodHandler[Any, Any], info: MethodInfo
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        des, ser = handler.request_deserializer, handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            assert handler.stream_stream is not None
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap(handler.stream_stream, info, streaming=True), des, ser
+            )
+        if handler.request_streaming:
+            assert handler.stream_unary is not None
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap(handler.stream_unary, info, streaming=False), des, ser
+            )
+        if handler.response_streaming:
+            assert handler.unary_stream is not None
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap(handler.unary_stream, info, streaming=True), des, ser
+            )
+        assert handler.unary_unary is not None
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap(handler.unary_unary, info, streaming=False), des, ser
+        )
+
+    def _start(self, info: MethodInfo, context: Any) -> tuple[Span, Context]:
+        parent = extract(context.invocation_metadata())
+        span = self._tracer.start_span(
+            info.name, parent, kind=SpanKind.SERVER, attributes=info.attributes
+        )
+        return span, trace.set_span_in_context(span, parent)
+
+    def _wrap(self, behavior: _Behavior, info: MethodInfo, *, streaming: bool) -> _Behavior:
+        # Same dispatch order as grpc.aio's server: coroutine functions first (for streaming
+        # responses that is the ``context.write`` style), then async generators, else sync.
+        if inspect.iscoroutinefunction(behavior):
+            return self._wrap_coroutine(behavior, info)
+        if inspect.isasyncgenfunction(behavior):
+            return self._wrap_async_gen(behavior, info)
+        if streaming:
+            return self._wrap_sync_gen(behavior, info)
+        return self._wrap_sync(behavior, info)
+
+    def _wrap_coroutine(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+        start = self._start
+
+        async def traced(request: Any, context: Any) -> Any:
+            span, ctx = start(info, context)
+            token = attach(ctx)
+            try:
+                result = await behavior(request, context)
+            except BaseException as exc:
+                detach(token)
+                _finish_server_span(span, context, exc)
+                raise
+            detach(token)
+            _finish_server_span(span, context, None)
+            return result
+
+        return traced
+
+    def _wrap_async_gen(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+        start = self._start
+
+        async def traced(request: Any, context: Any) -> AsyncIterator[Any]:
+            span, ctx = start(info, context)
+            # The handler's steps run with `ctx` attached; the context is detached across our
+            # own yields (and carried over between steps), so a generator finalised from
+            # another task never detaches a token it does not own.
+            responses: AsyncIterator[Any] = behavior(request, context)
+            exc: BaseException | None = None
+            try:
+                while True:
+                    token = attach(ctx)
+                    try:
+                        item = await anext(responses)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        ctx = get_current()
+                        detach(token)
+                    yield item
+            except BaseException as err:
+                exc = err
+                raise
+            finally:
+                if exc is not None:  # unfinished only when closed at our yield
+                    token = attach(ctx)
+                    try:
+                        await _aclose(responses)
+                    finally:
+                        detach(token)
+                _finish_server_span(span, context, exc)
+
+        return traced
+
+    def _wrap_sync(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+        start = self._start
+
+        def traced(request: Any, context: Any) -> Any:
+            span, ctx = start(info, context)
+            token = attach(ctx)
+            try:
+                result = behavior(request, context)
+            except BaseException as exc:
+                detach(token)
+                _finish_server_span(span, context, exc)
+                raise
+            detach(token)
+            _finish_server_span(span, context, None)
+            return result
+
+        return traced
+
+    def _wrap_sync_gen(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+        start = self._start
+
+        def traced(request: Any, context: Any) -> Iterator[Any]:
+            # Each step may run on a different pool thread: attach/detach per step.
+            span, ctx = start(info, context)
+            exc: BaseException | None = None
+            responses: Iterator[Any] | None = None
+            try:
+                while True:
+                    token = attach(ctx)
+                    try:
+                        if responses is None:
+                            responses = iter(behavior(request, context))
+                        item = next(responses)
+                    except StopIteration:
+                        break
+                    finally:
+                        ctx = get_current()
+                        detach(token)
+                    yield item
+            except BaseException as err:
+                exc = err
+                raise
+            finally:
+                close = getattr(responses, "close", None)
+                if close is not None:
+                    close()
+                _finish_server_span(span, context, exc)
+
+        return traced
+
+
+async def _aclose(responses: AsyncIterator[Any]) -> None:
+    aclose = getattr(responses, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def server_interceptor(tracer: Tracer) -> grpc.aio.ServerInterceptor[Any, Any]:
+    """For ``grpc.aio.server(interceptors=[server_interceptor(tracer)])``."""
+    return _TracingServerInterceptor(tracer)
