@@ -1,15 +1,9 @@
 """Typed asyncio client for the kvsched Conductor that follows the leader (see `conductor`)."""
 
-from clients.python.conductor import (
-    ConductorClient,
-    ConductorError,
-    Interceptor,
-    InvalidRequest,
-    NotFound,
-    PlacementStream,
-    Rejected,
-    Unavailable,
-)
+from clients.python.channels import Interceptor
+from clients.python.conductor import ConductorClient
+from clients.python.errors import ConductorError, InvalidRequest, NotFound, Rejected, Unavailable
+from clients.python.placement_stream import PlacementStream
 
 __all__ = [
     "ConductorClient",

@@ -30,7 +30,8 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc import aio
 
-from clients.python.conductor import ConductorClient, ConductorError, NotFound, Unavailable
+from clients.python.conductor import ConductorClient
+from clients.python.errors import ConductorError, NotFound, Unavailable
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 if TYPE_CHECKING:

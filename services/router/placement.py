@@ -41,7 +41,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from clients.python import ConductorClient, ConductorError, InvalidRequest, Rejected, Unavailable
-from clients.python.conductor import PlacementStream
+from clients.python.placement_stream import PlacementStream
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.openai_api import bad_request, rate_limited, unavailable
