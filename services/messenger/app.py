@@ -47,7 +47,8 @@ from services.messenger.relay import EngineRelay
 from services.messenger.server import MessengerServicer
 from services.messenger.settings import MessengerSettings
 from services.messenger.transfer.factory import make_backend
-from services.messenger.transfers import TransferLimits, Transfers
+from services.messenger.transfer_progress import TransferLimits
+from services.messenger.transfers import Transfers
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MessengerService"].full_name

@@ -19,7 +19,8 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 if TYPE_CHECKING:
     from services.messenger.kv_pool import KvPool
     from services.messenger.relay import EngineRelay
-    from services.messenger.transfers import Transfer, Transfers
+    from services.messenger.transfer_progress import Transfer
+    from services.messenger.transfers import Transfers
 
 PREFIX = "kvsched_messenger_"
 
