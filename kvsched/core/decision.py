@@ -51,7 +51,7 @@ class TransferPlan:
     on_critical_path: bool
     session_id: str | None = None
     request_id: RequestId | None = None
-    transfer_id: str = ""  # set by the Conductor when it hands the order out
+    transfer_id: str = ""  # set by the scheduler when it hands the order out
 
     @property
     def n_blocks(self) -> int:
@@ -78,6 +78,9 @@ class Decision:
     candidates: npt.NDArray[np.bool_] | None = None
     rejected: bool = False
     retry_after_s: float = 0.0
+    # The placement rebound its session and the policy follows bindings: a Conductor makes
+    # the binding durable before it answers.
+    rebound: bool = False
 
     def explain(self) -> list[dict[str, Any]]:
         """All candidates with their named terms, best estimated TTFT first."""

@@ -1,97 +1,251 @@
-"""One policy on one cluster state with its seeded random source: the object that both the
-simulator and the live Conductor drive.
+"""The control core: one policy on one cluster state with its seeded random source, and the
+bookkeeping around it that the simulator and the live Conductor share.
 
-Every input that can change a decision enters through the methods below, each taking `now`
-from the caller's clock, so replaying the same calls with the same seed gives the same
-decisions wherever they run (the parity test replays a trace through both).
+Both drive this one object, built by this one constructor: the same validation (a refused
+call changes nothing), the same idempotency (a placement asked twice is decided once, a
+completion recorded once), the same transfer naming, the same write path for KV events. Every
+input that can change a decision enters through the methods below, each taking `now` from the
+caller's clock, so replaying the same calls with the same seed gives the same decisions
+wherever they run (the parity test replays a trace through both).
+
+The core works in instance slots; naming instances, sequencing event batches and persisting
+are the services' (a Conductor observes what is applied through `IndexObserver`).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
-from kvsched.core.cluster import ClusterState
-from kvsched.core.decision import Completion, Decision, RequestInfo, TransferPlan
+from kvsched.core.cluster import ClusterConfig, ClusterState, Role, build_cluster
+from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
-from kvsched.core.load import LoadReport
 from kvsched.core.policies import Policy, make_policy
+from kvsched.core.recent import Recent
+from kvsched.core.requests import Limits, RequestError
+from kvsched.core.sessions import NO_HOST, Session
+from kvsched.core.transfer_book import TransferBook
+
+RECENT_DECISIONS = 65_536  # idempotency window for placements and completions asked again
 
 
 class SchedulerPort(Protocol):
     """What a driver (the simulator, the Conductor's RPC layer) calls."""
 
     def place(self, req: RequestInfo, now: float) -> Decision:
-        """Decide where `req` runs and record the placement."""
+        """Decide where `req` runs and record the placement; raises RequestError."""
         ...
 
     def finish(self, done: Completion, now: float) -> Sequence[TransferPlan]:
         """A request ended; returns transfers to start now."""
         ...
 
-    def transfer_done(self, plan: TransferPlan, ok: bool, now: float) -> bool:
+    def transfer_done(self, transfer_id: str, ok: bool, now: float) -> bool:
         """A transfer ended; returns whether a session moved."""
         ...
 
-    def blocks_stored(
-        self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
-    ) -> None:
-        """An instance stored a chain of blocks continuing `parent`."""
+    def apply(self, slot: int, events: Sequence[KvEvent]) -> None:
+        """An instance's caches changed, or it reported its load."""
         ...
 
-    def blocks_removed(self, slot: int, hashes: Sequence[int], tier: Tier = Tier.GPU) -> None:
-        """An instance evicted blocks."""
-        ...
 
-    def report_load(self, slot: int, report: LoadReport) -> None:
-        """An instance reported its load."""
-        ...
+class IndexObserver(Protocol):
+    """Told what the core applied, to keep a durable copy (the Conductor's etcd records)."""
+
+    def stored(self, slot: int, event: BlocksStored) -> None:
+        """`event`'s blocks are now indexed on `slot`."""
+
+    def removed(self, slot: int, tier: Tier, hashes: Sequence[int]) -> None:
+        """`hashes` (descendants included) are about to leave `slot`'s `tier`."""
+
+    def session_changed(self, session: Session) -> None:
+        """A session's binding or history changed."""
 
 
 class Scheduler:
-    """The in-process `SchedulerPort`: a policy over a cluster state and a seeded RNG."""
+    """The in-process `SchedulerPort`, and the one front door to the core's state."""
 
-    def __init__(self, cluster: ClusterState, spec: str, seed: int) -> None:
-        self.cluster = cluster
-        self.policy: Policy = make_policy(spec, cluster)
-        self.spec = spec
+    def __init__(
+        self,
+        config: ClusterConfig,
+        policy: str,
+        seed: int,
+        *,
+        max_prompt_tokens: int,
+        transfer_prefix: str = "transfer",
+        observer: IndexObserver | None = None,
+        empty: bool = False,
+    ) -> None:
+        """`empty`: start with no live instance (they join with `add_instance`)."""
+        self.cluster: ClusterState = build_cluster(config)
+        if empty:
+            self.cluster.alive[:] = False
+        self.config = config
+        self.policy: Policy = make_policy(policy, self.cluster)
+        self.spec = policy
         self.rng = random.Random(seed)
+        self.limits = Limits(max_prompt_tokens, config.block_size)
+        self.transfers = TransferBook(transfer_prefix)
+        self.observer = observer
+        self._decisions: Recent[Decision] = Recent(RECENT_DECISIONS)
+        self._finished: Recent[None] = Recent(RECENT_DECISIONS)
+        self.rejections = 0
+        self.migrations = 0  # sessions rebound from one live host to another
 
-    def set_policy(self, spec: str) -> None:
-        """Switch policy on the same cluster state (the index, load and sessions stay)."""
-        self.policy = make_policy(spec, self.cluster)
-        self.spec = spec
+    # ---- policy ------------------------------------------------------------------------
+
+    def set_policy(self, spec: str) -> str:
+        """Switch policy on the same cluster state (the index, load and sessions stay);
+        returns the previous spec. Raises RequestError on a bad spec."""
+        try:
+            policy = make_policy(spec, self.cluster)
+        except ValueError as exc:
+            raise RequestError("invalid", str(exc)) from exc
+        previous, self.policy, self.spec = self.spec, policy, spec
+        return previous
+
+    # ---- instances ---------------------------------------------------------------------
+
+    def add_instance(self, slot: int, role: Role, node: int | None = None) -> None:
+        """An instance joined (or came back) in `slot`: it starts empty and idle."""
+        self._forget_slot(slot)
+        self.cluster.add_instance(slot, role, node)
+
+    def remove_instance(self, slot: int) -> int:
+        """An instance left: its blocks and load are dropped, its sessions rebind on their
+        next turn, and orders or remembered decisions naming it are forgotten (they would
+        name the slot's next holder). Returns the sessions unbound."""
+        unbound = self.cluster.sessions.bound_on(slot)
+        self.cluster.remove_instance(slot)
+        self._forget_slot(slot)
+        return unbound
+
+    def _forget_slot(self, slot: int) -> None:
+        self.transfers.forget_slot(slot)
+        self._decisions.forget(lambda d: slot in (d.instance, d.decode_instance))
+
+    # ---- KV events ---------------------------------------------------------------------
+
+    def apply(self, slot: int, events: Sequence[KvEvent], *, observe: bool = True) -> None:
+        """Apply an instance's events in order; the whole batch is refused (RequestError)
+        when any event names more blocks than the longest prompt has. `observe`: tell the
+        observer (False for events read back from its own durable copy)."""
+        self.limits.check_events(events)
+        index, load = self.cluster.index, self.cluster.load
+        observer = self.observer if observe else None
+        for event in events:
+            if isinstance(event, BlocksStored):
+                index.store(slot, event.hashes, event.parent, event.tier)
+                if observer is not None:
+                    observer.stored(slot, event)
+            elif isinstance(event, BlocksRemoved):
+                if observer is not None:
+                    observer.removed(
+                        slot, event.tier, index.subtree_of(slot, event.hashes, event.tier)
+                    )
+                index.remove(slot, event.hashes, event.tier)
+            elif isinstance(event, AllBlocksCleared):
+                if observer is not None:
+                    for tier in Tier:
+                        observer.removed(slot, tier, index.blocks_of(slot, tier))
+                index.clear_instance(slot)
+            else:
+                load.report(slot, event)
+
+    # ---- requests ----------------------------------------------------------------------
 
     def place(self, req: RequestInfo, now: float) -> Decision:
-        return self.policy.place(req, now, self.rng)
+        """Place `req`, or return the decision already made for its id. A placement that
+        rebinds a session of a policy that follows bindings says so (`Decision.rebound`):
+        the Conductor makes the binding durable before it answers."""
+        self.limits.check_request(req)
+        key = str(req.request_id)
+        seen = self._decisions.get(key)
+        if seen is not None:
+            return seen
+        if not self.cluster.alive.any():
+            raise RequestError("unavailable", "no instance is registered")
+        sessions = self.cluster.sessions
+        before = sessions.get(req.session_id) if req.session_id else None
+        host_before = NO_HOST if before is None else before.host
+        try:
+            decision = self.policy.place(req, now, self.rng)
+        except ValueError as exc:  # no eligible instance of the needed role
+            raise RequestError("unavailable", str(exc)) from exc
+        if decision.rejected:
+            self.rejections += 1
+            return decision
+        if decision.transfers:
+            named = tuple(self.transfers.open(plan) for plan in decision.transfers)
+            decision = replace(decision, transfers=named)
+        if req.session_id:
+            after = sessions.get(req.session_id)
+            if after is not None and after.host != host_before:
+                if host_before != NO_HOST:
+                    self.migrations += 1
+                decision = replace(decision, rebound=self.policy.affinity)
+            self._session_changed(req.session_id)
+        # Slim: the window keeps many; a retry needs neither terms nor candidates.
+        self._decisions.add(key, replace(decision, terms={}, candidates=None, rebound=False))
+        return decision
 
     def explain(self, req: RequestInfo, now: float) -> Decision:
         """The decision `place` would make now, changing nothing (not even the RNG)."""
+        self.limits.check_request(req)
+        if not self.cluster.alive.any():
+            raise RequestError("unavailable", "no instance is registered")
         rng = random.Random()
         rng.setstate(self.rng.getstate())
-        return self.policy.decide(self.policy.view(req), now, rng)
+        try:
+            return self.policy.decide(self.policy.view(req), now, rng)
+        except ValueError as exc:
+            raise RequestError("unavailable", str(exc)) from exc
 
     def finish(self, done: Completion, now: float) -> Sequence[TransferPlan]:
-        return self.policy.on_finish(done, now, self.rng)
+        """Record a completion once per request id; returns transfers to start now."""
+        self.limits.check_hashes(done.block_hashes)
+        key = str(done.request_id)
+        if key in self._finished:
+            return ()
+        plans = self.policy.on_finish(done, now, self.rng)
+        self._finished.add(key, None)
+        if done.session_id:
+            self._session_changed(done.session_id)
+        return tuple(self.transfers.open(plan) for plan in plans)
 
-    def transfer_done(self, plan: TransferPlan, ok: bool, now: float) -> bool:
-        return self.policy.on_transfer(plan, ok, now)
+    def transfer_done(
+        self, transfer_id: str, ok: bool, now: float, *, nbytes: int = 0, seconds: float = 0.0
+    ) -> bool:
+        """Record a transfer's outcome, and what it measured (`nbytes` in `seconds` of policy
+        time) for the cost model; returns whether a session moved. Raises RequestError for
+        an unknown or already reported transfer."""
+        plan = self.transfers.close(transfer_id)
+        if plan is None:
+            raise RequestError("not_found", f"unknown or already reported transfer {transfer_id!r}")
+        # A hand-off's time includes the prefill it overlaps: no bandwidth to learn from it.
+        if ok and nbytes > 0 and seconds > 0 and plan.kind is not TransferKind.HANDOFF:
+            cluster = self.cluster
+            cluster.cost = cluster.cost.with_measured_transfer(
+                plan.source, plan.target, nbytes, seconds
+            )
+        moved = self.policy.on_transfer(plan, ok, now)
+        if moved and plan.session_id:
+            self.migrations += 1
+            self._session_changed(plan.session_id)
+        return moved
 
-    def transfer_measured(self, src: int, dst: int, nbytes: int, seconds: float) -> None:
-        """A transfer of `nbytes` from `src` to `dst` took `seconds` (policy time); the cost
-        model's estimate of their link follows. (Live only: the simulator's transfers take
-        exactly what the cost model says.)"""
-        cluster = self.cluster
-        cluster.cost = cluster.cost.with_measured_transfer(src, dst, nbytes, seconds)
+    # ---- sessions ----------------------------------------------------------------------
 
-    def blocks_stored(
-        self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
-    ) -> None:
-        self.cluster.index.store(slot, hashes, parent, tier)
+    def restore_session(self, session: Session) -> None:
+        """Put back a session read from the durable copy (not observed again)."""
+        self.cluster.sessions.restore(session)
 
-    def blocks_removed(self, slot: int, hashes: Sequence[int], tier: Tier = Tier.GPU) -> None:
-        self.cluster.index.remove(slot, hashes, tier)
-
-    def report_load(self, slot: int, report: LoadReport) -> None:
-        self.cluster.load.report(slot, report)
+    def _session_changed(self, session_id: str) -> None:
+        if self.observer is None:
+            return
+        session = self.cluster.sessions.get(session_id)
+        if session is not None:
+            self.observer.session_changed(session)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvsched.core.events import BlocksRemoved, BlocksStored
 
 
 @dataclass(slots=True, eq=False)
@@ -30,12 +32,7 @@ class Node:
     last_access: float = 0.0
 
 
-@dataclass(slots=True)
-class CacheEvents:
-    """Blocks stored and removed since the last drain, in order (vLLM KV-event semantics)."""
-
-    stored: list[tuple[tuple[int, ...], int | None]] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
+CacheEvent = BlocksStored | BlocksRemoved
 
 
 class PrefixCache:
@@ -51,7 +48,7 @@ class PrefixCache:
         self.nodes: dict[int, Node] = {}
         self._lru: list[tuple[float, int, Node]] = []
         self._seq = 0
-        self.events = CacheEvents()
+        self.events: list[CacheEvent] = []  # since the last drain, in order
         self.evicted_total = 0
 
     # ---- sizes -------------------------------------------------------------------------
@@ -198,8 +195,9 @@ class PrefixCache:
         end: int,
         new: list[int],
     ) -> None:
+        stored = self.events.append
         if len(new) == end - start:
-            self.events.stored.append((tuple(new), hashes[start - 1] if start > 0 else None))
+            stored(BlocksStored(tuple(new), hashes[start - 1] if start > 0 else None))
             return
         # Some blocks already existed: emit each run of new blocks with its own parent.
         new_set = set(new)
@@ -212,17 +210,17 @@ class PrefixCache:
                     run_parent = hashes[i - 1] if i > 0 else None
                 run.append(h)
             elif run:
-                self.events.stored.append((tuple(run), run_parent))
+                stored(BlocksStored(tuple(run), run_parent))
                 run = []
         if run:
-            self.events.stored.append((tuple(run), run_parent))
+            stored(BlocksStored(tuple(run), run_parent))
 
     def _push_lru(self, node: Node) -> None:
         self._seq += 1
         heapq.heappush(self._lru, (node.last_access, self._seq, node))
 
     def _evict(self, pages: int) -> None:
-        nodes, lru, removed = self.nodes, self._lru, self.events.removed
+        nodes, lru, removed = self.nodes, self._lru, []
         while pages > 0:
             stamp, _, node = heapq.heappop(lru)
             if (
@@ -242,9 +240,12 @@ class PrefixCache:
                 parent.children -= 1
                 if parent.children == 0 and parent.lock == 0:
                     self._push_lru(parent)
+        if removed:
+            self.events.append(BlocksRemoved(tuple(removed)))
 
-    def drain_events(self) -> CacheEvents:
-        events, self.events = self.events, CacheEvents()
+    def drain_events(self) -> list[CacheEvent]:
+        """The blocks stored and removed since the last drain, in the order it happened."""
+        events, self.events = self.events, []
         return events
 
     def check_integrity(self) -> None:

@@ -17,11 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
+from kvsched.core.cluster import ClusterConfig, ClusterState
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.events import BlocksRemoved, BlocksStored, KvEvent, split
+from kvsched.core.models import model_config
 from kvsched.core.policies import POLICIES, parse_spec
 from kvsched.core.policies.base import ParamValue
+from kvsched.core.requests import RequestError
 from kvsched.core.scheduler import Scheduler, SchedulerPort
+from kvsched.core.turn_host import TransferOutcome, turn_host
 from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind, StepOutcome
 from kvsched.sim.meters import GapHistogram, HotspotMeter
 from kvsched.sim.network import Network
@@ -123,8 +127,8 @@ class Replay:
         config: ReplayConfig,
         scheduler: SchedulerPort | None = None,
     ) -> None:
-        """`scheduler` defaults to an in-process one; the parity test passes one that asks a
-        live Conductor."""
+        """`scheduler` defaults to the in-process control core, built as the Conductor builds
+        its own; the parity test passes one that asks a live Conductor."""
         name, params = parse_spec(spec)
         trace = prepared.trace
         cluster_cfg = replace(
@@ -136,8 +140,16 @@ class Replay:
         self.prepared = prepared
         self.calls = trace.calls
         self.config = config
-        self.cluster = build_cluster(cluster_cfg)
-        self.scheduler: SchedulerPort = scheduler or Scheduler(self.cluster, spec, config.seed)
+        core = Scheduler(
+            cluster_cfg,
+            spec,
+            config.seed,
+            max_prompt_tokens=model_config(cluster_cfg.model).max_model_len,
+            transfer_prefix="sim",
+        )
+        self.cluster = core.cluster
+        self.scheduler: SchedulerPort = scheduler or core
+        self._max_blocks = core.limits.max_blocks
         self.params: dict[str, ParamValue] = {**POLICIES[name].defaults, **params}
         cost = self.cluster.cost
         engine_spec = EngineSpec(
@@ -243,10 +255,11 @@ class Replay:
             block_hashes=self.prepared.hashes[call_idx],
             session_id=call.session or None,
         )
-        if call.input_tokens > self.cluster.cost.model.max_model_len:
+        try:
+            decision = self.scheduler.place(info, now)
+        except RequestError:  # refused before placement (a prompt longer than the model's)
             self._finish_rejected(req)
             return
-        decision = self.scheduler.place(info, now)
         if self.config.keep_decisions:
             req.decision = decision
         if decision.rejected:
@@ -259,23 +272,27 @@ class Replay:
 
     def _execute(self, req: Req, info: RequestInfo, decision: Decision) -> None:
         now = self.now
-        slot = decision.instance
-        req.slot, req.decode_slot = slot, decision.decode_instance
         handoff = next((t for t in decision.transfers if t.kind is TransferKind.HANDOFF), None)
         kind = JobKind.PREFILL_ONLY if handoff is not None else JobKind.FULL
         job = Job(req.call, kind, info.prompt_tokens, info.output_tokens, info.block_hashes, now)
         if handoff is not None:
             self._handoffs[req.call] = handoff
+        outcomes: list[TransferOutcome[int]] = []
         for plan in decision.transfers:
             if plan.kind is TransferKind.HANDOFF:
-                continue
-            started = self._start_transfer(plan, job if plan.on_critical_path else None)
-            if not started and plan.on_critical_path and plan.kind is TransferKind.MIGRATE_SESSION:
-                # The session stays on its source, which still holds its KV: the turn runs
-                # there (as a Router sends it back when the copy fails), and the target's
-                # charge for it goes with the target's next report.
-                slot = req.slot = req.decode_slot = plan.source
-                self._report(plan.target)
+                landed = True  # streamed once the prefill is done (`_hand_off`): it always lands
+            else:
+                landed = self._start_transfer(plan, job if plan.on_critical_path else None)
+            outcomes.append(
+                TransferOutcome(plan.kind, plan.source, plan.target, plan.on_critical_path, landed)
+            )
+        # Where the turn runs, by the rule a Router follows too: a failed migration sends it
+        # back to its source, and the placed instance's charge for it goes with its next report.
+        host = turn_host(decision.instance, outcomes)
+        if host.prefill != decision.instance:
+            self._report(decision.instance)
+        slot = req.slot = host.prefill
+        req.decode_slot = host.decode
         self._note_session_turn(info, slot)
         self.engines[slot].submit(job)
         if job.ready_at > now:
@@ -320,7 +337,7 @@ class Replay:
         if have_src <= have_dst:
             if plan.kind is TransferKind.MIGRATE_SESSION:
                 self._count_migration(plan, 0, now, now, job)
-            self.scheduler.transfer_done(plan, True, now)
+            self.scheduler.transfer_done(plan.transfer_id, True, now)
             return True
         dst.cache.lock_prefix(hashes, have_dst, now)  # before reserving: eviction must spare it
         if not dst.cache.reserve(have_src - have_dst):
@@ -369,7 +386,7 @@ class Replay:
     def _transfer_failed(self, plan: TransferPlan) -> None:
         if plan.kind is TransferKind.MIGRATE_SESSION:
             self.migrations.failed += 1
-        self.scheduler.transfer_done(plan, False, self.now)
+        self.scheduler.transfer_done(plan.transfer_id, False, self.now)
 
     def _on_transfer_done(self, record: Transfer) -> None:
         now = self.now
@@ -385,7 +402,7 @@ class Replay:
             dst.cache.unlock_prefix(hashes, record.source_blocks, now)
             self._drain(plan.target)
         self._drain(plan.source)
-        self.scheduler.transfer_done(plan, True, now)
+        self.scheduler.transfer_done(plan.transfer_id, True, now)
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -480,17 +497,21 @@ class Replay:
             self._push(self.now + self.calls[dep].gap_s, _ARRIVE, dep)
 
     def _drain(self, slot: int) -> None:
-        """Apply the engine's cache events to the policy's index (vLLM KV-event semantics)."""
+        """Apply the engine's cache events to the scheduler's index, cut as a Messenger cuts
+        them (no event longer than the longest prompt)."""
         events = self.engines[slot].cache.drain_events()
-        scheduler = self.scheduler
-        for hashes, parent in events.stored:
-            scheduler.blocks_stored(slot, hashes, parent)
-        if events.removed:
-            scheduler.blocks_removed(slot, events.removed)
+        if not events:
+            return
+        # As the replay always applied them: the stores of the window, then its removals.
+        stored: list[KvEvent] = [e for e in events if isinstance(e, BlocksStored)]
+        removed = tuple(h for e in events if isinstance(e, BlocksRemoved) for h in e.hashes)
+        if removed:
+            stored.append(BlocksRemoved(removed))
+        self.scheduler.apply(slot, list(split(stored, self._max_blocks)))
 
     def _report(self, slot: int) -> None:
         engine = self.engines[slot]
-        self.scheduler.report_load(slot, engine.report())
+        self.scheduler.apply(slot, (engine.report(),))
         self.hotspot.set(self.now, slot, float(engine.pending_tokens))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -90,7 +91,8 @@ class Conductor:
             s.cluster_config(),
             s.policy,
             s.seed,
-            self_id=s.conductor_id,
+            # Unique across terms and restarts: a Messenger still knows the last term's ids.
+            transfer_prefix=f"{s.conductor_id}-{secrets.token_hex(4)}",
             max_prompt_tokens=s.max_prompt_tokens,
             persist_blocks=s.persist_blocks,
         )

@@ -10,20 +10,16 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
 from kvsched.core.decision import Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
+from kvsched.core.requests import RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.durations import duration, seconds
+from services.common.kv_event_messages import TIER_VALUES
 from services.conductor.keys import InstanceSpec
-from services.conductor.state import (
-    ClearedEvent,
-    ConductorState,
-    KvEvent,
-    RemovedEvent,
-    RequestError,
-    StoredEvent,
-)
+from services.conductor.state import ConductorState
 
 ROLES: dict[int, Role] = {
     common.ROLE_BOTH: Role.BOTH,
@@ -35,11 +31,7 @@ ROLE_VALUES: dict[Role, common.Role.ValueType] = {
     Role.PREFILL: common.ROLE_PREFILL,
     Role.DECODE: common.ROLE_DECODE,
 }
-TIERS: dict[int, Tier] = {
-    common.TIER_GPU: Tier.GPU,
-    common.TIER_CPU: Tier.CPU,
-    common.TIER_DISK: Tier.DISK,
-}
+TIERS: dict[int, Tier] = {value: tier for tier, value in TIER_VALUES.items()}
 KINDS = {
     TransferKind.FETCH_PREFIX: common.TRANSFER_KIND_FETCH_PREFIX,
     TransferKind.MIGRATE_SESSION: common.TRANSFER_KIND_MIGRATE_SESSION,
@@ -110,12 +102,12 @@ def kv_events(batch: pb.KvEventBatch) -> list[KvEvent]:
         if kind == "blocks_stored":
             s = event.blocks_stored
             parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-            out.append(StoredEvent(tuple(s.block_hashes), parent, tier(s.tier)))
+            out.append(BlocksStored(tuple(s.block_hashes), parent, tier(s.tier)))
         elif kind == "blocks_removed":
             r = event.blocks_removed
-            out.append(RemovedEvent(tuple(r.block_hashes), tier(r.tier)))
+            out.append(BlocksRemoved(tuple(r.block_hashes), tier(r.tier)))
         elif kind == "all_blocks_cleared":
-            out.append(ClearedEvent())
+            out.append(AllBlocksCleared())
         elif kind == "load":
             out.append(load_report(event.load))
         else:

@@ -10,9 +10,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.requests import RequestError
 from services.common.http_site import start_site
 from services.conductor import convert
-from services.conductor.state import RequestError
 
 if TYPE_CHECKING:
     from services.conductor.app import Conductor

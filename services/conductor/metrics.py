@@ -101,7 +101,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvsched_conductor_migrations",
             "Sessions rebound to another instance (a migration ends once its KV landed).",
-            value=state.migrations,
+            value=state.scheduler.migrations,
         )
         yield GaugeMetricFamily(
             "kvsched_conductor_transfers_running",
@@ -111,7 +111,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvsched_conductor_rejections",
             "Requests rejected by admission.",
-            value=state.rejections,
+            value=state.scheduler.rejections,
         )
         yield GaugeMetricFamily(
             "kvsched_conductor_persist_pending", "Writes waiting for etcd.", value=len(state.outbox)

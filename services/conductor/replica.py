@@ -12,12 +12,14 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 
+from kvsched.core.events import BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
+from kvsched.core.requests import RequestError
 from services.common.store import KeyValue, Store, WatchEvent
 from services.conductor import keys
 from services.conductor.election import Election
 from services.conductor.keys import InstanceRecord
-from services.conductor.state import ConductorState, RequestError
+from services.conductor.state import ConductorState
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +101,10 @@ def apply_change(state: ConductorState, election: Election, event: WatchEvent) -
         if slot is None:
             return
         if value is None:
-            state.scheduler.blocks_removed(slot, (block,), tier)
+            change: KvEvent = BlocksRemoved((block,), tier)
         else:
-            state.scheduler.blocks_stored(slot, (block,), keys.decode_parent(value), tier)
+            change = BlocksStored((block,), keys.decode_parent(value), tier)
+        state.scheduler.apply(slot, (change,), observe=False)  # the leader wrote it
     elif key.startswith(keys.CURSORS) and value is not None:
         inst = state.instances.get(keys.tail(key, keys.CURSORS))
         if inst is not None:

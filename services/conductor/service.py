@@ -20,11 +20,12 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.decision import Decision, RequestInfo, TransferPlan
 from kvsched.core.policies import POLICIES
+from kvsched.core.requests import RequestError
 from services.common import durations
 from services.common.store import Lease, StoreError
 from services.conductor import convert, keys
 from services.conductor.keys import InstanceRecord
-from services.conductor.state import ConductorState, RequestError
+from services.conductor.state import ConductorState
 
 if TYPE_CHECKING:
     from services.conductor.app import Conductor
@@ -96,7 +97,7 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
         started = time.perf_counter()
         try:
             info = self._info(request)
-            decision, rebound = self.state.place(info, self.c.clock())
+            decision = self.state.place(info, self.c.clock())
         except RequestError:
             metrics.decisions.labels("error").inc()
             raise
@@ -112,8 +113,8 @@ class ConductorServicer(pb_grpc.ConductorServiceServicer):
             landing = self.c.transfers.landing(
                 decision.instance, info.block_hashes, decision.transfers
             )
-            return decision, rebound, landing
-        return decision, rebound, []
+            return decision, decision.rebound, landing
+        return decision, decision.rebound, []
 
     def _annotate(self, decision: Decision) -> None:
         span = trace.get_current_span()

@@ -37,6 +37,7 @@ class ConductorSettings:
     block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     latency_profile: str = DEFAULT_LATENCY
+    kv_capacity_tokens: int = 0  # KV cache per instance; 0: the latency profile's measured one
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     max_prompt_tokens: int = 131_072
@@ -67,6 +68,7 @@ class ConductorSettings:
             latency_profile=self.latency_profile,
             model=self.model,
             block_size=self.block_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
             slo=SloConfig(self.ttft_slo_s, self.tpot_slo_s),
         )
 
@@ -85,6 +87,12 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     block_hashes.add_flags(_flag, p)
     _flag(p, "model", d.model, "served model (sizes KV transfers)")
     _flag(p, "latency-profile", d.latency_profile, "latency model profile")
+    _flag(
+        p,
+        "kv-capacity-tokens",
+        d.kv_capacity_tokens,
+        "KV cache tokens an instance holds (0: profile's)",
+    )
     _flag(p, "ttft-slo", d.ttft_slo_s, "time-to-first-token objective, seconds")
     _flag(p, "tpot-slo", d.tpot_slo_s, "time-per-output-token objective, seconds")
     _flag(p, "max-prompt-tokens", d.max_prompt_tokens, "longest prompt accepted")
@@ -135,6 +143,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         block_hashes=hashes,
         model=a.model,
         latency_profile=a.latency_profile,
+        kv_capacity_tokens=a.kv_capacity_tokens,
         ttft_slo_s=a.ttft_slo,
         tpot_slo_s=a.tpot_slo,
         max_prompt_tokens=a.max_prompt_tokens,

@@ -32,12 +32,12 @@ from opentelemetry.trace import Status, StatusCode
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.decision import TransferKind, TransferPlan
+from kvsched.core.requests import RequestError
 from services.common import durations
 from services.common.store import StoreError
 from services.common.telemetry import client_interceptors, get_tracer
 from services.common.tls import aio_channel
 from services.conductor import convert
-from services.conductor.state import RequestError
 
 if TYPE_CHECKING:
     from services.conductor.app import Conductor

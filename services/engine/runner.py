@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
 from kvsched.sim.engine import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
@@ -347,19 +348,18 @@ class LiveEngine:
 
         Called right after every change to the cache, with no await in between (by the step
         loop after a plan or a step, by transfers after a reservation or a commit), so
-        between awaits the memory, the names and the cache agree. A drain then holds
-        evictions only or stores only, and removals go first anyway."""
-        changes = self.engine.cache.drain_events()
-        if not changes.stored and not changes.removed:
-            return
+        between awaits the memory, the names and the cache agree."""
         memory, names, events = self.memory, self.names, self._unpublished
-        if changes.removed:
-            memory.remove(changes.removed)
-            events.append(names.removed(changes.removed))
-        for hashes, parent in changes.stored:
-            memory.store(hashes)
-            events.append(names.stored(hashes, parent))
-        if changes.stored:
+        stored = False
+        for change in self.engine.cache.drain_events():
+            if isinstance(change, BlocksRemoved):
+                memory.remove(change.hashes)
+                events.append(names.removed(change.hashes))
+            else:
+                memory.store(change.hashes)
+                events.append(names.stored(change.hashes, change.parent))
+                stored = True
+        if stored:
             self.transfers.blocks_stored()
 
     async def publish_changes(self) -> None:

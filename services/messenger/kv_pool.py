@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from kvsched.sim.cache import PrefixCache
 from services.common.files import write_private
@@ -371,13 +372,15 @@ class _Store:
 
     def sync(self) -> None:
         """Apply the cache's changes to the memory's page table and name them as events."""
-        changes = self.cache.drain_events()
-        if changes.removed:
-            self.memory.remove(changes.removed)
-            self._events.append(self.names.removed(changes.removed))
-        for hashes, parent in changes.stored:
-            self._events.append(self.names.stored(hashes, parent))
-        if changes.stored:
+        stored = False
+        for change in self.cache.drain_events():
+            if isinstance(change, BlocksRemoved):
+                self.memory.remove(change.hashes)
+                self._events.append(self.names.removed(change.hashes))
+            else:
+                self._events.append(self.names.stored(change.hashes, change.parent))
+                stored = True
+        if stored:
             self.transfers.blocks_stored()
 
     def publish(self) -> None:

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
-from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, split
+from kvsched.core.index import Tier
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from services.common import kv_events as vllm
+from services.common.kv_event_messages import event_message
 
-_TIERS = {"GPU": common.TIER_GPU, "CPU": common.TIER_CPU, "DISK": common.TIER_DISK}
-
-_Blocks = TypeVar("_Blocks", pb.BlocksStored, pb.BlocksRemoved)
+_TIERS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
 # Blocks one Conductor event may name: far below the Conductor's limit (its longest prompt in
 # blocks, 8192 by default), small enough to keep every message modest.
 MAX_BLOCKS = 512
@@ -38,7 +37,7 @@ class TranslateCounters:
 
 
 class EventTranslator:
-    """Turns one engine's events into Conductor events.
+    """Turns one engine's vLLM events into the core's, as Conductor messages.
 
     An event naming more than `max_blocks` blocks is split (a stored chain into pieces that
     continue one another), so no event exceeds what the Conductor accepts in one."""
@@ -58,35 +57,32 @@ class EventTranslator:
         self.max_blocks = max_blocks
         self.counters = TranslateCounters()
 
-    def translate(self, events: Iterable[Event]) -> list[pb.KvEvent]:
+    def translate(self, events: Iterable[vllm.Event]) -> list[pb.KvEvent]:
         """Conductor events for `events`, in order."""
-        out: list[pb.KvEvent] = []
+        ours: list[KvEvent] = []
         for event in events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, vllm.BlockStored):
                 if event.block_size != self.block_size:
                     self.counters.wrong_block_size += 1
                     continue
                 if event.parent_block_hash is None and not self._named_as_ours(event):
                     self.counters.foreign_hashes += 1
-                stored = pb.BlocksStored(
-                    block_hashes=[event_hash(h) for h in event.block_hashes],
-                    tier=_tier(event.medium),
-                    session_id=event.session_id or "",
+                parent = event.parent_block_hash
+                ours.append(
+                    BlocksStored(
+                        tuple(event_hash(h) for h in event.block_hashes),
+                        None if parent is None else event_hash(parent),
+                        _tier(event.medium),
+                    )
                 )
-                if event.parent_block_hash is not None:
-                    stored.parent_block_hash = event_hash(event.parent_block_hash)
-                out.extend(pb.KvEvent(blocks_stored=part) for part in self._split(stored))
-            elif isinstance(event, BlockRemoved):
-                removed = pb.BlocksRemoved(
-                    block_hashes=[event_hash(h) for h in event.block_hashes],
-                    tier=_tier(event.medium),
-                )
-                out.extend(pb.KvEvent(blocks_removed=part) for part in self._split(removed))
-            elif isinstance(event, AllBlocksCleared):
-                out.append(pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared()))
-        return out
+            elif isinstance(event, vllm.BlockRemoved):
+                hashes = tuple(event_hash(h) for h in event.block_hashes)
+                ours.append(BlocksRemoved(hashes, _tier(event.medium)))
+            elif isinstance(event, vllm.AllBlocksCleared):
+                ours.append(AllBlocksCleared())
+        return [event_message(e) for e in split(ours, self.max_blocks)]
 
-    def _named_as_ours(self, event: BlockStored) -> bool:
+    def _named_as_ours(self, event: vllm.BlockStored) -> bool:
         """Whether the first block of a chain from the root has the hash we would give it."""
         if self.hasher is None or not event.block_hashes:
             return True
@@ -96,21 +92,6 @@ class EventTranslator:
         ours = self.hasher.hash_prompt(tokens, salt if isinstance(salt, str) else None)
         return ours == [event_hash(event.block_hashes[0])]
 
-    def _split(self, message: _Blocks) -> list[_Blocks]:
-        hashes, n = message.block_hashes, self.max_blocks
-        if len(hashes) <= n:
-            return [message]
-        parts: list[_Blocks] = []
-        for start in range(0, len(hashes), n):
-            part = type(message)()
-            part.CopyFrom(message)
-            del part.block_hashes[:]
-            part.block_hashes.extend(hashes[start : start + n])
-            if isinstance(part, pb.BlocksStored) and start:
-                part.parent_block_hash = hashes[start - 1]
-            parts.append(part)
-        return parts
 
-
-def _tier(medium: str | None) -> common.Tier.ValueType:
-    return _TIERS.get((medium or "GPU").upper(), common.TIER_GPU)
+def _tier(medium: str | None) -> Tier:
+    return _TIERS.get((medium or "GPU").upper(), Tier.GPU)

@@ -20,12 +20,14 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.core.cluster import ClusterConfig
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferPlan
+from kvsched.core.events import KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.replay import Replay, ReplayConfig
 from kvsched.sim.traces import transform
 from services.common import durations
+from services.common.kv_event_messages import event_message
 from services.conductor import convert
 from services.conductor.app import Conductor
 from tests.conductor.conftest import settings
@@ -63,6 +65,7 @@ class RemoteScheduler:
         self.answers: Iterator[pb.ScheduleStreamResponse] = iter(stream)
 
     def close(self) -> None:
+        self._flush()
         self.requests.put(None)
         for _ in self.answers:
             pass
@@ -145,36 +148,17 @@ class RemoteScheduler:
         )
         return [self._plan(t) for t in reply.transfers]
 
-    def transfer_done(self, plan: TransferPlan, ok: bool, now: float) -> bool:
+    def transfer_done(self, transfer_id: str, ok: bool, now: float) -> bool:
         self._at(now)
-        reply = self.stub.ReportTransfer(
-            pb.ReportTransferRequest(transfer_id=plan.transfer_id, ok=ok)
-        )
+        reply = self.stub.ReportTransfer(pb.ReportTransferRequest(transfer_id=transfer_id, ok=ok))
         return reply.session_moved
 
-    def blocks_stored(
-        self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
-    ) -> None:
-        stored = pb.BlocksStored(block_hashes=hashes, tier=common.TIER_GPU)
-        if parent is not None:
-            stored.parent_block_hash = parent
-        self.pending[slot].append(pb.KvEvent(blocks_stored=stored))
-
-    def blocks_removed(self, slot: int, hashes: Sequence[int], tier: Tier = Tier.GPU) -> None:
-        removed = pb.BlocksRemoved(block_hashes=hashes, tier=common.TIER_GPU)
-        self.pending[slot].append(pb.KvEvent(blocks_removed=removed))
-
-    def report_load(self, slot: int, report: LoadReport) -> None:
-        load = common.LoadReport(
-            pending_prefill_tokens=report.pending_prefill_tokens,
-            pending_prefill=durations.duration(report.pending_prefill_s),
-            waiting=report.waiting,
-            running=report.running,
-            decode_tokens=report.decode_tokens,
-            free_blocks=max(report.free_blocks, 0),
-        )
-        self.pending[slot] = [e for e in self.pending[slot] if not e.HasField("load")]
-        self.pending[slot].append(pb.KvEvent(load=load))
+    def apply(self, slot: int, events: Sequence[KvEvent]) -> None:
+        pending = self.pending[slot]
+        for event in events:
+            if isinstance(event, LoadReport):  # only the latest load counts
+                pending[:] = [e for e in pending if not e.HasField("load")]
+            pending.append(event_message(event))
 
 
 @pytest.fixture
@@ -194,6 +178,7 @@ def conductor_thread(etcd: EtcdServer) -> Iterator[Any]:
             block_size=config.block_size,
             model=config.model,
             latency_profile=config.latency_profile,
+            kv_capacity_tokens=config.kv_capacity_tokens,
             ttft_slo_s=config.slo.ttft_s,
             tpot_slo_s=config.slo.tpot_s,
             instance_ttl_s=60,
@@ -270,7 +255,12 @@ def test_live_conductor_makes_the_simulators_decisions(case: str, conductor_thre
     spec, load_trace, closed, load = CASES[case]
     prepared = load_trace()
     config = ReplayConfig(
-        ClusterConfig(n_instances=4), seed=7, load=load, closed_loop=closed, keep_decisions=True
+        # KV memory small enough that engines evict: removals are events to agree on too.
+        ClusterConfig(n_instances=4, kv_capacity_tokens=65_536),
+        seed=7,
+        load=load,
+        closed_loop=closed,
+        keep_decisions=True,
     )
     local = Replay(prepared, spec, config)
     ours_result = local.run()
@@ -298,6 +288,13 @@ def test_live_conductor_makes_the_simulators_decisions(case: str, conductor_thre
     assert theirs == ours
     assert theirs_result.migrations.count == ours_result.migrations.count
     assert theirs_result.transfers == ours_result.transfers
+    # The KV events built the same index in both: every block on every instance, every tier.
+    index, theirs_index = local.cluster.index, conductor.state.cluster.index
+    for slot in range(cluster.n_instances):
+        for tier in Tier:
+            assert sorted(theirs_index.blocks_of(slot, tier)) == sorted(index.blocks_of(slot, tier))
+    assert sum(index.block_count(slot) for slot in range(cluster.n_instances)) > 0
+    assert sum(engine.cache.evicted_total for engine in local.engines) > 0
     if spec == "elastic":
         assert ours_result.migrations.count > 0  # migrations were exercised
     if spec == "mooncake":

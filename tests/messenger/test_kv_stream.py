@@ -14,7 +14,7 @@ from clients.python import ConductorClient
 from clients.python.kv_stream import KvEventStream, SentBatch
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.index import Tier
+from kvsched.core.events import BlocksRemoved
 from services.conductor.app import Conductor
 from tests.conductor.conftest import chain, instance
 from tests.fixtures.poll import wait_for
@@ -108,7 +108,7 @@ async def test_a_resume_point_in_the_log_is_resent_and_one_beyond_asks_for_a_res
     # The Conductor loses batches 3 and 4 (as a leader that did not persist them would).
     inst = conductor.state.instances[iid]
     inst.next_sequence = 3
-    conductor.state.scheduler.blocks_removed(inst.slot, chain(4, 1) + chain(5, 1), Tier.GPU)
+    conductor.state.scheduler.apply(inst.slot, [BlocksRemoved((*chain(4, 1), *chain(5, 1)))])
     stream.send(iid, [stored(chain(6, 1))])  # batch 5: ahead, so the call ends at 3
     await wait_for(lambda: _count(client, iid, 6), 5.0, message="3..5 resent and applied")
     assert stream.counters.resume_points == 1

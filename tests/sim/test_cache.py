@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsched.core.events import BlocksRemoved, BlocksStored
 from kvsched.sim.cache import PrefixCache
 
 
@@ -28,7 +29,7 @@ def test_pages_add_up_through_a_request_lifecycle() -> None:
     cache.release(2)
     assert (cache.free, cache.evictable, cache.locked) == (6, 4, 0)
     cache.check_integrity()
-    assert cache.drain_events().stored == [((1, 2, 3, 4), None)]
+    assert cache.drain_events() == [BlocksStored((1, 2, 3, 4), None)]
 
 
 def test_eviction_takes_least_recent_leaves_first() -> None:
@@ -42,7 +43,7 @@ def test_eviction_takes_least_recent_leaves_first() -> None:
     # Need 3 pages with 1 free: evict leaves, oldest first: 3 then 2 (chain 1-2-3 is older).
     assert cache.free == 1
     assert cache.reserve(3)
-    assert cache.drain_events().removed == [3, 2]
+    assert cache.drain_events() == [BlocksRemoved((3, 2))]
     assert cache.match([1, 5, 6], 3) == 3
     assert cache.match([1, 2, 3], 3) == 1
     cache.check_integrity()
@@ -54,9 +55,9 @@ def test_locked_prefix_is_never_evicted_and_failed_reserve_changes_nothing() -> 
     before = (cache.free, cache.evictable, cache.locked, dict(cache.nodes))
     assert not cache.reserve(3)  # 1 free + 1 evictable (block 3) < 3
     assert (cache.free, cache.evictable, cache.locked, dict(cache.nodes)) == before
-    assert cache.drain_events().removed == []
+    assert cache.drain_events() == [BlocksStored((1, 2, 3))]  # filling it; nothing evicted
     assert cache.reserve(2)
-    assert cache.drain_events().removed == [3]
+    assert cache.drain_events() == [BlocksRemoved((3,))]
     cache.check_integrity()
 
 
@@ -68,7 +69,7 @@ def test_a_block_someone_else_cached_is_shared_and_the_page_freed() -> None:
     assert used == 1  # only block 3 is new
     # 8 pages − 2 cached − 3 reserved + 2 duplicate pages returned; the chain 1-2-3 is held.
     assert (cache.free, cache.locked) == (5, 3)
-    assert cache.drain_events().stored == [((3,), 2)]
+    assert cache.drain_events() == [BlocksStored((3,), 2)]
     cache.check_integrity()
 
 
@@ -116,5 +117,5 @@ def test_a_copy_reading_blocks_does_not_refresh_them() -> None:
     cache.unlock_prefix([1, 2], 2, now=9.5, touch=False)
     cache.drain_events()
     assert cache.reserve(2)  # 1 free + evict one: the old chain's leaf goes, not block 7
-    assert cache.drain_events().removed == [2]
+    assert cache.drain_events() == [BlocksRemoved((2,))]
     cache.check_integrity()

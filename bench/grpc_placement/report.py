@@ -1,0 +1,83 @@
+"""The tables printed per policy and the verdicts against the goals."""
+
+from __future__ import annotations
+
+from bench.common import percentile
+from bench.grpc_placement.profile import print_profile
+from bench.grpc_placement.results import ModeResult
+
+GOAL_P99_MS = 1.0
+GOAL_RATE = 10_000.0
+
+
+def _p50(values: list[float]) -> str:
+    return f"{percentile(values, 50) * 1e3:.3f}" if values else "-"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def print_policy(policy: str, results: list[ModeResult], info: dict[str, float]) -> None:
+    print(
+        f"\npolicy {policy}: index loaded over gRPC in {info['load_s']:.1f} s "
+        f"({info['indexed']:,.0f} distinct instance-block pairs listed); Conductor RSS "
+        f"{info['server_rss_mb']:.0f} MB after load, {info['server_rss_end_mb']:.0f} MB at the end"
+    )
+    head = (
+        f"{'mode':<24} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'decisions/s':>11} "
+        f"{'p50 x':>6} {'p99 x':>6} {'rate x':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if r.name.startswith("warm"):
+            continue
+        b50, b99 = percentile(r.base_latencies, 50), percentile(r.base_latencies, 99)
+        print(
+            f"{'  in-process, same':<24} {len(r.base_latencies):>5} {ms(b50):>8} {ms(b99):>8} "
+            f"{r.base_rate:>11,.0f} {1.0:>6.2f} {1.0:>6.2f} {1.0:>6.2f}"
+        )
+        p50, p99 = percentile(r.latencies, 50), percentile(r.latencies, 99)
+        print(
+            f"{r.name:<24} {len(r.latencies):>5} {ms(p50):>8} {ms(p99):>8} {r.rate:>11,.0f} "
+            f"{p50 / b50:>6.1f} {p99 / b99:>6.1f} {r.rate / r.base_rate:>6.2f}"
+        )
+    for r in results:
+        print_profile(r)
+    print(
+        f"\n{'mode':<24} {'srv CPU':>8} {'srv place':>9} {'in-proc':>8} {'client CPU':>10} "
+        f"{'etcd CPU':>8} {'agree':>6} {'rejected':>8} {'errors':>6} {'rebinds':>7} "
+        f"{'rebind p50':>10} {'others p50':>10}"
+    )
+    print(f"{'(mean per decision)':<24} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>10} {'ms':>8}")
+    for r in results:
+        if r.name.startswith("warm"):
+            continue
+        n = max(len(r.latencies), 1)
+        base_mean = sum(r.base_latencies) / max(len(r.base_latencies), 1)
+        print(
+            f"{r.name:<24} {r.server_cpu_s / n * 1e3:>8.3f} {r.server_place_s / n * 1e3:>9.3f} "
+            f"{base_mean * 1e3:>8.3f} {r.client_cpu_s / n * 1e3:>10.3f} "
+            f"{r.etcd_cpu_s / n * 1e3:>8.3f} "
+            f"{r.agree / n:>6.0%} {r.rejected:>8} {r.errors:>6} {r.rebinds:>7} "
+            f"{_p50([v for k, v in r.by_id.items() if k in r.rebound_ids]):>10} "
+            f"{_p50([v for k, v in r.by_id.items() if k not in r.rebound_ids]):>10}"
+        )
+
+
+def verdicts(all_results: dict[str, list[ModeResult]]) -> None:
+    print()
+    for policy, results in all_results.items():
+        timed = [r for r in results if not r.name.startswith("warm")]
+        streamed = [r for r in timed if "stream" in r.name]
+        best_p99 = min(streamed, key=lambda r: percentile(r.latencies, 99))
+        best_rate = max(streamed, key=lambda r: r.rate)  # unary's is 1 / latency, not load
+        p99 = percentile(best_p99.latencies, 99) * 1e3
+        ok99 = "met" if p99 <= GOAL_P99_MS else "missed"
+        okr = "met" if best_rate.rate >= GOAL_RATE else "missed"
+        print(
+            f"{policy}: goal p99 <= {GOAL_P99_MS:g} ms streamed: {ok99} "
+            f"(best {p99:.2f} ms, {best_p99.name}); goal >= {GOAL_RATE:,.0f} decisions/s: {okr} "
+            f"(best {best_rate.rate:,.0f}/s, {best_rate.name})"
+        )
