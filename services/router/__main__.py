@@ -12,7 +12,7 @@ import uvloop
 
 from services.common.process import configure_logging, until_stopped
 from services.common.telemetry import TelemetrySettings, setup_tracing
-from services.router.app import Router
+from services.router.server import Router
 from services.router.settings import RouterSettings, parse
 
 

@@ -10,7 +10,7 @@ from kvsched.api.router.v1 import router_service_pb2 as pb
 from kvsched.api.router.v1 import router_service_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from services.router.app import Router
+    from services.router.server import Router
 
 Context = grpc.aio.ServicerContext[object, object]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RouterService"].full_name

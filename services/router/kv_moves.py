@@ -1,12 +1,13 @@
 """What a Router does about the KV a placement moves, before it forwards the request.
 
 The Conductor orders every transfer of a decision itself (from the Messengers); the Router
-only waits where the request needs the KV:
+only waits where the request needs the KV, then sends the request where the core's rule
+(`kvsched.core.turn_host`, which the simulator follows too) says its turn runs:
 
 - On the critical path (a fetched prefix, a session migrating with this turn): wait for each
   to end (`AwaitTransfer`), then forward. A failed migration leaves the session on its
-  source, which still holds its KV, so the turn goes there; a failed fetch costs only a
-  recompute, so the turn goes where it was placed.
+  source, which still holds its KV, so the turn goes there (when this Router knows it); a
+  failed fetch costs only a recompute, so the turn goes where it was placed.
 - A prefill→decode hand-off: the prompt is prefilled on the prefill instance (the request
   with `max_tokens` 1, not streamed) while its KV streams to the decode instance layer by
   layer; once the hand-off landed the whole request goes to the decode instance, which finds
@@ -32,16 +33,18 @@ from opentelemetry.trace import Tracer
 from clients.python import ConductorClient, ConductorError
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.decision import TransferKind
+from kvsched.core.turn_host import TransferOutcome, TurnHost, turn_host
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, PlannedTransfer
 from services.router.proxy import EngineFailed, EngineRefused, Upstream
 
 log = logging.getLogger(__name__)
-KIND_NAMES: Final[dict[int, str]] = {
-    common.TRANSFER_KIND_FETCH_PREFIX: "fetch_prefix",
-    common.TRANSFER_KIND_MIGRATE_SESSION: "migrate_session",
-    common.TRANSFER_KIND_REPLICATE_PREFIX: "replicate_prefix",
-    common.TRANSFER_KIND_HANDOFF: "handoff",
+TRANSFER_KINDS: Final[dict[int, TransferKind]] = {
+    common.TRANSFER_KIND_FETCH_PREFIX: TransferKind.FETCH_PREFIX,
+    common.TRANSFER_KIND_MIGRATE_SESSION: TransferKind.MIGRATE_SESSION,
+    common.TRANSFER_KIND_REPLICATE_PREFIX: TransferKind.REPLICATE_PREFIX,
+    common.TRANSFER_KIND_HANDOFF: TransferKind.HANDOFF,
 }
 
 
@@ -81,32 +84,47 @@ class KvMoves:
         source_url: Mapping[str, str],
     ) -> Forward:
         """Run what must happen before the request is forwarded; returns where it goes.
-        `source_url` maps instance ids to base URLs (a failed migration's source)."""
+        `source_url` maps the instance ids this Router knows to base URLs (a failed
+        migration's source)."""
         for planned in placement.landing:  # a failure costs only a recompute
             await self._landed(planned)
         handoff = next(
             (t for t in placement.transfers if t.kind == common.TRANSFER_KIND_HANDOFF), None
         )
         if handoff is not None and placement.decode_url:
-            return await self._handoff(placement, handoff, path, body, headers)
+            landed = await self._handoff(placement, handoff, path, body, headers)
+            moved = TransferOutcome(
+                TransferKind.HANDOFF,
+                placement.instance_id,
+                placement.decode_instance_id,
+                handoff.on_critical_path,
+                landed,
+            )
+            host = turn_host(placement.instance_id, [moved])
+        else:
+            host = await self._critical_path(placement, source_url)
+        return forward(placement, host, source_url)
+
+    async def _critical_path(
+        self, placement: Placement, source_url: Mapping[str, str]
+    ) -> TurnHost[str]:
+        """Wait for the transfers the turn waits for, one after the other, until a failure
+        moves the turn: what still lands where it was placed no longer matters to it."""
+        placed = placement.instance_id
+        outcomes: list[TransferOutcome[str]] = []
+        host = turn_host(placed, outcomes, up=source_url)
         for planned in placement.transfers:
             if not planned.on_critical_path:
                 continue
-            if await self._landed(planned):
+            landed = await self._landed(planned)
+            kind = TRANSFER_KINDS.get(planned.kind)
+            if kind is None:  # not a kind this Router knows: it moves no turn
                 continue
-            if planned.kind == common.TRANSFER_KIND_MIGRATE_SESSION:
-                url = source_url.get(planned.source_instance_id)
-                if url:
-                    return Forward(
-                        replace(
-                            placement,
-                            instance_id=planned.source_instance_id,
-                            url=url,
-                            rule=placement.rule + " (migration failed: stays on its source)",
-                            expected_cached_tokens=0,
-                        )
-                    )
-        return Forward(placement)
+            outcomes.append(TransferOutcome(kind, planned.source_instance_id, placed, True, landed))
+            host = turn_host(placed, outcomes, up=source_url)
+            if host.why:
+                break
+        return host
 
     async def _handoff(
         self,
@@ -115,20 +133,13 @@ class KvMoves:
         path: str,
         body: bytes,
         headers: Mapping[str, str],
-    ) -> Forward:
+    ) -> bool:
+        """Prefill on the placed instance, then wait for its KV to reach the decode instance;
+        True when both went well."""
         with self._tracer.start_as_current_span("prefill") as span:
             span.set_attribute("kvsched.instance", placement.instance_id)
             prefilled = await self._prefill(placement.url + path, body, headers)
-        if prefilled and await self._landed(handoff):
-            decode = replace(
-                placement,
-                instance_id=placement.decode_instance_id,
-                url=placement.decode_url,
-                expected_cached_tokens=0,
-            )
-            return Forward(decode, prefill_instance_id=placement.instance_id)
-        # The prefill instance holds the prompt's KV: it decodes too.
-        return Forward(replace(placement, rule=placement.rule + " (hand-off failed: decoded here)"))
+        return prefilled and await self._landed(handoff)
 
     async def _prefill(self, url: str, body: bytes, headers: Mapping[str, str]) -> bool:
         """The request as a prefill only: one token, not streamed; True when it succeeded."""
@@ -142,7 +153,7 @@ class KvMoves:
 
     async def _landed(self, planned: PlannedTransfer) -> bool:
         """Wait for one transfer; True when it landed verified."""
-        kind = KIND_NAMES.get(planned.kind, "unknown")
+        kind = kind_label(planned.kind)
         started = time.perf_counter()
         with self._tracer.start_as_current_span("transfer wait") as span:
             span.set_attribute("kvsched.transfer.id", planned.transfer_id)
@@ -163,6 +174,37 @@ class KvMoves:
         self._metrics.transfer_wait.labels(kind).observe(time.perf_counter() - started)
         self._metrics.transfer_outcomes.labels(kind, outcome).inc()
         return ok
+
+
+def forward(placement: Placement, host: TurnHost[str], source_url: Mapping[str, str]) -> Forward:
+    """The placement the request is sent with, once `host` says where its turn runs."""
+    if host.handed_off:
+        decode = replace(
+            placement,
+            instance_id=host.decode,
+            url=placement.decode_url,
+            expected_cached_tokens=0,
+        )
+        return Forward(decode, prefill_instance_id=host.prefill)
+    if host.prefill != placement.instance_id:  # nothing of what it expected is there
+        return Forward(
+            replace(
+                placement,
+                instance_id=host.prefill,
+                url=source_url[host.prefill],
+                rule=placement.rule + host.why,
+                expected_cached_tokens=0,
+            )
+        )
+    if host.why:
+        return Forward(replace(placement, rule=placement.rule + host.why))
+    return Forward(placement)
+
+
+def kind_label(kind: int) -> str:
+    """A transfer kind as the metrics and spans name it."""
+    found = TRANSFER_KINDS.get(kind)
+    return found.value if found is not None else "unknown"
 
 
 def prefill_body(body: Any) -> dict[str, Any]:

@@ -12,11 +12,11 @@ import pytest
 
 from services.common.openai_api import ApiError
 from services.router import keys
-from services.router.app import session_key
 from services.router.auth import ANONYMOUS, Authenticator, Tenant, key_digest
 from services.router.kv_moves import prefill_body
 from services.router.metrics import RouterMetrics
 from services.router.placement import KnownInstance, PlacementQuery, Placer, rendezvous
+from services.router.prepare import session_key
 from services.router.proxy import with_cache_salt
 from services.router.settings import parse
 from services.router.usage import Usage, from_body, from_sse_tail

@@ -1,0 +1,157 @@
+"""The first stage of a completion: what the Router checks and computes before it asks where
+the request runs.
+
+Every check the Router makes of a request's content is here, in the order a client meets
+them: the body (JSON, at most `MAX_BODY_BYTES`: `read_json`), its fields (`parse_request`),
+the chat's rendering (`PromptTokenizer.prompt_ids`: media parts, a request's own template),
+then the lengths (`output_budget`: an empty prompt, the model's context, in vLLM's words).
+What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
+event loop for a small prompt, else on a thread pool, as HF tokenizers releases the GIL), and
+leaves as a `Call`. (Who may ask, and whether this Router still takes requests, is the
+server's: `server`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import quote
+
+from aiohttp import web
+from opentelemetry.trace import Tracer
+
+from services.common.openai_api import (
+    CompletionRequest,
+    Kind,
+    PromptTokenizer,
+    bad_request,
+    check_length,
+    parse_request,
+    read_json,
+)
+from services.router.auth import Tenant
+from services.router.placement import PlacementQuery
+from services.router.proxy import with_cache_salt
+from services.router.settings import RouterSettings
+
+_SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
+# Prompts up to this many characters (or token ids) are tokenized and hashed on the event
+# loop: at most ~80 µs of work (demo tokenizer), less than a pool thread's round trip costs.
+INLINE_PROMPT_CHARS: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """What the tokenizer thread makes of a request."""
+
+    prompt_tokens: int
+    output_tokens: int  # at most, within the context
+    block_hashes: list[int]
+    body: bytes  # what the engine gets
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One completion request, checked and hashed, on its way to an engine."""
+
+    req: CompletionRequest
+    query: PlacementQuery
+    body: bytes  # what the engine gets
+    arrived: float  # perf_counter() when the request came in
+    reply: dict[str, str]  # our headers for the client's response (filled as we go)
+
+
+class Preparer:
+    """Turns an HTTP request into a `Call` (see the module docstring); owns the tokenizer and
+    its threads."""
+
+    def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
+        self.tokenizer = PromptTokenizer(settings.tokenizer)
+        self.hasher = settings.block_hashes.hasher(settings.block_size)
+        self.aliases = dict(settings.model_aliases)
+        self.max_model_len = settings.max_model_len
+        self._tracer = tracer
+        self._pool = ThreadPoolExecutor(
+            settings.tokenizer_threads, thread_name_prefix="kvsched-tok"
+        )
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (requests still queued for them are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(
+        self,
+        request: web.Request,
+        kind: Kind,
+        tenant: Tenant,
+        arrived: float,
+        reply: dict[str, str],
+    ) -> Call:
+        """Check, tokenize and hash `request`; raises `ApiError` 400 for what the Router
+        refuses. Names the request (`x-kvsched-request-id` in `reply`) once it passed."""
+        body = await read_json(request)
+        raw = await request.read()  # the bytes read_json parsed (aiohttp keeps them)
+        req = parse_request(kind, body)
+        session = request.headers.get("x-session-id") or req.session_id
+        scoped = session_key(tenant.name, session) if session else ""
+        salt = tenant.cache_salt(req.cache_salt)
+        with self._tracer.start_as_current_span("tokenize") as span:
+            if _small(req):
+                tokenized = self._tokenize(req, raw, body, salt)
+            else:
+                tokenized = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._tokenize, req, raw, body, salt
+                )
+            span.set_attribute("kvsched.prompt_tokens", tokenized.prompt_tokens)
+            span.set_attribute("kvsched.blocks", len(tokenized.block_hashes))
+        rid = uuid.uuid4().hex
+        reply["x-kvsched-request-id"] = rid
+        query = PlacementQuery(
+            rid, tokenized.prompt_tokens, tokenized.output_tokens, tokenized.block_hashes, scoped
+        )
+        return Call(req, query, tokenized.body, arrived, reply)
+
+    def _tokenize(
+        self, req: CompletionRequest, raw: bytes, body: dict[str, Any], salt: str
+    ) -> Tokenized:
+        """Tokenize, check the lengths, hash, and build the engine's body (thread-safe)."""
+        served = self.aliases.get(req.model or "")
+        if served is not None:  # the engines know the model by its served name only
+            body = {**body, "model": served}
+            raw = json.dumps(body).encode()
+        ids = self.tokenizer.prompt_ids(req)
+        output = output_budget(req, len(ids), self.max_model_len)
+        hashes = self.hasher.hash_prompt(ids, salt or None)
+        return Tokenized(len(ids), output, hashes, with_cache_salt(raw, body, salt))
+
+
+def output_budget(req: CompletionRequest, prompt_tokens: int, max_model_len: int) -> int:
+    """The output tokens `req` can get with a prompt of `prompt_tokens`, or a 400: an empty
+    prompt, one that leaves no room for output, `max_tokens` beyond the context."""
+    if not prompt_tokens:
+        param = "messages" if req.kind == "chat" else "prompt"
+        raise bad_request("The prompt is empty.", param)
+    return check_length(prompt_tokens, req.max_tokens, max_model_len)
+
+
+def _small(req: CompletionRequest) -> bool:
+    """Whether tokenizing and hashing `req` costs less than handing it to a pool thread
+    (0.1 ms of wake-ups and more on a busy machine): then it runs on the event loop."""
+    if req.prompt_text is not None:
+        return len(req.prompt_text) <= INLINE_PROMPT_CHARS
+    return req.prompt_ids is not None and len(req.prompt_ids) <= INLINE_PROMPT_CHARS
+
+
+def session_key(tenant: str, session: str) -> str:
+    """The session id the Conductor and the engine see: scoped by tenant (two tenants' "s1"
+    are different sessions), and percent-encoded where it is not a plain token, so it is a
+    valid header value (`x-session-id` to the engine) equal to what the Conductor is sent."""
+    return f"{_quote(tenant)}/{_quote(session)}"
+
+
+def _quote(text: str) -> str:
+    return quote(text, safe=_SESSION_SAFE, errors="surrogatepass")
