@@ -13,30 +13,28 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TypeAlias
 
 import aiohttp
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from clients.python import ConductorClient, Interceptor
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
+from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
 from services.common.kv_events import Event
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
     get_tracer,
-    server_interceptor,
     setup_tracing,
     shutdown_tracing,
 )
-from services.common.tls import add_port, aio_channel, channel_credentials
+from services.common.tls import aio_channel, channel_credentials
 from services.messenger.exporter import Exporter
 from services.messenger.http import MessengerHttp
 from services.messenger.kv_pool import KvPool
@@ -74,7 +72,7 @@ class Messenger:
         self.http = MessengerHttp(
             self.metrics.registry, lambda: self.relays, lambda: self.stream, self._unready
         )
-        self.health = health_aio.HealthServicer()
+        self.health = health_servicer()
         self.server: grpc.aio.Server | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -225,23 +223,18 @@ class Messenger:
             relay.lost_registration()
 
     async def _start_grpc(self) -> int:
-        tracer = get_tracer(self.tracer_provider)
-        server = grpc.aio.server(
-            interceptors=[server_interceptor(tracer)], options=[("grpc.so_reuseport", 0)]
-        )
+        s = self.settings
         servicer = MessengerServicer(self.transfers, self.exporter)
-        pb_grpc.add_MessengerServiceServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        api = GrpcApi(
+            SERVICE_NAME, partial(pb_grpc.add_MessengerServiceServicer_to_server, servicer)
         )
-        port = add_port(server, self.settings.listen, self.settings.server_tls)
-        if port == 0:
-            raise OSError(f"cannot listen on {self.settings.listen}")
-        await server.start()
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self.server = server
+        self.server, port = await start_grpc_server(
+            s.listen,
+            api,
+            self.health,
+            tracer=get_tracer(self.tracer_provider),
+            tls=s.server_tls,
+        )
         return port
 
     async def stop(self, grace_s: float = 2.0) -> None:

@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from kvsched.api.router.v1 import router_service_pb2 as pb
 from kvsched.api.router.v1 import router_service_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from services.router.server import Router
+from services.router.placement import Placer
+from services.router.settings import RouterSettings
 
 Context = grpc.aio.ServicerContext[object, object]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
+class Administered(Protocol):
+    """What the admin API reads of a Router, and the one thing it changes (draining)."""
+
+    @property
+    def settings(self) -> RouterSettings: ...
+    @property
+    def placer(self) -> Placer: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def streams_open(self) -> int: ...
+    @property
+    def requests_served(self) -> int: ...
+
+    async def set_draining(self, draining: bool) -> None:
+        """Refuse (or accept again) new requests."""
+
+
 class RouterServicer(pb_grpc.RouterServiceServicer):
     """Reads the Router's live state; `SetDraining` flips what new requests get (503)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Administered) -> None:
         self.router = router
 
     async def GetRouterStatus(

@@ -27,13 +27,11 @@ import contextlib
 import json
 import logging
 import time
+from functools import partial
 from typing import Final, cast
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -42,13 +40,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from clients.python import ConductorClient, Interceptor
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from services.common.grpc_server import (
+    NOT_SERVING,
+    SERVING,
+    GrpcApi,
+    health_servicer,
+    start_grpc_server,
+)
 from services.common.http_site import start_site
 from services.common.openai_api import MAX_BODY_BYTES, ApiError, Kind, unavailable
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
     get_tracer,
-    server_interceptor,
     setup_tracing,
     shutdown_tracing,
 )
@@ -126,7 +130,7 @@ class Router:
             metrics=self.metrics,
             tracer=self.tracer,
         )
-        self.health = health_aio.HealthServicer()
+        self.health = health_servicer()
         self.draining = False
         self.streams_open = 0
         self.requests_served = 0
@@ -170,27 +174,20 @@ class Router:
         )
 
     async def _start_grpc(self) -> str:
-        server = grpc.aio.server(interceptors=[server_interceptor(self.tracer)])
-        rpb_grpc.add_RouterServiceServicer_to_server(RouterServicer(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
         listen = self.settings.grpc_listen
-        port = server.add_insecure_port(listen)
-        if port == 0:
-            raise OSError(f"cannot listen on {listen}")
-        await server.start()
-        self._grpc = server
-        await self._set_health()
+        api = GrpcApi(
+            SERVICE_NAME,
+            partial(rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(self)),
+        )
+        # A plaintext admin port, shareable with other processes: as the Router always had it.
+        self._grpc, port = await start_grpc_server(
+            listen, api, self.health, tracer=self.tracer, reuse_port=True
+        )
+        await self._set_health()  # not serving while draining
         return f"{listen.rpartition(':')[0]}:{port}"
 
     async def _set_health(self) -> None:
-        state = (
-            health_pb2.HealthCheckResponse.NOT_SERVING
-            if self.draining
-            else health_pb2.HealthCheckResponse.SERVING
-        )
+        state = NOT_SERVING if self.draining else SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, state)
 
