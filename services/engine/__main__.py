@@ -5,33 +5,22 @@ exit 0."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 from collections.abc import Sequence
+from functools import partial
 
-import uvloop
 import zmq
+from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.http_site import start_site
-from services.common.process import configure_logging, until_stopped
-from services.common.telemetry import (
-    TelemetrySettings,
-    get_tracer,
-    setup_tracing,
-    shutdown_tracing,
-)
+from services.common.process import run_service, until_stopped
+from services.common.telemetry import get_tracer
 from services.engine.app import build
-from services.engine.settings import parse
+from services.engine.settings import EngineSettings, parse
 
 
-async def serve(argv: Sequence[str] | None = None) -> None:
-    settings = parse(argv)
-    provider = setup_tracing(TelemetrySettings.from_env("kvsched-engine"), set_global=True)
-    try:
-        api = build(settings, get_tracer(provider))
-    except (ValueError, OSError, zmq.ZMQError) as exc:  # bad model, no KV memory, port taken
-        raise SystemExit(f"kvsched engine: error: {exc}") from None
+async def serve(settings: EngineSettings, provider: TracerProvider) -> None:
+    api = build(settings, get_tracer(provider))  # bad model, no KV memory, port taken: fail
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its
     # request in the engine (vLLM aborts on disconnect too, streaming or not).
     runner, bound = await start_site(
@@ -54,14 +43,13 @@ async def serve(argv: Sequence[str] | None = None) -> None:
     # stepping meanwhile) and cancels the rest, which aborts them.
     await runner.cleanup()
     await api.close()
-    with contextlib.suppress(Exception):
-        await asyncio.to_thread(shutdown_tracing, provider)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging()
-    uvloop.run(serve(argv))
-    return 0
+    settings = parse(argv)
+    return run_service(
+        "engine", partial(serve, settings), fails_with=(ValueError, OSError, zmq.ZMQError)
+    )
 
 
 if __name__ == "__main__":

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from functools import partial
 
-import uvloop
+from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.process import configure_logging, until_stopped
-from services.common.telemetry import TelemetrySettings, setup_tracing
+from services.common.process import run_service, until_stopped
 from services.messenger.app import Messenger
-from services.messenger.settings import parse
+from services.messenger.settings import MessengerSettings, parse
 
 
-async def serve(argv: Sequence[str] | None = None) -> None:
-    settings = parse(argv)
-    provider = setup_tracing(TelemetrySettings.from_env("kvsched-messenger"), set_global=True)
+async def serve(settings: MessengerSettings, provider: TracerProvider) -> None:
     messenger = Messenger(settings, tracer_provider=provider)
     await messenger.start()
     print(
@@ -28,9 +26,7 @@ async def serve(argv: Sequence[str] | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging()
-    uvloop.run(serve(argv))
-    return 0
+    return run_service("messenger", partial(serve, parse(argv)))
 
 
 if __name__ == "__main__":

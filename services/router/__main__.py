@@ -3,21 +3,19 @@ then drain (new requests get 503, open streams finish within `--drain-timeout`) 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from functools import partial
 
-import uvloop
+from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.process import configure_logging, until_stopped
-from services.common.telemetry import TelemetrySettings, setup_tracing
+from services.common.process import run_service, until_stopped
 from services.router.server import Router
 from services.router.settings import RouterSettings, parse
 
 
-async def serve(settings: RouterSettings) -> None:
-    provider = setup_tracing(TelemetrySettings.from_env("kvsched-router"), set_global=True)
+async def serve(settings: RouterSettings, provider: TracerProvider) -> None:
     router = Router(settings, tracer_provider=provider)
     await router.start()
     print(f"router {settings.router_id} http={router.url} grpc={router.grpc_url}", flush=True)
@@ -29,18 +27,12 @@ async def serve(settings: RouterSettings) -> None:
             settings.drain_timeout_s,
         )
     await router.stop()
-    await asyncio.to_thread(provider.shutdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging()
     settings = parse(argv)
-    try:
-        uvloop.run(serve(settings))
-    except (OSError, ValueError) as exc:  # cannot listen, unreadable keys file, ...
-        print(f"kvsched router: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    # (cannot listen, unreadable keys file, ...)
+    return run_service("router", partial(serve, settings), fails_with=(OSError, ValueError))
 
 
 if __name__ == "__main__":
