@@ -1,12 +1,19 @@
 """Command-line flags whose defaults come from the environment, as every service takes them:
-`--listen` of the Conductor also reads `KVSCHED_CONDUCTOR_LISTEN`, and so on."""
+`--listen` of the Conductor also reads `KVSCHED_CONDUCTOR_LISTEN`, and so on; and the
+settings every service fills the same way (its id, where its spans go)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
+from collections.abc import Callable
+from functools import partial
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
+
+# `flag(parser, name, default, help_text)`: `env_flag` with a service's prefix bound.
+Flag = Callable[[argparse.ArgumentParser, str, object, str], None]
 
 
 def parse_bool(text: str) -> bool:
@@ -31,3 +38,18 @@ def env_flag(
         return
     kind = type(default) if default is not None else str
     parser.add_argument(f"--{name}", default=default if raw is None else raw, type=kind, help=text)
+
+
+def env_flags(prefix: str) -> Flag:
+    """`env_flag` for one service: `env_flags("KVSCHED_ROUTER_")(parser, "listen", ...)`."""
+    return partial(env_flag, prefix)
+
+
+def process_id() -> str:
+    """`host-pid`: the id of a service process that no flag names."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def otlp_endpoint() -> str | None:
+    """Where the process's spans are exported (`OTEL_EXPORTER_OTLP_ENDPOINT`), if anywhere."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from importlib import resources
 from typing import get_args
 
@@ -27,26 +24,22 @@ from kvsched.core.models import MINI_MODEL
 from kvsched.core.vllm_hashing import resolve_seed
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
-from services.common.flags import env_flag
+from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.kv_events import Shape
 from services.common.openai_api import DEFAULT_MODEL
 from services.engine.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
 
 ENV = "KVSCHED_ENGINE_"
-_flag = partial(env_flag, ENV)
+_flag = env_flags(ENV)
 KV_TOPIC = "kv-events"
 _SIM = ClusterConfig(n_instances=1)  # the simulator's engine defaults
-
-
-def _default_instance_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     """Everything one simulated engine process is configured with."""
 
-    instance_id: str = field(default_factory=_default_instance_id)
+    instance_id: str = field(default_factory=process_id)
     listen: str = "127.0.0.1:8100"
     model: str = DEFAULT_MODEL  # the served name (what `model` in a request must say)
     tokenizer: str | None = None  # tokenizer.json; None: the shipped one
@@ -166,7 +159,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
         profile = by_gpu
     try:
         return EngineSettings(
-            instance_id=a.instance_id or _default_instance_id(),
+            instance_id=a.instance_id or process_id(),
             listen=a.listen,
             model=a.model,
             tokenizer=a.tokenizer or None,
@@ -185,7 +178,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             block_hashes=BlockHashes(a.prefix_caching_hash_algo, _seed(a)),
             seed=a.seed,
             shutdown_grace_s=a.shutdown_grace,
-            otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+            otlp_endpoint=otlp_endpoint(),
             kv_memory_dir=a.kv_memory_dir,
             kv_pool_socket=a.kv_pool_socket or None,
             role=Role(a.role),

@@ -8,17 +8,20 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
-from services.common.flags import env_flag
+from services.common.flags import env_flags, otlp_endpoint
 from services.common.tls import ClientTls, ServerTls
+from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags
 from services.messenger.engines import EngineTarget, parse_engines
 from services.messenger.transfer.factory import BACKENDS
 
 ENV = "KVSCHED_MESSENGER_"
-_flag = partial(env_flag, ENV)
+_flag = env_flags(ENV)
+# Towards the Conductors and the other Messengers; its own server's.
+CLIENT_TLS = ClientTlsFlags("tls-", "the Conductors and the other Messengers")
+SERVER_TLS = ServerTlsFlags("serve-tls-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,25 +158,11 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "kv-pool-bytes", d.kv_pool_bytes, "the node's KV pool in host memory (0: none)")
     _flag(p, "kv-pool-socket", d.kv_pool_socket, "Unix socket the engines reach the pool at")
     _flag(p, "kv-pool-dir", d.kv_pool_dir, "shared-memory filesystem holding the pool")
-    _flag(p, "tls-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
-    _flag(p, "tls-cert", "", "this Messenger's client certificate (PEM), for mTLS")
-    _flag(p, "tls-key", "", "this Messenger's client private key (PEM), for mTLS")
-    _flag(p, "serve-tls-cert", "", "certificate (PEM) this Messenger's gRPC server serves TLS with")
-    _flag(p, "serve-tls-key", "", "its private key (PEM)")
-    _flag(p, "serve-tls-client-ca", "", "CA (PEM) client certificates must chain to (mTLS)")
+    CLIENT_TLS.add(_flag, p)
+    SERVER_TLS.add(_flag, p)
     a = p.parse_args(argv)
-    if bool(a.tls_cert) != bool(a.tls_key):
-        p.error("--tls-cert and --tls-key go together")
-    if a.tls_cert and not a.tls_ca:
-        p.error("--tls-cert needs --tls-ca")
-    tls = ClientTls(a.tls_ca, a.tls_cert or None, a.tls_key or None) if a.tls_ca else None
-    if bool(a.serve_tls_cert) != bool(a.serve_tls_key):
-        p.error("--serve-tls-cert and --serve-tls-key go together")
-    server_tls = (
-        ServerTls(a.serve_tls_cert, a.serve_tls_key, a.serve_tls_client_ca or None)
-        if a.serve_tls_cert
-        else None
-    )
+    tls = CLIENT_TLS.read(p, a)
+    server_tls = SERVER_TLS.read(p, a)
     try:
         engines = parse_engines(a.engine or [os.environ.get(engine_env, "")])
         return MessengerSettings(
@@ -208,7 +197,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             kv_pool_dir=a.kv_pool_dir,
             tls=tls,
             server_tls=server_tls,
-            otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+            otlp_endpoint=otlp_endpoint(),
         )
     except ValueError as exc:
         p.error(str(exc))

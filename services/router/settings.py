@@ -8,27 +8,26 @@ explicit `--no-auth` (one anonymous tenant with an empty salt).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
-from services.common.flags import env_flag
+from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.openai_api import DEFAULT_MODEL
 from services.common.tls import ClientTls
+from services.common.tls_flags import ClientTlsFlags
 
 ENV = "KVSCHED_ROUTER_"
-_flag = partial(env_flag, ENV)
+_flag = env_flags(ENV)
+CONDUCTOR_TLS = ClientTlsFlags("conductor-", "the Conductors")
 
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     """Everything a Router process is configured with."""
 
-    router_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    router_id: str = field(default_factory=process_id)
     listen: str = "127.0.0.1:8000"
     grpc_listen: str = "127.0.0.1:50061"
     conductors: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -87,9 +86,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "listen", d.listen, "HTTP listen address")
     _flag(p, "grpc-listen", d.grpc_listen, "gRPC admin (RouterService, health) listen address")
     _flag(p, "conductor", ",".join(d.conductors), "Conductor gRPC addresses, comma-separated")
-    _flag(p, "conductor-ca", "", "CA (PEM) of the Conductors' certificates: use TLS")
-    _flag(p, "conductor-cert", "", "client certificate (PEM) for mTLS to the Conductors")
-    _flag(p, "conductor-key", "", "client private key (PEM) for mTLS to the Conductors")
+    CONDUCTOR_TLS.add(_flag, p)
     _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.keys)")
     _flag(p, "no-auth", False, "serve without API keys (one anonymous tenant, no salt)")
     _flag(p, "tokenizer", "", "tokenizer directory or tokenizer.json (default: the demo one)")
@@ -107,14 +104,10 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "drain-timeout", d.drain_timeout_s, "on SIGTERM, seconds open streams may take")
     _flag(p, "tokenizer-threads", d.tokenizer_threads, "threads that tokenize and hash")
     a = p.parse_args(argv)
-    tls = None
-    if a.conductor_ca:
-        tls = ClientTls(a.conductor_ca, a.conductor_cert or None, a.conductor_key or None)
-    elif a.conductor_cert or a.conductor_key:
-        p.error("--conductor-cert/--conductor-key need --conductor-ca")
+    tls = CONDUCTOR_TLS.read(p, a)
     try:
         return RouterSettings(
-            router_id=a.id or RouterSettings(no_auth=True).router_id,
+            router_id=a.id or process_id(),
             listen=a.listen,
             grpc_listen=a.grpc_listen,
             conductors=tuple(c.strip() for c in a.conductor.split(",") if c.strip()),
@@ -135,7 +128,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             backlog=a.backlog,
             drain_timeout_s=a.drain_timeout,
             tokenizer_threads=a.tokenizer_threads,
-            otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+            otlp_endpoint=otlp_endpoint(),
         )
     except ValueError as exc:
         p.error(str(exc))
