@@ -1,9 +1,11 @@
-"""The client interceptors: one CLIENT span per call with ``traceparent`` injected into the
+"""The client interceptor: one CLIENT span per call with ``traceparent`` injected into the
 outgoing metadata, whatever the call's kind.
 
-The tracing lives once, in `_ClientTracing.intercept`. grpc.aio files each interceptor under
-the first of the four interceptor interfaces it implements, so one object cannot serve every
-kind of call: `client_interceptors` hands grpc four thin adapters over one `_ClientTracing`.
+One class, `TracingClientInterceptor`, implements the four interceptor interfaces over one
+wrapper (`_intercept`). grpc.aio files each interceptor object under the first of the four
+interfaces it is an instance of (an if/elif chain when the channel is made), so one object
+cannot serve every kind of call: `client_interceptors` hands grpc four instances, each of a
+subclass that declares one interface, sharing the tracer and the method-name cache.
 """
 
 from __future__ import annotations
@@ -35,14 +37,47 @@ _CallDetails = grpc.aio.ClientCallDetails
 _Continuation = Callable[[_CallDetails, Any], Any]
 
 
-class _ClientTracing:
-    """Traces client calls of every kind for one tracer (method names cached)."""
+class TracingClientInterceptor:
+    """Traces client calls of every kind for one tracer; `methods` caches span names and
+    attributes per method (shared by the instances `client_interceptors` makes)."""
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, methods: dict[str | bytes, MethodInfo] | None = None):
         self._tracer = tracer
-        self._methods: dict[str | bytes, MethodInfo] = {}
+        self._methods = {} if methods is None else methods
 
-    async def intercept(
+    async def intercept_unary_unary(
+        self, continuation: _Continuation, client_call_details: _CallDetails, request: Any
+    ) -> Any:
+        return await self._intercept(continuation, client_call_details, request, to_end=True)
+
+    async def intercept_unary_stream(
+        self, continuation: _Continuation, client_call_details: _CallDetails, request: Any
+    ) -> Any:
+        return await self._intercept(continuation, client_call_details, request, to_end=False)
+
+    async def intercept_stream_unary(
+        self,
+        continuation: _Continuation,
+        client_call_details: _CallDetails,
+        request_iterator: AsyncIterable[Any] | Iterable[Any],
+    ) -> Any:
+        # Not awaited to the end: with the ``call.write`` API a stream's writes wait for the
+        # interceptor to return, so the span is ended from the call's done callback.
+        return await self._intercept(
+            continuation, client_call_details, request_iterator, to_end=False
+        )
+
+    async def intercept_stream_stream(
+        self,
+        continuation: _Continuation,
+        client_call_details: _CallDetails,
+        request_iterator: AsyncIterable[Any] | Iterable[Any],
+    ) -> Any:
+        return await self._intercept(
+            continuation, client_call_details, request_iterator, to_end=False
+        )
+
+    async def _intercept(
         self, continuation: _Continuation, details: _CallDetails, request: Any, *, to_end: bool
     ) -> Any:
         """Start the call in a CLIENT span. With `to_end` (unary-unary calls) the call is
@@ -116,63 +151,30 @@ async def _end_from_call(span: Span, call: Any) -> None:
         end_with_code(span, code, details)
 
 
-# ---- one adapter per kind of call, each handing the call to the shared tracing
+# ---- the one interceptor, declared as each interface in turn (see the module's docstring)
 
 
-class _Adapter:
-    def __init__(self, tracing: _ClientTracing) -> None:
-        self._tracing = tracing
-
-    async def _traced_to_end(
-        self, continuation: _Continuation, client_call_details: _CallDetails, request: Any
-    ) -> Any:
-        return await self._tracing.intercept(
-            continuation, client_call_details, request, to_end=True
-        )
-
-    async def _traced(
-        self, continuation: _Continuation, client_call_details: _CallDetails, request: Any
-    ) -> Any:
-        # Not awaited to the end: with the ``call.write`` API a stream's writes wait for the
-        # interceptor to return, so the span is ended from the call's done callback.
-        return await self._tracing.intercept(
-            continuation, client_call_details, request, to_end=False
-        )
-
-    async def _traced_stream(
-        self,
-        continuation: _Continuation,
-        client_call_details: _CallDetails,
-        request_iterator: AsyncIterable[Any] | Iterable[Any],
-    ) -> Any:
-        return await self._traced(continuation, client_call_details, request_iterator)
+class _AsUnaryUnary(TracingClientInterceptor, _UnaryUnaryBase):
+    pass
 
 
-class _UnaryUnary(_Adapter, _UnaryUnaryBase):
-    intercept_unary_unary = _Adapter._traced_to_end
+class _AsUnaryStream(TracingClientInterceptor, _UnaryStreamBase):
+    pass
 
 
-class _UnaryStream(_Adapter, _UnaryStreamBase):
-    intercept_unary_stream = _Adapter._traced
+class _AsStreamUnary(TracingClientInterceptor, _StreamUnaryBase):
+    pass
 
 
-class _StreamUnary(_Adapter, _StreamUnaryBase):
-    intercept_stream_unary = _Adapter._traced_stream
-
-
-class _StreamStream(_Adapter, _StreamStreamBase):
-    intercept_stream_stream = _Adapter._traced_stream
+class _AsStreamStream(TracingClientInterceptor, _StreamStreamBase):
+    pass
 
 
 def client_interceptors(tracer: Tracer) -> list[grpc.aio.ClientInterceptor]:
     """For ``grpc.aio.insecure_channel(target, interceptors=client_interceptors(tracer))``:
     one CLIENT span per call (unary-unary, unary-stream, stream-unary, stream-stream), with
     ``traceparent`` injected into the outgoing metadata."""
-    tracing = _ClientTracing(tracer)
-    interceptors: list[object] = [
-        _UnaryUnary(tracing),
-        _UnaryStream(tracing),
-        _StreamUnary(tracing),
-        _StreamStream(tracing),
-    ]
+    methods: dict[str | bytes, MethodInfo] = {}
+    kinds = (_AsUnaryUnary, _AsUnaryStream, _AsStreamUnary, _AsStreamStream)
+    interceptors: list[object] = [kind(tracer, methods) for kind in kinds]
     return cast("list[grpc.aio.ClientInterceptor]", interceptors)
