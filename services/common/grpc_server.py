@@ -75,7 +75,10 @@ async def start_grpc_server(
     reflection.enable_server_reflection(
         (api.name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = add_port(server, listen, tls)
+    try:
+        port = add_port(server, listen, tls)
+    except RuntimeError as exc:  # how grpc reports a failed bind now (it used to return 0)
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from services.common.kv_events import Shape, decode_frames, encode_frames
 from services.engine.kv_publisher import END_SEQ, KvEventPublisher
-from tests.services.test_kv_events_capture import CAPTURE, captured
+from tests.common.test_kv_events_capture import CAPTURE, captured
 
 TOPIC = b"kv-events"
 SENT = captured("frames")  # the two batches the probe replayed

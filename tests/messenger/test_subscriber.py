@@ -11,7 +11,7 @@ from services.engine.kv_publisher import KvEventPublisher
 from services.launcher.ports import free_port
 from services.messenger.kv_subscriber import KvEventSubscriber, Resync
 from tests.fixtures.poll import wait_for
-from tests.services.test_kv_stream import TOPIC, joined, next_item, stored
+from tests.messenger.test_subscriber_publisher import TOPIC, joined, next_item, stored
 
 
 def port_free(port: int) -> bool:

@@ -18,8 +18,8 @@ import zmq.asyncio
 
 from services.common.kv_events import EventBatch, decode_frames
 from services.messenger.kv_subscriber import END_SEQ, KvEventSubscriber, Resync
+from tests.common.test_kv_events_capture import captured
 from tests.fixtures.poll import wait_for
-from tests.services.test_kv_events_capture import captured
 
 TOPIC = b"kv-events"
 SALT = captured("frames_salt")  # seq 10 to 16

@@ -10,7 +10,7 @@ import pytest
 from services.common.memory_keyspace import MemoryKeyspace
 from services.common.memory_store import MemoryStore
 from services.common.store import Put, StoreCompacted, WatchEvent
-from tests.services.test_store import take
+from tests.common.test_store import take
 
 
 class FakeClock:

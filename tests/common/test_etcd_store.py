@@ -24,8 +24,8 @@ from services.common.store import (
     StoreUnavailable,
 )
 from services.launcher.ports import free_port
+from tests.common.test_store import take
 from tests.fixtures.etcd import EtcdServer, make_tls, start_etcd
-from tests.services.test_store import take
 
 SECRET = "s3cr3t-pa55word"
 

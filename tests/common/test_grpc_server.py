@@ -1,0 +1,71 @@
+"""The service skeleton's gRPC server: health and reflection beside the API, statuses as
+asked, mutual TLS refusing a client without a certificate, a taken port refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
+from services.common.tls import ClientTls, ServerTls, aio_channel
+from tests.fixtures.etcd import make_tls
+
+API = GrpcApi("kvsched.test.v1.Nothing", lambda server: None)
+TRACER = TracerProvider().get_tracer("test")
+Status = health_pb2.HealthCheckResponse
+
+
+async def _status(channel: grpc.aio.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return int(answer.status)
+
+
+async def test_health_and_reflection_stand_beside_the_api() -> None:
+    server, port = await start_grpc_server(
+        "127.0.0.1:0", API, health_servicer(), tracer=TRACER, serving=False
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert await _status(channel, "") == Status.SERVING
+            assert await _status(channel, API.name) == Status.NOT_SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for answer in reflect.ServerReflectionInfo(iter([ask])):
+                names = {s.name for s in answer.list_services_response.service}
+            assert {API.name, "grpc.health.v1.Health"} <= names
+    finally:
+        await server.stop(None)
+
+
+async def test_a_taken_port_is_refused() -> None:
+    server, port = await start_grpc_server("127.0.0.1:0", API, health_servicer(), tracer=TRACER)
+    try:
+        with pytest.raises(OSError, match="cannot listen"):
+            await start_grpc_server(f"127.0.0.1:{port}", API, health_servicer(), tracer=TRACER)
+    finally:
+        await server.stop(None)
+
+
+async def test_mutual_tls_admits_only_clients_with_a_certificate(tmp_path: Path) -> None:
+    tls = make_tls(tmp_path)
+    files = ServerTls(str(tls.server_cert), str(tls.server_key), str(tls.ca_file))
+    server, port = await start_grpc_server(
+        "127.0.0.1:0", API, health_servicer(), tracer=TRACER, tls=files
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        with_cert = ClientTls(str(tls.ca_file), str(tls.client_cert), str(tls.client_key))
+        async with aio_channel(target, with_cert) as channel:
+            assert await _status(channel, API.name) == Status.SERVING
+        async with aio_channel(target, ClientTls(str(tls.ca_file))) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _status(channel, API.name)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
