@@ -18,7 +18,7 @@ from services.common.files import write_private
 from services.common.openai_api import DEFAULT_MODEL
 from services.launcher.plan import ENGINES, ClusterOptions, ClusterPlan, plan_cluster
 from services.launcher.supervisor import StartError, Supervisor
-from services.router.keys import new_key
+from services.router.api_keys import new_key
 
 DEMO_TENANT = "demo"
 

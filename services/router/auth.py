@@ -1,6 +1,6 @@
 """API keys → tenants, and the cache salt each tenant's requests carry.
 
-The keys file (JSON, written by `python -m services.router.keys new`):
+The keys file (JSON, written by `python -m services.router.api_keys new`):
 
     {"tenants": {"NAME": {"salt": "...", "keys": ["sha256:<hex of the key>", ...]}}}
 

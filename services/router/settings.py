@@ -87,7 +87,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "grpc-listen", d.grpc_listen, "gRPC admin (RouterService, health) listen address")
     _flag(p, "conductor", ",".join(d.conductors), "Conductor gRPC addresses, comma-separated")
     CONDUCTOR_TLS.add(_flag, p)
-    _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.keys)")
+    _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.api_keys)")
     _flag(p, "no-auth", False, "serve without API keys (one anonymous tenant, no salt)")
     _flag(p, "tokenizer", "", "tokenizer directory or tokenizer.json (default: the demo one)")
     _flag(p, "block-size", d.block_size, "tokens per KV block (as the Conductor's)")

@@ -30,7 +30,7 @@ from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.durations import duration
 from services.common.openai_api import PromptTokenizer, parse_request
 from services.launcher.vllm import DEFAULT_PYTHON
-from services.router.keys import new_key
+from services.router.api_keys import new_key
 from tests.conftest import REPO
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.e2e.test_transfers import set_policy, transfers

@@ -24,7 +24,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.openai_api import DEFAULT_MODEL
 from services.conductor.app import Conductor
 from services.launcher.ports import free_port
-from services.router.keys import new_key
+from services.router.api_keys import new_key
 from services.router.server import Router
 from services.router.settings import RouterSettings
 from tests.conductor.conftest import etcd, start_conductor

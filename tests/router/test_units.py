@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from services.common.openai_api import ApiError
-from services.router import keys
+from services.router import api_keys
 from services.router.auth import ANONYMOUS, Authenticator, Tenant, key_digest
 from services.router.kv_moves import prefill_body
 from services.router.metrics import RouterMetrics
@@ -26,11 +26,11 @@ def test_the_keys_tool_creates_and_extends_a_file_of_digests(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "keys.json"
-    assert keys.main(["new", "--tenant", "acme", "--file", str(path)]) == 0
+    assert api_keys.main(["new", "--tenant", "acme", "--file", str(path)]) == 0
     first = capsys.readouterr().out.strip()
-    assert keys.main(["new", "--tenant", "acme", "--file", str(path)]) == 0
+    assert api_keys.main(["new", "--tenant", "acme", "--file", str(path)]) == 0
     second = capsys.readouterr().out.strip()
-    assert keys.main(["new", "--tenant", "globex", "--file", str(path)]) == 0
+    assert api_keys.main(["new", "--tenant", "globex", "--file", str(path)]) == 0
     third = capsys.readouterr().out.strip()
     assert len({first, second, third}) == 3
     text = path.read_text()
@@ -49,7 +49,7 @@ def test_the_keys_tool_creates_and_extends_a_file_of_digests(
 @pytest.mark.parametrize("header", [None, "", "Bearer", "Basic abc", "Bearer nope"])
 def test_a_missing_or_unknown_key_is_401(tmp_path: Path, header: str | None) -> None:
     path = tmp_path / "keys.json"
-    keys.new_key(path, "acme")
+    api_keys.new_key(path, "acme")
     with pytest.raises(ApiError) as err:
         Authenticator.from_file(path).tenant(header)
     assert err.value.status == 401

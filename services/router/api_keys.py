@@ -1,4 +1,4 @@
-"""`python -m services.router.keys new --tenant NAME [--file PATH]`: add an API key.
+"""`python -m services.router.api_keys new --tenant NAME [--file PATH]`: add an API key.
 
 Creates the keys file (owner read/write only) or extends it: a new tenant gets a random salt,
 an existing one keeps its salt and gains a key. Only the key's SHA-256 digest is stored; the
@@ -41,7 +41,7 @@ def new_key(path: Path, tenant: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m services.router.keys", description="Manage the Router's API keys."
+        prog="python -m services.router.api_keys", description="Manage the Router's API keys."
     )
     sub = p.add_subparsers(dest="command", required=True)
     new = sub.add_parser("new", help="create a key for a tenant (printed once)")
