@@ -15,13 +15,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Literal, Self
+from typing import Final, Literal, Protocol, Self
 
 import grpc
 from google.protobuf import duration_pb2
 from grpc import aio
 
-from clients.python.channels import normalize_address
+from clients.python.channels import Channels, normalize_address
 from clients.python.errors import (
     LEADER_TRAILER,
     STATUS_CODES,
@@ -32,14 +32,28 @@ from clients.python.errors import (
     error_for,
     from_rpc_error,
 )
+from clients.python.leader import LeaderFinder
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-
-if TYPE_CHECKING:
-    from clients.python.conductor import ConductorClient
 
 _log = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT: Final = 1024
+
+
+class StreamOwner(Protocol):
+    """What a placement stream uses of the client that opened it (`ConductorClient`): its
+    deadline and retries, its channels and leader finder, and the set of its open streams,
+    which the stream joins on creation and leaves when it closes."""
+
+    deadline_s: float
+    retries: int
+    _channels: Channels
+    _leaders: LeaderFinder
+    _streams: set[PlacementStream]
+    _closed: bool
+
+    def _backoff(self, attempt: int) -> float: ...
+
 
 _Kind = Literal["schedule", "finish"]
 _Key = tuple[_Kind, str]
@@ -94,7 +108,7 @@ class PlacementStream:
     callers wait for a slot.
     """
 
-    def __init__(self, client: ConductorClient, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+    def __init__(self, client: StreamOwner, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self._client = client
