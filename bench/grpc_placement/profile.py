@@ -21,20 +21,20 @@ _INNER = (
     ("metrics (prometheus_client)", ("prometheus_client",)),
     ("tracing (interceptor, OpenTelemetry)", ("opentelemetry", "common/telemetry/")),
     ("proto <-> core conversion (convert.py)", ("conductor/convert.py",)),
-    ("request_info: tuple(hashes) from proto", ("ConductorState.request_info",)),
+    ("request_info: tuple(hashes) from proto", ("convert.py:request_info", "_request_info")),
     ("persister + etcd client + watch", ("persist.py", "common/store.py", "replica.py")),
     ("grpc.aio Python layer", ("grpc/aio/", "grpc/_")),
 )
 _OUTER = (
-    ("Finish (state.finish, policy.on_finish)", ("ConductorServicer._finish",)),
-    ("load reports (apply_events)", ("ConductorServicer._apply",)),
+    ("Finish (scheduler.finish, policy.on_finish)", ("PlacementRpcs._finish",)),
+    ("load reports (cursors.apply)", ("KvEventRpcs._apply",)),
     ("policy.place: decide + record (numpy scoring)", ("Policy.place",)),
     (
         "Scheduler.place: validation, idempotency, transfer names, sessions",
-        ("Scheduler.place", "ConductorState.place"),
+        ("Scheduler.place",),
     ),
     ("ScheduleStream loop: grpc receive of each message, queue", ("ScheduleStream",)),
-    ("unary handler", ("ConductorServicer.",)),
+    ("unary handler", ("Rpcs.",)),
     ("other Conductor code", ("services/", "kvsched/")),
 )
 _ROOTS = ("runpy", "conductor/__main__.py", "uvloop/__init__", "asyncio/runners.py")

@@ -1,4 +1,6 @@
-"""One Conductor process: state, etcd replica, election, write-behind, gRPC and HTTP servers.
+"""One Conductor process: the composition of its pieces (the current term, the etcd replica,
+the election, write-behind, the RPC parts, transfers, metrics, gRPC and HTTP servers) and
+its lifecycle.
 
 Lifecycle: `start()` loads the state from etcd (warm), binds the servers, then follows etcd
 and campaigns. Only the elected leader serves writes (`serving`); a standby answers reads and
@@ -16,7 +18,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,14 +38,24 @@ from services.common.telemetry import (
 )
 from services.common.tls import add_port
 from services.conductor import keys, replica
+from services.conductor.admin_rpcs import AdminRpcs
 from services.conductor.election import Election, LeaderInfo
+from services.conductor.event_rpcs import KvEventRpcs
+from services.conductor.explain import Explainer
 from services.conductor.http import AdminHttp
+from services.conductor.instance_rpcs import InstanceRpcs
 from services.conductor.keys import InstanceRecord
-from services.conductor.metrics import ConductorMetrics
+from services.conductor.leadership import Leadership
+from services.conductor.metrics import ConductorMetrics, StateGauges
 from services.conductor.persist import Persister
-from services.conductor.service import ConductorServicer
+from services.conductor.placement_rpcs import PlacementRpcs
+from services.conductor.registration import Registrar
+from services.conductor.service import conductor_servicer
 from services.conductor.settings import ConductorSettings
 from services.conductor.state import ConductorState
+from services.conductor.streams import OpenStreams
+from services.conductor.term import Term, TermHolder
+from services.conductor.transfer_rpcs import TransferRpcs
 from services.conductor.transfers import TransferRunner
 
 log = logging.getLogger(__name__)
@@ -66,36 +77,82 @@ class Conductor:
         # Policy time runs as the engines' does: scaled when they run faster than a GPU would.
         self.clock = clock or (lambda: time.time() / settings.time_scale)
         self.store: Store = store or EtcdStore(settings.etcd)
-        self.state = self._new_state()
-        self.hasher = settings.block_hashes.hasher(settings.block_size)  # explains token ids
-        self.serving = False
-        self.metrics = ConductorMetrics(self)
+        self.terms = TermHolder(self._new_term())
+        current = self.terms.current
+        # The election campaigns once the servers are bound and their addresses known.
+        self.leadership = Leadership(
+            settings.conductor_id, Election(self.store, LeaderInfo("", "", ""), 1)
+        )
+        self.persister = Persister(
+            self.store, lambda: current().outbox, settings.persist_interval_s
+        )
+        self.metrics = ConductorMetrics()
         self.tracer_provider = tracer_provider or setup_tracing(
             TelemetrySettings("kvsched-conductor", settings.otlp_endpoint)
         )
         self._own_provider = tracer_provider is None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
-        self.http = AdminHttp(self)
-        self.transfers = TransferRunner(self)
-        self.election: Election = Election(self.store, LeaderInfo("", "", ""), 1)
-        self.persister: Persister
+        sync = self.persister.sync
+        transfers = self.transfers = TransferRunner(
+            settings,
+            current,
+            clock=self.clock,
+            sync=sync,
+            metrics=self.metrics,
+            tracer=get_tracer(self.tracer_provider),
+        )
+        self.metrics.registry.register(
+            StateGauges(current, self.leadership, lambda: transfers.running)
+        )
+        hasher = settings.block_hashes.hasher(settings.block_size)  # explains token ids
+        explainer = Explainer(current, hasher, self.clock)
+        self.http = AdminHttp(current, self.leadership, explainer, self.metrics.registry)
+        self.streams = OpenStreams()
+        registrar = Registrar(self.store, current, sync, settings.instance_ttl_s)
+        self.rpcs = (
+            InstanceRpcs(registrar, current, self.leadership),
+            KvEventRpcs(current, self.leadership, self.metrics),
+            PlacementRpcs(
+                current,
+                self.leadership,
+                clock=self.clock,
+                metrics=self.metrics,
+                transfers=transfers,
+                sync=sync,
+                streams=self.streams,
+            ),
+            TransferRpcs(
+                current,
+                self.leadership,
+                clock=self.clock,
+                time_scale=settings.time_scale,
+                transfers=transfers,
+                sync=sync,
+            ),
+            AdminRpcs(current, self.leadership, self.store, explainer),
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._follow: asyncio.Task[None] | None = None
-        # Answer queues of the open placement streams (ended when leadership is lost).
-        self.open_streams: set[asyncio.Queue[Any]] = set()
 
-    def _new_state(self) -> ConductorState:
+    def _new_term(self) -> Term:
         s = self.settings
-        return ConductorState(
-            s.cluster_config(),
-            s.policy,
-            s.seed,
-            # Unique across terms and restarts: a Messenger still knows the last term's ids.
-            transfer_prefix=f"{s.conductor_id}-{secrets.token_hex(4)}",
-            max_prompt_tokens=s.max_prompt_tokens,
-            persist_blocks=s.persist_blocks,
-        )
+        # Unique across terms and restarts: a Messenger still knows the last term's ids.
+        return Term.build(s, f"{s.conductor_id}-{secrets.token_hex(4)}")
+
+    @property
+    def state(self) -> ConductorState:
+        """The registry and control core of the term in force."""
+        return self.terms.current().state
+
+    @property
+    def serving(self) -> bool:
+        """Whether this Conductor leads and serves writes."""
+        return self.leadership.serving
+
+    @property
+    def election(self) -> Election:
+        return self.leadership.election
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -103,7 +160,6 @@ class Conductor:
         s = self.settings
         await self.store.connect()
         revision = await replica.load(self.store, self.state)
-        self.persister = Persister(self.store, self.state, s.persist_interval_s)
         port = await self._start_grpc()
         host = (s.advertise or s.listen).rpartition(":")[0]
         http_port = await self.http.start(s.http_listen)
@@ -112,7 +168,7 @@ class Conductor:
             s, advertise=f"{host}:{port}", http_listen=f"{http_host}:{http_port}"
         )
         info = LeaderInfo(s.conductor_id, self.settings.url, self.settings.http_url)
-        self.election = Election(self.store, info, s.leader_ttl_s)
+        self.leadership.election = Election(self.store, info, s.leader_ttl_s)
         self._follow = asyncio.create_task(self._follow_from(revision))
         self._tasks = [
             asyncio.create_task(self.election.run(self._on_elected, self._on_lost)),
@@ -135,7 +191,7 @@ class Conductor:
             interceptors=[server_interceptor(tracer)],
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
         )
-        pb_grpc.add_ConductorServiceServicer_to_server(ConductorServicer(self), server)
+        pb_grpc.add_ConductorServiceServicer_to_server(conductor_servicer(*self.rpcs), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -164,9 +220,9 @@ class Conductor:
                     revision = await self.store.revision()
                     await self._reconcile()
                 else:
-                    state = self._new_state()
-                    revision = await replica.load(self.store, state)
-                    self.state = self.persister.state = state
+                    term = self._new_term()
+                    revision = await replica.load(self.store, term.state)
+                    self.terms.swap(term)
 
     async def _on_elected(self) -> None:
         """Catch up on what the watch may not have applied yet, then serve."""
@@ -174,7 +230,7 @@ class Conductor:
         recorded = await self.store.get(keys.POLICY.encode())
         if recorded is None:
             await self.store.put(keys.POLICY.encode(), self.state.scheduler.spec.encode())
-        self.serving = True
+        self.leadership.serving = True
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("Conductor %s leads", self.settings.conductor_id)
 
@@ -201,24 +257,20 @@ class Conductor:
 
     async def _on_lost(self) -> None:
         """Stop serving and rebuild from etcd: unpersisted writes of the lost term are gone."""
-        self.serving = False
+        self.leadership.serving = False
         await self.transfers.stop()
-        for answers in self.open_streams:
-            if answers.full():  # a busy stream: its reader ends it after the queued answers
-                asyncio.get_running_loop().create_task(answers.put(None))
-            else:
-                answers.put_nowait(None)
+        self.streams.end_all()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._follow is not None:
             self._follow.cancel()
-        state = self._new_state()
-        revision = await replica.load(self.store, state)  # on failure: keep the old, unserved
-        self.state = self.persister.state = state
+        term = self._new_term()
+        revision = await replica.load(self.store, term.state)  # on failure: keep the old
+        self.terms.swap(term)
         self._follow = asyncio.create_task(self._follow_from(revision))
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Resign, flush, drain RPCs, close."""
-        self.serving = False
+        self.leadership.serving = False
         with contextlib.suppress(Exception):
             await self.persister.flush()
         with contextlib.suppress(Exception):

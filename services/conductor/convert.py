@@ -1,5 +1,6 @@
 """Protobuf messages to and from core values, with the boundary checks (unspecified enums,
-missing fields) that raise `RequestError` before anything changes."""
+missing fields) that raise `RequestError`. Pure conversion: nothing here changes the state
+it reads ids and slots from."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
-from kvsched.core.decision import Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
@@ -212,6 +213,28 @@ def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatu
     )
 
 
+def _request_info(
+    request_id: str, prompt_tokens: int, output_tokens: int, hashes: Sequence[int], session_id: str
+) -> RequestInfo:
+    if not request_id:
+        raise RequestError("invalid", "request_id is required (it is the idempotency key)")
+    return RequestInfo(
+        request_id, prompt_tokens, max(output_tokens, 1), tuple(hashes), session_id or None
+    )
+
+
+def request_info(request: pb.ScheduleRequest) -> RequestInfo:
+    """A placement request as the core takes it (the core checks its limits when it places
+    it); raises RequestError without an id."""
+    return _request_info(
+        request.request_id,
+        request.prompt_tokens,
+        request.output_tokens,
+        request.block_hashes[:],  # a list copy: the fastest way out of the message
+        request.session_id,
+    )
+
+
 def explain_request(
     state: ConductorState, request: pb.ExplainRequest, hasher: VllmBlockHasher
 ) -> RequestInfo:
@@ -219,31 +242,36 @@ def explain_request(
     engines do); raises RequestError."""
     if request.block_hashes and request.token_ids:
         raise RequestError("invalid", "give block_hashes or token_ids, not both")
-    bs = state.config.block_size
+    bs = state.scheduler.config.block_size
     hashes: list[int] = list(request.block_hashes)
     if request.token_ids:
         hashes = hasher.hash_prompt(request.token_ids)
     prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
     if not hashes:
         raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")
-    return state.request_info("explain", prompt, request.output_tokens, hashes, request.session_id)
+    return _request_info("explain", prompt, request.output_tokens, hashes, request.session_id)
 
 
-def finish(state: ConductorState, request: pb.FinishRequest, now: float) -> list[TransferPlan]:
-    """Record the completion a FinishRequest reports; raises RequestError."""
-    return list(
-        state.finish(
-            request.request_id,
-            session_id=request.session_id,
-            instance_id=request.instance_id,
-            decode_instance_id=request.decode_instance_id,
-            prompt_tokens=request.prompt_tokens,
-            output_tokens=request.output_tokens,
-            cached_tokens=request.cached_tokens,
-            hashes=request.block_hashes,
-            ttft_s=seconds(request.time_to_first_token),
-            e2e_s=seconds(request.end_to_end),
-            ok=request.ok,
-            now=now,
-        )
+def completion(state: ConductorState, request: pb.FinishRequest, now: float) -> Completion:
+    """The completion a FinishRequest reports, its instances as `state` places them;
+    raises RequestError."""
+    if not request.request_id:
+        raise RequestError("invalid", "request_id is required")
+    slot = state.instance(request.instance_id).slot
+    decode = state.instance(request.decode_instance_id).slot if request.decode_instance_id else slot
+    e2e_s, ttft_s = seconds(request.end_to_end), seconds(request.time_to_first_token)
+    arrival = now - max(e2e_s, 0.0)
+    return Completion(
+        request_id=request.request_id,
+        session_id=request.session_id or None,
+        instance=slot,
+        decode_instance=decode,
+        prompt_tokens=request.prompt_tokens,
+        output_tokens=request.output_tokens,
+        cached_tokens=request.cached_tokens,
+        block_hashes=tuple(request.block_hashes),
+        arrival=arrival,
+        first_token_at=arrival + max(ttft_s, 0.0),
+        finished_at=now,
+        ok=request.ok,
     )

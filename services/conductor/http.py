@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
 from services.common.http_site import start_site
 from services.conductor import convert
-
-if TYPE_CHECKING:
-    from services.conductor.app import Conductor
+from services.conductor.explain import Explainer
+from services.conductor.leadership import Leadership
+from services.conductor.term import CurrentTerm
 
 _STATUS = {"invalid": 400, "not_found": 404, "out_of_range": 400, "unavailable": 503}
 
@@ -27,8 +27,17 @@ def _error(status: int, message: str) -> web.Response:
 class AdminHttp:
     """`/api/nodes/stats`, `/api/sessions/{id}`, `/api/leader`, `/api/explain`, `/metrics`."""
 
-    def __init__(self, conductor: Conductor) -> None:
-        self.c = conductor
+    def __init__(
+        self,
+        current: CurrentTerm,
+        leadership: Leadership,
+        explainer: Explainer,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.current = current
+        self.leadership = leadership
+        self.explainer = explainer
+        self.registry = registry  # the Conductor's metrics
         self.app = web.Application(client_max_size=4 << 20)
         self.app.add_routes(
             [
@@ -51,7 +60,7 @@ class AdminHttp:
             await self._runner.cleanup()
 
     async def nodes(self, request: web.Request) -> web.Response:
-        state = self.c.state
+        state = self.current().state
         rows = []
         for iid in sorted(state.instances, key=lambda i: state.instances[i].slot):
             status = convert.instance_status(state, iid)
@@ -84,7 +93,7 @@ class AdminHttp:
         )
 
     async def session(self, request: web.Request) -> web.Response:
-        state = self.c.state
+        state = self.current().state
         try:
             s = state.session(request.match_info["session_id"])
         except RequestError as exc:
@@ -102,12 +111,12 @@ class AdminHttp:
         )
 
     async def leader(self, request: web.Request) -> web.Response:
-        c = self.c
-        leader = c.election.leader
+        leadership = self.leadership
+        leader = leadership.leader
         return web.json_response(
             {
-                "self_id": c.settings.conductor_id,
-                "is_leader": c.serving,
+                "self_id": leadership.self_id,
+                "is_leader": leadership.serving,
                 "leader_id": leader.id if leader else None,
                 "leader_url": leader.http_url if leader else None,
             }
@@ -129,21 +138,19 @@ class AdminHttp:
         except (ValueError, TypeError, json.JSONDecodeError) as exc:
             return _error(400, f"bad explain request: {exc}")
         try:
-            req = convert.explain_request(self.c.state, msg, self.c.hasher)
-            decision = self.c.state.explain(req, self.c.clock())
+            decision = self.explainer.explain(msg)
         except RequestError as exc:
             return _error(_STATUS[exc.kind], str(exc))
+        state = self.current().state
         rows = decision.explain()
         for row in rows:
-            row["instance"] = self.c.state.id_of(int(row["instance"]))
+            row["instance"] = state.id_of(int(row["instance"]))
         return web.json_response(
             {
-                "policy": self.c.state.scheduler.spec,
+                "policy": state.scheduler.spec,
                 "rule": decision.rule,
                 "rejected": decision.rejected,
-                "instance": self.c.state.id_of(decision.instance)
-                if decision.instance >= 0
-                else None,
+                "instance": state.id_of(decision.instance) if decision.instance >= 0 else None,
                 "cached_tokens": decision.cached_tokens,
                 "estimated_ttft_s": decision.estimated_ttft_s,
                 "candidates": rows,
@@ -173,7 +180,7 @@ class AdminHttp:
         return body
 
     async def metrics(self, request: web.Request) -> web.Response:
-        data = generate_latest(self.c.metrics.registry)
+        data = generate_latest(self.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

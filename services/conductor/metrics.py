@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from services.conductor.app import Conductor
+from services.conductor.leadership import Leadership
+from services.conductor.term import CurrentTerm
 
 _LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3, 0.1,
@@ -18,9 +17,10 @@ _LATENCY_BUCKETS = (
 
 
 class ConductorMetrics:
-    """Counters and histograms updated on the request path; gauges read at scrape time."""
+    """Counters and histograms updated on the request path; the gauges (`StateGauges`)
+    are read at scrape time."""
 
-    def __init__(self, conductor: Conductor) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decision_seconds = Histogram(
@@ -74,19 +74,30 @@ class ConductorMetrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
         )
-        r.register(_StateCollector(conductor))
 
 
-class _StateCollector(Collector):
-    def __init__(self, conductor: Conductor) -> None:
-        self.conductor = conductor
+class StateGauges(Collector):
+    """Gauges of the current term, the leadership and the transfers, read at scrape time
+    (register it in `ConductorMetrics.registry`)."""
+
+    def __init__(
+        self,
+        current: CurrentTerm,
+        leadership: Leadership,
+        transfers_running: Callable[[], int],
+    ) -> None:
+        self.current = current
+        self.leadership = leadership
+        self.transfers_running = transfers_running
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        c = self.conductor
-        state = c.state
+        term = self.current()
+        state = term.state
         load = state.cluster.load
         yield GaugeMetricFamily(
-            "kvsched_conductor_is_leader", "1 on the leader.", value=float(c.election.is_leader)
+            "kvsched_conductor_is_leader",
+            "1 on the leader.",
+            value=float(self.leadership.is_leader),
         )
         yield GaugeMetricFamily(
             "kvsched_conductor_index_blocks",
@@ -106,7 +117,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvsched_conductor_transfers_running",
             "KV transfers ordered and not yet ended.",
-            value=c.transfers.running,
+            value=self.transfers_running(),
         )
         yield GaugeMetricFamily(
             "kvsched_conductor_rejections",
@@ -114,7 +125,7 @@ class _StateCollector(Collector):
             value=state.scheduler.rejections,
         )
         yield GaugeMetricFamily(
-            "kvsched_conductor_persist_pending", "Writes waiting for etcd.", value=len(state.outbox)
+            "kvsched_conductor_persist_pending", "Writes waiting for etcd.", value=len(term.outbox)
         )
         per = {
             "pending_prefill_tokens": load.pending_prefill_tokens,

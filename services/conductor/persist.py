@@ -1,4 +1,4 @@
-"""Write-behind persistence: the state's outbox goes to etcd in batched transactions, off
+"""Write-behind persistence: the current term's outbox goes to etcd in batched transactions, off
 the placement path. A caller that needs a write durable (a session binding) awaits `sync()`,
 which joins the next batch (group commit) instead of writing on its own."""
 
@@ -7,29 +7,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from services.common.store import Delete, Op, Put, Store, StoreError
-from services.conductor.state import ConductorState
+from services.conductor.records import Outbox
 
 log = logging.getLogger(__name__)
 
 
 class Persister:
-    """Drains `state.outbox` into the store every `interval_s`, or at once when asked."""
+    """Drains the outbox of the term in force into the store every `interval_s`, or at once
+    when asked. One persister outlives the terms: a `sync()` waiting when a term is lost is
+    answered by the next flush, of the new term's outbox."""
 
-    def __init__(self, store: Store, state: ConductorState, interval_s: float = 0.05) -> None:
+    def __init__(
+        self, store: Store, outbox: Callable[[], Outbox], interval_s: float = 0.05
+    ) -> None:
         self.store = store
-        self.state = state
+        self.outbox = outbox
         self.interval_s = interval_s
         self.ops_written = 0
         self.batches = 0
         self.failures = 0
         self._wake = asyncio.Event()
-        self._next: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._next: asyncio.Future[None] | None = None  # made on the loop, when first asked
+
+    def _pending(self) -> asyncio.Future[None]:
+        """The future the next flush resolves."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
 
     async def sync(self) -> None:
         """Return once everything queued so far is in etcd (raises StoreError)."""
-        fut = self._next
+        fut = self._pending()
         self._wake.set()
         await asyncio.shield(fut)
 
@@ -42,8 +53,8 @@ class Persister:
             await self.flush()
 
     async def flush(self) -> None:
-        fut, self._next = self._next, asyncio.get_running_loop().create_future()
-        outbox = self.state.outbox
+        fut, self._next = self._pending(), asyncio.get_running_loop().create_future()
+        outbox = self.outbox()
         if not len(outbox):
             fut.set_result(None)
             return

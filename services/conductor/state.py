@@ -1,32 +1,31 @@
-"""The Conductor's in-memory state: the control core (`kvsched.core.scheduler.Scheduler`,
-the same object the simulator drives) plus what only a service needs around it: instances
-named by id and bound to slots, event batch cursors, and the etcd records of it all.
+"""The Conductor's instance registry around the control core: instances named by id and
+bound to slots of the core `Scheduler` (the same object the simulator drives).
 
-No I/O here. Every change that must reach etcd is queued in `outbox` (coalesced by key);
-the persister drains it. Validation happens before anything changes, so a refused call
-leaves the state exactly as it was.
+No I/O here, and nothing else: the etcd records of what changes are the observer's the
+state is built with (`records`), a batch's place in its instance's sequence is the
+cursors' (`cursors`), the conversion of messages is `convert`'s. Validation happens before
+anything changes, so a refused call leaves the state exactly as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvsched.core.cluster import ClusterConfig, ClusterState
-from kvsched.core.decision import Completion, Decision, RequestInfo, TransferPlan
-from kvsched.core.events import AllBlocksCleared, BlocksStored, KvEvent
+from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from kvsched.core.scheduler import Scheduler
+from kvsched.core.scheduler import IndexObserver, Scheduler
 from kvsched.core.sessions import Session
 from services.conductor import keys
 from services.conductor.keys import InstanceRecord, InstanceSpec
-from services.conductor.records import EtcdRecords, Outbox
+from services.conductor.records import Holder
 
 
 @dataclass(slots=True)
 class Instance:
-    """A registered instance."""
+    """A registered instance, and the sequence its next KV event batch must carry."""
 
     record: InstanceRecord
     next_sequence: int = 0
@@ -41,7 +40,7 @@ class Instance:
 
 
 class ConductorState:
-    """Control core, registry and bookkeeping of one Conductor process."""
+    """Instances by id and slot, around the control core of one leadership term."""
 
     def __init__(
         self,
@@ -51,26 +50,23 @@ class ConductorState:
         *,
         transfer_prefix: str,
         max_prompt_tokens: int = 131_072,
-        persist_blocks: bool = True,
+        observer: Callable[[Holder], IndexObserver] | None = None,
     ) -> None:
-        """`transfer_prefix` names this term's transfer orders: unique across terms and
-        restarts, since a Messenger still knows the ids of the last term."""
-        self.outbox = Outbox()
+        """`transfer_prefix` names the transfer orders of the core. `observer`, given who
+        holds each slot, builds what the core tells of every change it applies (the etcd
+        records)."""
         self.instances: dict[str, Instance] = {}
         self.by_slot: list[str | None] = [None] * config.n_instances
         self._nodes: dict[str, int] = {}
-        records = EtcdRecords(self.outbox, self._holder, persist_blocks=persist_blocks)
         self.scheduler = Scheduler(
             config,
             policy,
             seed,
             max_prompt_tokens=max_prompt_tokens,
             transfer_prefix=transfer_prefix,
-            observer=records,
+            observer=observer(self.holder) if observer is not None else None,
             empty=True,  # slots fill as instances register
         )
-        self.config = config
-        self.persist_blocks = persist_blocks
 
     @property
     def cluster(self) -> ClusterState:
@@ -84,7 +80,8 @@ class ConductorState:
             raise RequestError("not_found", f"unknown instance {instance_id!r}")
         return inst
 
-    def _holder(self, slot: int) -> tuple[str, int] | None:
+    def holder(self, slot: int) -> tuple[str, int] | None:
+        """The id and lease of the instance in `slot`; None for a free slot."""
         iid = self.by_slot[slot]
         if iid is None:
             return None
@@ -137,123 +134,10 @@ class ConductorState:
     def id_of(self, slot: int) -> str:
         return self.by_slot[slot] or ""
 
-    # ---- KV events -----------------------------------------------------------------------
-
-    def apply_events(
-        self,
-        instance_id: str,
-        sequence: int,
-        resync: bool,
-        events: Sequence[KvEvent],
-        *,
-        merge: bool = False,
-    ) -> int:
-        """Apply one batch in order; returns the next expected sequence. A batch out of
-        sequence is refused whole, naming where to resume. A resync batch restarts the
-        sequence and replaces the instance's index, or, with `merge`, applies on top of it."""
-        inst = self.instance(instance_id)
-        expected = inst.next_sequence
-        if not resync and sequence != expected:
-            where = "in the past" if sequence < expected else "ahead (events were lost)"
-            raise RequestError(
-                "out_of_range",
-                f"batch {sequence} for instance {instance_id!r} is {where}; "
-                f"the next batch must carry sequence {expected}",
-                next_sequence=expected,
-            )
-        if resync and not merge:
-            events = [AllBlocksCleared(), *events]
-        self.scheduler.apply(inst.slot, events)
-        inst.next_sequence = sequence + 1
-        self.outbox.put(
-            keys.cursor_key(instance_id), str(inst.next_sequence).encode(), inst.record.lease_id
-        )
-        return inst.next_sequence
-
-    def rebind_lease(self, instance_id: str) -> None:
-        """Queue the instance's cursor and every block it holds again, bound to its current
-        lease (after a re-registration granted a new one)."""
-        inst = self.instance(instance_id)
-        lease, index = inst.record.lease_id, self.cluster.index
-        self.outbox.put(keys.cursor_key(instance_id), str(inst.next_sequence).encode(), lease)
-        if not self.persist_blocks:
-            return
-        for tier in Tier:
-            for h in index.blocks_of(inst.slot, tier):
-                value = keys.encode_parent(index.parent_of(h))
-                self.outbox.put(keys.block_key(instance_id, tier, h), value, lease)
-
     def blocks_restored(self, slot: int, entries: Iterable[tuple[Tier, int, int | None]]) -> None:
         """Blocks read back from etcd: indexed, not written again."""
         events = [BlocksStored((block,), parent, tier) for tier, block, parent in entries]
         self.scheduler.apply(slot, events, observe=False)
-
-    # ---- requests ----------------------------------------------------------------------
-
-    def request_info(
-        self,
-        request_id: str,
-        prompt_tokens: int,
-        output_tokens: int,
-        hashes: Sequence[int],
-        session_id: str,
-    ) -> RequestInfo:
-        """A placement request as the core takes it (the core checks its limits when it
-        places or explains it); raises RequestError without an id."""
-        if not request_id:
-            raise RequestError("invalid", "request_id is required (it is the idempotency key)")
-        return RequestInfo(
-            request_id, prompt_tokens, max(output_tokens, 1), tuple(hashes), session_id or None
-        )
-
-    def finish(
-        self,
-        request_id: str,
-        *,
-        session_id: str,
-        instance_id: str,
-        decode_instance_id: str,
-        prompt_tokens: int,
-        output_tokens: int,
-        cached_tokens: int,
-        hashes: Sequence[int],
-        ttft_s: float,
-        e2e_s: float,
-        ok: bool,
-        now: float,
-    ) -> Sequence[TransferPlan]:
-        """Record a completion once per request id; returns transfers to start now."""
-        if not request_id:
-            raise RequestError("invalid", "request_id is required")
-        slot = self.instance(instance_id).slot
-        decode = self.instance(decode_instance_id).slot if decode_instance_id else slot
-        arrival = now - max(e2e_s, 0.0)
-        done = Completion(
-            request_id=request_id,
-            session_id=session_id or None,
-            instance=slot,
-            decode_instance=decode,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            cached_tokens=cached_tokens,
-            block_hashes=tuple(hashes),
-            arrival=arrival,
-            first_token_at=arrival + max(ttft_s, 0.0),
-            finished_at=now,
-            ok=ok,
-        )
-        return self.scheduler.finish(done, now)
-
-    def place(self, req: RequestInfo, now: float) -> Decision:
-        return self.scheduler.place(req, now)
-
-    def explain(self, req: RequestInfo, now: float) -> Decision:
-        return self.scheduler.explain(req, now)
-
-    def transfer_done(
-        self, transfer_id: str, ok: bool, now: float, *, nbytes: int = 0, seconds: float = 0.0
-    ) -> bool:
-        return self.scheduler.transfer_done(transfer_id, ok, now, nbytes=nbytes, seconds=seconds)
 
     # ---- sessions and policy -------------------------------------------------------------
 

@@ -22,12 +22,12 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import grpc
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Status, StatusCode, Tracer
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
@@ -35,12 +35,12 @@ from kvsched.core.decision import TransferKind, TransferPlan
 from kvsched.core.requests import RequestError
 from services.common import durations
 from services.common.store import StoreError
-from services.common.telemetry import client_interceptors, get_tracer
+from services.common.telemetry import client_interceptors
 from services.common.tls import aio_channel
 from services.conductor import convert
-
-if TYPE_CHECKING:
-    from services.conductor.app import Conductor
+from services.conductor.metrics import ConductorMetrics
+from services.conductor.settings import ConductorSettings
+from services.conductor.term import CurrentTerm
 
 log = logging.getLogger(__name__)
 _Stub: TypeAlias = "mpb_grpc.MessengerServiceAsyncStub"  # exists only in the stubs
@@ -66,8 +66,22 @@ class TransferOutcome:
 class TransferRunner:
     """Transfers the leader has ordered and not yet forgotten."""
 
-    def __init__(self, conductor: Conductor) -> None:
-        self.c = conductor
+    def __init__(
+        self,
+        settings: ConductorSettings,
+        current: CurrentTerm,
+        *,
+        clock: Callable[[], float],
+        sync: Callable[[], Awaitable[None]],
+        metrics: ConductorMetrics,
+        tracer: Tracer,
+    ) -> None:
+        self.settings = settings  # time scale, deadlines, Messenger TLS, whether to execute
+        self.current = current
+        self.clock = clock  # policy seconds
+        self.sync = sync  # waits for the term's queued writes to reach etcd
+        self.metrics = metrics
+        self.tracer = tracer
         self._tasks: dict[str, asyncio.Task[TransferOutcome]] = {}
         # Target slot -> the transfers under way to it (for placements that count on them).
         self._landing: dict[int, dict[str, TransferPlan]] = {}
@@ -82,7 +96,7 @@ class TransferRunner:
         """Start every plan not started yet (a retried placement names the same ids). A
         hand-off's deadline also covers `prefill_s` (policy seconds), the prefill it follows.
         With `--execute-transfers` off, nothing starts: an external executor reports them."""
-        if not self.c.settings.execute_transfers:
+        if not self.settings.execute_transfers:
             return
         for plan in plans:
             tid = plan.transfer_id
@@ -129,7 +143,7 @@ class TransferRunner:
 
     def deadline_s(self, plan: TransferPlan, wait_s: float) -> float:
         """Wall seconds a transfer may take: a floor, plus a multiple of its estimate."""
-        s = self.c.settings
+        s = self.settings
         estimate = (plan.est_seconds + (wait_s if math.isfinite(wait_s) else 0.0)) * s.time_scale
         return s.transfer_timeout_s + s.transfer_timeout_factor * estimate
 
@@ -164,8 +178,7 @@ class TransferRunner:
     # ---- one transfer ----------------------------------------------------------------------
 
     async def _run(self, plan: TransferPlan, deadline_s: float) -> TransferOutcome:
-        state = self.c.state
-        tracer = get_tracer(self.c.tracer_provider)
+        state = self.current().state
         attributes = {
             "kvsched.transfer.id": plan.transfer_id,
             "kvsched.transfer.kind": plan.kind.value,
@@ -176,7 +189,7 @@ class TransferRunner:
             "kvsched.transfer.on_critical_path": plan.on_critical_path,
         }
         started = time.monotonic()
-        with tracer.start_as_current_span(
+        with self.tracer.start_as_current_span(
             f"transfer {plan.kind.value}", attributes=attributes
         ) as span:
             try:
@@ -208,7 +221,7 @@ class TransferRunner:
             return mpb.WatchTransferResponse(
                 transfer_id=plan.transfer_id, state=mpb.TRANSFER_STATE_DONE
             )
-        state = self.c.state
+        state = self.current().state
         source = state.instances.get(state.id_of(plan.source))
         target = state.instances.get(state.id_of(plan.target))
         if source is None or target is None:
@@ -254,24 +267,22 @@ class TransferRunner:
     async def _apply(self, plan: TransferPlan, ok: bool, nbytes: int, seconds: float) -> bool:
         """Tell the policy and the cost model; make a rebinding durable. Returns whether a
         session moved."""
-        c = self.c
-        state = c.state
         try:
-            moved = state.transfer_done(
+            moved = self.current().state.scheduler.transfer_done(
                 plan.transfer_id,
                 ok,
-                c.clock(),
+                self.clock(),
                 nbytes=nbytes,
-                seconds=seconds / c.settings.time_scale,
+                seconds=seconds / self.settings.time_scale,
             )
         except RequestError:  # an end left meanwhile and took its orders with it
             moved = False
         if moved:
             try:
-                await c.persister.sync()
+                await self.sync()
             except StoreError as exc:  # kept in memory; the write-behind retries it
                 log.warning("etcd did not take the binding of %s yet: %s", plan.session_id, exc)
-        m = c.metrics
+        m = self.metrics
         kind = plan.kind.value
         m.transfers.labels(kind, "done" if ok else "failed").inc()
         m.transfer_bytes.labels(kind).inc(nbytes)
@@ -281,9 +292,8 @@ class TransferRunner:
     def _stub(self, url: str) -> _Stub:
         entry = self._channels.get(url)
         if entry is None:
-            tracer = get_tracer(self.c.tracer_provider)
             channel = aio_channel(
-                url, self.c.settings.messenger_tls, interceptors=client_interceptors(tracer)
+                url, self.settings.messenger_tls, interceptors=client_interceptors(self.tracer)
             )
             entry = self._channels[url] = (channel, mpb_grpc.MessengerServiceStub(channel))
         return entry[1]

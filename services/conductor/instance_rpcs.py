@@ -1,0 +1,74 @@
+"""The instance RPCs: RegisterInstance, KeepAliveInstance, DeregisterInstance and
+ListInstances, over the `Registrar`."""
+
+from __future__ import annotations
+
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.requests import RequestError
+from services.common import durations
+from services.common.store import StoreError
+from services.conductor import convert
+from services.conductor.leadership import Leadership
+from services.conductor.registration import Registrar
+from services.conductor.rpc_status import Context, abort, etcd_away, require_leader
+from services.conductor.term import CurrentTerm
+
+
+class InstanceRpcs:
+    """Handlers of the instance RPCs; writes only on the serving leader."""
+
+    def __init__(self, registrar: Registrar, current: CurrentTerm, leadership: Leadership) -> None:
+        self.registrar = registrar
+        self.current = current
+        self.leadership = leadership
+
+    async def RegisterInstance(
+        self, request: pb.RegisterInstanceRequest, context: Context
+    ) -> pb.RegisterInstanceResponse:
+        await require_leader(self.leadership, context)
+        try:
+            spec = convert.instance_spec(request.spec)
+            lease = await self.registrar.register(spec, durations.seconds(request.lease_ttl))
+        except RequestError as exc:
+            await abort(context, exc)
+        except StoreError as exc:
+            await etcd_away(context, "etcd is unavailable", exc)
+        return pb.RegisterInstanceResponse(
+            instance=convert.instance_status(self.current().state, spec.instance_id),
+            lease_ttl=durations.duration(lease.ttl_s),
+        )
+
+    async def KeepAliveInstance(
+        self, request: pb.KeepAliveInstanceRequest, context: Context
+    ) -> pb.KeepAliveInstanceResponse:
+        await require_leader(self.leadership, context)
+        try:
+            inst, remaining = await self.registrar.keep_alive(request.instance_id)
+        except RequestError as exc:
+            await abort(context, exc)
+        except StoreError as exc:
+            await etcd_away(context, "etcd is unavailable", exc)
+        return pb.KeepAliveInstanceResponse(
+            lease_ttl=durations.duration(remaining), next_event_sequence=inst.next_sequence
+        )
+
+    async def DeregisterInstance(
+        self, request: pb.DeregisterInstanceRequest, context: Context
+    ) -> pb.DeregisterInstanceResponse:
+        await require_leader(self.leadership, context)
+        try:
+            unbound = await self.registrar.deregister(request.instance_id)
+        except RequestError as exc:
+            await abort(context, exc)
+        except StoreError as exc:
+            await etcd_away(context, "etcd is unavailable", exc)
+        return pb.DeregisterInstanceResponse(sessions_unbound=unbound)
+
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: Context
+    ) -> pb.ListInstancesResponse:
+        state = self.current().state
+        ordered = sorted(state.instances, key=lambda iid: state.instances[iid].slot)
+        return pb.ListInstancesResponse(
+            instances=[convert.instance_status(state, iid) for iid in ordered]
+        )

@@ -1,0 +1,225 @@
+"""The placement RPCs: Schedule, Finish, and ScheduleStream (both over one stream).
+
+A placement is counted, its transfers start at once, and it names the transfers under way
+that it must wait for. A placement that rebound a session is answered only once the binding
+is in etcd, so a new leader places the session's next turn where this one did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+from opentelemetry import trace
+
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.decision import Decision, TransferPlan
+from kvsched.core.requests import RequestError
+from services.common.store import StoreError
+from services.conductor import convert
+from services.conductor.leadership import Leadership
+from services.conductor.metrics import ConductorMetrics
+from services.conductor.rpc_status import CODES, Context, abort, require_leader
+from services.conductor.streams import OpenStreams
+from services.conductor.term import CurrentTerm
+from services.conductor.transfers import TransferRunner
+
+STREAM_WINDOW = 4096  # placement answers queued on one stream before the reader waits
+
+
+class PlacementRpcs:
+    """Handlers of the placement RPCs; only the serving leader places."""
+
+    def __init__(
+        self,
+        current: CurrentTerm,
+        leadership: Leadership,
+        *,
+        clock: Callable[[], float],
+        metrics: ConductorMetrics,
+        transfers: TransferRunner,
+        sync: Callable[[], Awaitable[None]],
+        streams: OpenStreams,
+    ) -> None:
+        self.current = current
+        self.leadership = leadership
+        self.clock = clock  # policy seconds
+        self.metrics = metrics
+        self.transfers = transfers
+        self.sync = sync  # waits for the term's queued writes to reach etcd
+        self.streams = streams
+
+    # ---- one placement, one completion ---------------------------------------------------
+
+    def _place(self, request: pb.ScheduleRequest) -> tuple[Decision, bool, list[TransferPlan]]:
+        """Place one request, count it and start its transfers; returns the decision, whether
+        a session was rebound, and the transfers under way that it must wait for (see
+        `TransferRunner.landing`). Raises RequestError."""
+        metrics = self.metrics
+        started = time.perf_counter()
+        try:
+            info = convert.request_info(request)
+            decision = self.current().state.scheduler.place(info, self.clock())
+        except RequestError:
+            metrics.decisions.labels("error").inc()
+            raise
+        metrics.decision_seconds.observe(time.perf_counter() - started)
+        if decision.rejected:
+            metrics.decisions.labels("rejected").inc()
+        else:
+            metrics.decisions.labels("placed").inc()
+            metrics.prompt_tokens.inc(request.prompt_tokens)
+            metrics.cached_tokens.inc(decision.cached_tokens)
+            if decision.transfers:
+                self.transfers.launch(decision.transfers, prefill_s=decision.estimated_ttft_s)
+            landing = self.transfers.landing(
+                decision.instance, info.block_hashes, decision.transfers
+            )
+            return decision, decision.rebound, landing
+        return decision, decision.rebound, []
+
+    def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
+        """Record a completion; transfers it causes (an idle-gap migration) start at once."""
+        state, now = self.current().state, self.clock()
+        plans = list(state.scheduler.finish(convert.completion(state, request, now), now))
+        self.metrics.reported_cached_tokens.inc(request.cached_tokens)
+        self.transfers.launch(plans)
+        return pb.FinishResponse(transfers=[convert.transfer_message(state, p) for p in plans])
+
+    def _annotate(self, decision: Decision) -> None:
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        state = self.current().state
+        span.set_attribute("kvsched.policy", state.scheduler.spec)
+        span.set_attribute("kvsched.rule", decision.rule)
+        span.set_attribute("kvsched.rejected", decision.rejected)
+        span.set_attribute("kvsched.cached_tokens", decision.cached_tokens)
+        span.set_attribute("kvsched.estimated_ttft_s", decision.estimated_ttft_s)
+        if decision.instance >= 0:
+            span.set_attribute("kvsched.instance", state.id_of(decision.instance))
+            for name, values in decision.terms.items():
+                span.set_attribute(f"kvsched.cost.{name}", float(values[decision.instance]))
+
+    async def _durable(self, context: Context | None) -> None:
+        """Wait for the session binding just made to reach etcd."""
+        try:
+            await self.sync()
+        except StoreError as exc:
+            if context is None:
+                raise
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"etcd did not take the session binding: {exc}"
+            )
+
+    # ---- unary ---------------------------------------------------------------------------
+
+    async def Schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
+        await require_leader(self.leadership, context)
+        try:
+            decision, rebound, landing = self._place(request)
+        except RequestError as exc:
+            await abort(context, exc)
+        self._annotate(decision)
+        if decision.rejected:
+            retry_ms = round(decision.retry_after_s * 1000)
+            context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"rejected by {decision.rule}: no instance meets the latency objectives; "
+                f"retry after {retry_ms} ms",
+            )
+        if rebound:
+            await self._durable(context)
+        return pb.ScheduleResponse(
+            decision=convert.decision_message(
+                self.current().state, decision, landing=landing, explain=request.explain
+            )
+        )
+
+    async def Finish(self, request: pb.FinishRequest, context: Context) -> pb.FinishResponse:
+        await require_leader(self.leadership, context)
+        try:
+            return self._finish(request)
+        except RequestError as exc:
+            await abort(context, exc)
+
+    # ---- the stream ----------------------------------------------------------------------
+
+    def _stream_answer(
+        self, item: pb.ScheduleStreamRequest
+    ) -> tuple[pb.ScheduleStreamResponse, bool]:
+        """Answer one stream item; the flag says the answer must wait for etcd."""
+        kind = item.WhichOneof("kind")
+        if kind == "schedule":
+            request = item.schedule
+            rid = request.request_id
+            try:
+                decision, rebound, landing = self._place(request)
+            except RequestError as exc:
+                return _stream_error(rid, exc), False
+            if decision.rejected:
+                rejection = convert.rejection_message(decision)
+                return pb.ScheduleStreamResponse(request_id=rid, rejection=rejection), False
+            msg = convert.decision_message(
+                self.current().state, decision, landing=landing, explain=request.explain
+            )
+            return pb.ScheduleStreamResponse(request_id=rid, decision=msg), rebound
+        if kind == "finish":
+            try:
+                finished = self._finish(item.finish)
+            except RequestError as exc:
+                return _stream_error(item.finish.request_id, exc), False
+            return pb.ScheduleStreamResponse(
+                request_id=item.finish.request_id, finished=finished
+            ), False
+        return _stream_error("", RequestError("invalid", "stream item has no kind set")), False
+
+    async def ScheduleStream(
+        self, request_iterator: AsyncIterator[pb.ScheduleStreamRequest], context: Context
+    ) -> AsyncIterator[pb.ScheduleStreamResponse]:
+        await require_leader(self.leadership, context)
+        answers: asyncio.Queue[pb.ScheduleStreamResponse | None] = asyncio.Queue(STREAM_WINDOW)
+        waiting: set[asyncio.Task[None]] = set()
+
+        async def after_sync(answer: pb.ScheduleStreamResponse) -> None:
+            try:
+                await self._durable(None)
+            except StoreError as exc:
+                error = pb.StreamError(code=grpc.StatusCode.UNAVAILABLE.value[0], message=str(exc))
+                answer = pb.ScheduleStreamResponse(request_id=answer.request_id, error=error)
+            await answers.put(answer)
+
+        async def read() -> None:
+            try:
+                async for item in request_iterator:
+                    if not self.leadership.serving:
+                        break
+                    answer, durable = self._stream_answer(item)
+                    if durable:
+                        task = asyncio.create_task(after_sync(answer))
+                        waiting.add(task)
+                        task.add_done_callback(waiting.discard)
+                    else:
+                        await answers.put(answer)
+                if waiting:
+                    await asyncio.gather(*waiting)
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        self.streams.add(answers)  # a lost term ends the stream (a None) at once
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await require_leader(self.leadership, context)  # ended by a lost term: who leads
+        finally:
+            self.streams.discard(answers)
+            reader.cancel()
+
+
+def _stream_error(request_id: str, exc: RequestError) -> pb.ScheduleStreamResponse:
+    error = pb.StreamError(code=CODES[exc.kind].value[0], message=str(exc))
+    return pb.ScheduleStreamResponse(request_id=request_id, error=error)
