@@ -1,0 +1,80 @@
+"""The Conductor's pieces without etcd: the servicer's binding of RPCs to parts, terms,
+event cursors, and conversion that changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.cluster import Role
+from kvsched.core.events import BlocksStored
+from kvsched.core.index import Tier
+from kvsched.core.requests import RequestError
+from services.conductor import convert, keys
+from services.conductor.keys import InstanceRecord, InstanceSpec
+from services.conductor.service import RPCS, conductor_servicer
+from services.conductor.settings import ConductorSettings
+from services.conductor.term import Term, TermHolder
+
+
+def _part(*names: str) -> Any:
+    async def handler(request: object, context: object) -> None:
+        return None
+
+    part = type("Part", (), {})()
+    for name in names:
+        setattr(part, name, handler)
+    return part
+
+
+def _term() -> Term:
+    term = Term.build(ConductorSettings(max_instances=2), "test")
+    record = InstanceRecord(InstanceSpec("a", "http://a", "node-0", Role.BOTH), 0, 7)
+    term.state.add_instance(record)
+    return term
+
+
+def test_every_rpc_is_bound_to_exactly_one_part() -> None:
+    half = len(RPCS) // 2
+    servicer = conductor_servicer(_part(*RPCS[:half]), _part(*RPCS[half:]))
+    assert all(callable(getattr(servicer, name)) for name in RPCS)
+    with pytest.raises(TypeError, match=f"RPC {RPCS[-1]} needs exactly one handler; found none"):
+        conductor_servicer(_part(*RPCS[:-1]))
+    with pytest.raises(TypeError, match="found Part, Part"):
+        conductor_servicer(_part(*RPCS), _part(RPCS[0]))
+
+
+def test_a_swapped_term_is_what_every_reader_sees() -> None:
+    first, second = _term(), Term.build(ConductorSettings(max_instances=2), "next")
+    holder = TermHolder(first)
+    current = holder.current
+    assert current() is first
+    holder.swap(second)
+    assert current() is second and current().state.instances == {}
+
+
+def test_cursors_apply_in_sequence_and_queue_the_cursor() -> None:
+    term = _term()
+    stored = [BlocksStored((11, 12), None, Tier.GPU)]
+    with pytest.raises(RequestError) as refused:
+        term.cursors.apply("a", 3, False, stored)
+    assert refused.value.next_sequence == 0
+    assert term.state.cluster.index.block_count(0) == 0  # refused whole
+    assert term.cursors.apply("a", 0, False, stored) == 1
+    assert term.state.cluster.index.block_count(0) == 2
+    assert term.outbox.writes[keys.cursor_key("a")] == (b"1", 7)
+    assert keys.block_key("a", Tier.GPU, 12) in term.outbox.writes  # the records observed it
+
+
+def test_a_completion_is_converted_without_changing_the_state() -> None:
+    term = _term()
+    request = pb.FinishRequest(request_id="r", instance_id="a", prompt_tokens=40, ok=True)
+    done = convert.completion(term.state, request, now=10.0)
+    assert (done.instance, done.decode_instance, done.finished_at) == (0, 0, 10.0)
+    assert len(term.state.cluster.sessions) == 0 and len(term.outbox) == 0
+    with pytest.raises(RequestError, match="request_id is required"):
+        convert.completion(term.state, pb.FinishRequest(instance_id="a"), now=10.0)
+    with pytest.raises(RequestError, match="unknown instance"):
+        convert.completion(term.state, pb.FinishRequest(request_id="r", instance_id="b"), 1.0)
