@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvsched.core.models import model_config
 from services.common.kv_layout import KvLayout
+from services.common.kv_memory import KvMemory
 from services.common.openai_api import (
     MAX_BODY_BYTES,
     ApiError,
@@ -32,7 +33,6 @@ from services.common.openai_api import (
     read_json,
     unavailable,
 )
-from services.engine.kv_memory import KvMemory
 from services.engine.kv_publisher import KvEventPublisher
 from services.engine.metrics import EngineMetrics
 from services.engine.model import build_model

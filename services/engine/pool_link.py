@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from services.common.kv_layout import SIM_FORMAT, Bytes
-from services.engine.kv_memory import KvMemory
-from services.engine.kv_transfer import KvTransfers, TransferError
+from services.common.kv_memory import KvMemory
+from services.common.kv_transfer import KvTransfers, TransferError
 from services.vllm_connector.wire import WireError, body_length, decode, encode, map_pool_file
 
 log = logging.getLogger("kvsched.engine")

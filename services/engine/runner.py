@@ -26,11 +26,11 @@ from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
 from kvsched.sim.engine import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
+from services.common.kv_memory import KvMemory
+from services.common.kv_names import EngineNames
+from services.common.kv_transfer import KvTransfers
 from services.common.openai_api import unavailable
-from services.engine.kv_memory import KvMemory
-from services.engine.kv_names import EngineNames
 from services.engine.kv_publisher import KvEventPublisher
-from services.engine.kv_transfer import KvTransfers
 from services.engine.metrics import EngineMetrics
 from services.engine.model import EngineModel
 from services.engine.pool_link import PoolLink

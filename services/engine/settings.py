@@ -26,8 +26,8 @@ from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.kv_events import Shape
+from services.common.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
 from services.common.openai_api import DEFAULT_MODEL
-from services.engine.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
 
 ENV = "KVSCHED_ENGINE_"
 _flag = env_flags(ENV)

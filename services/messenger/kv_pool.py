@@ -8,7 +8,7 @@ between nodes moves blocks pool to pool. The pool is a KV store of the same make
 simulated engine's memory: one shared-memory file laid out layer by layer
 (`services.common.kv_layout`), a prefix cache over its pages (LRU, leaves first, pinned
 blocks kept), the blocks' names (token ids and vLLM digests), and exports and imports
-(`services.engine.kv_transfer`: an import's token ids must hash to its blocks before they
+(`services.common.kv_transfer`: an import's token ids must hash to its blocks before they
 become visible). Its blocks are announced as vLLM KV events with medium `CPU`.
 
 The pool's geometry is not known until an engine says what one block of its KV is: the first
@@ -36,9 +36,9 @@ from kvsched.sim.cache import PrefixCache
 from services.common.files import write_private
 from services.common.kv_events import Event
 from services.common.kv_layout import KvLayout
-from services.engine.kv_memory import DEFAULT_DIR, KvMemory
-from services.engine.kv_names import EngineNames
-from services.engine.kv_transfer import KvTransfers, NoRoom, TransferError
+from services.common.kv_memory import DEFAULT_DIR, KvMemory
+from services.common.kv_names import EngineNames
+from services.common.kv_transfer import KvTransfers, NoRoom, TransferError
 from services.messenger.engine_api import EngineError
 
 log = logging.getLogger(__name__)

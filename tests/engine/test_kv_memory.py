@@ -13,7 +13,7 @@ import pytest
 
 from kvsched.core.models import MINI_MODEL, model_config
 from services.common.kv_layout import KvLayout, expected_chunk
-from services.engine.kv_memory import KvMemory, sweep_stale
+from services.common.kv_memory import KvMemory, sweep_stale
 
 LAYOUT = KvLayout.for_model(model_config(MINI_MODEL), 16, 64)
 

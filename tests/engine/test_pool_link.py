@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from services.common.kv_layout import SIM_FORMAT, expected_chunk
-from services.engine.kv_memory import KvMemory
+from services.common.kv_memory import KvMemory
 from services.messenger.kv_pool import BlockFormat, KvPool
 from services.messenger.pool_server import PoolServer
 from tests.engine.conftest import FAST, RunningEngine

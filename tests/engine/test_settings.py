@@ -6,7 +6,7 @@ import pytest
 
 from kvsched.core.cluster import ClusterConfig, Role, build_cluster
 from services.common.block_hashes import BlockHashes
-from services.engine.kv_memory import DEFAULT_DIR
+from services.common.kv_memory import DEFAULT_DIR
 from services.engine.model import build_model
 from services.engine.settings import EngineSettings, parse
 

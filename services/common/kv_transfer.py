@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
 from kvsched.sim.cache import PrefixCache
-from services.engine.kv_memory import KvMemory
-from services.engine.kv_names import EngineNames
+from services.common.kv_memory import KvMemory
+from services.common.kv_names import EngineNames
 
 
 class TransferError(Exception):
