@@ -20,14 +20,15 @@ random part of an indexed chain, then new blocks; every fourth request in one of
 Latency is send to answer per decision; decisions/s is decisions over the phase's wall time
 (unary: 1 / mean Schedule latency). The baseline is the same decisions in process: after the
 gRPC phases the client replays its own log (every placement, finish and load report in the
-order it sent them, at the wall-clock time it sent them) through an identical `ConductorState`
-and times `request_info` + `state.place` per decision (what the Conductor's handler wraps), and
-the finish + report work too for the in-process rate. Speculative index entries live 5 s on
-the Conductor (ClusterConfig default), so the in-process cost depends on the decision rate:
-replaying at the same times keeps that identical. Ratios are gRPC over in-process. The
-replay of the sequential unary phase is exact (its agreement column checks the baseline); on
-streams the Conductor may apply a load report after the next placement (another stream), and
-one different choice changes later ones, so agreement there only says how far they drifted.
+order it sent them, at the wall-clock time it sent them) through an identical Conductor
+`Term` and times `convert.request_info` + `Scheduler.place` per decision (what the
+Conductor's handler wraps), and the finish + report work too for the in-process rate.
+Speculative index entries live 5 s on the Conductor (ClusterConfig default), so the
+in-process cost depends on the decision rate: replaying at the same times keeps that
+identical. Ratios are gRPC over in-process. The replay of the sequential unary phase is
+exact (its agreement column checks the baseline); on streams the Conductor may apply a load
+report after the next placement (another stream), and one different choice changes later
+ones, so agreement there only says how far they drifted.
 
 Client and Conductor run as separate processes sharing the machine's cores (with etcd).
 
