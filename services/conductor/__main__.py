@@ -3,29 +3,22 @@ SIGTERM, then shut down gracefully."""
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Sequence
+from functools import partial
 
-import uvloop
+from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.process import configure_logging, until_stopped
-from services.common.telemetry import TelemetrySettings, setup_tracing
+from services.common.process import freeze_heap, run_service, until_stopped
 from services.conductor.app import Conductor
-from services.conductor.settings import parse
+from services.conductor.settings import ConductorSettings, parse
 
 
-async def serve(argv: Sequence[str] | None = None) -> None:
-    settings = parse(argv)
-    provider = setup_tracing(TelemetrySettings.from_env("kvsched-conductor"), set_global=True)
+async def serve(settings: ConductorSettings, provider: TracerProvider) -> None:
     conductor = Conductor(settings, tracer_provider=provider)
     await conductor.start()
-    # The index and sessions loaded at start live as long as the process: keep the cyclic
-    # collector off them, and collect young objects less often (placement allocates many
-    # short-lived ones), which takes the collector's pauses out of the placement tail.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
+    # The index and sessions loaded at start live as long as the process.
+    freeze_heap()
     print(
         f"conductor {settings.conductor_id} grpc={conductor.url} http={conductor.http_url}",
         flush=True,
@@ -35,9 +28,8 @@ async def serve(argv: Sequence[str] | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging()
-    uvloop.run(serve(argv))
-    return 0
+    settings = parse(argv)
+    return run_service("conductor", partial(serve, settings), fails_with=(OSError,))
 
 
 if __name__ == "__main__":

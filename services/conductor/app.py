@@ -18,25 +18,28 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from services.common.etcd import EtcdStore
+from services.common.grpc_server import (
+    NOT_SERVING,
+    SERVING,
+    GrpcApi,
+    health_servicer,
+    start_grpc_server,
+)
 from services.common.store import Store, StoreError
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,
-    server_interceptor,
     setup_tracing,
     shutdown_tracing,
 )
-from services.common.tls import add_port
 from services.conductor import keys, replica
 from services.conductor.admin_rpcs import AdminRpcs
 from services.conductor.election import Election, LeaderInfo
@@ -91,7 +94,7 @@ class Conductor:
             TelemetrySettings("kvsched-conductor", settings.otlp_endpoint)
         )
         self._own_provider = tracer_provider is None
-        self.health = health_aio.HealthServicer()
+        self.health = health_servicer()
         self.server: grpc.aio.Server | None = None
         sync = self.persister.sync
         transfers = self.transfers = TransferRunner(
@@ -185,24 +188,19 @@ class Conductor:
         return self.settings.http_url
 
     async def _start_grpc(self) -> int:
-        s = self.settings
-        tracer = get_tracer(self.tracer_provider)
-        server = grpc.aio.server(
-            interceptors=[server_interceptor(tracer)],
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)],
+        api = GrpcApi(
+            SERVICE_NAME,
+            partial(pb_grpc.add_ConductorServiceServicer_to_server, conductor_servicer(*self.rpcs)),
         )
-        pb_grpc.add_ConductorServiceServicer_to_server(conductor_servicer(*self.rpcs), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        self.server, port = await start_grpc_server(
+            self.settings.listen,
+            api,
+            self.health,
+            tracer=get_tracer(self.tracer_provider),
+            tls=self.settings.tls,
+            serving=False,  # until elected
+            max_receive_bytes=64 << 20,
         )
-        port = add_port(server, s.listen, s.tls)
-        if port == 0:
-            raise OSError(f"cannot listen on {s.listen}")
-        await server.start()
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server = server
         return port
 
     async def _follow_from(self, revision: int) -> None:
@@ -231,7 +229,7 @@ class Conductor:
         if recorded is None:
             await self.store.put(keys.POLICY.encode(), self.state.scheduler.spec.encode())
         self.leadership.serving = True
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, SERVING)
         log.info("Conductor %s leads", self.settings.conductor_id)
 
     async def _reconcile(self) -> None:
@@ -260,7 +258,7 @@ class Conductor:
         self.leadership.serving = False
         await self.transfers.stop()
         self.streams.end_all()
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(SERVICE_NAME, NOT_SERVING)
         if self._follow is not None:
             self._follow.cancel()
         term = self._new_term()

@@ -4,29 +4,29 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import DEFAULT_LATENCY
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
-from services.common.flags import env_flag
+from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.store import EtcdSettings
 from services.common.tls import ClientTls, ServerTls
+from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags
 
 ENV = "KVSCHED_CONDUCTOR_"
-_flag = partial(env_flag, ENV)
+_flag = env_flags(ENV)
+SERVER_TLS = ServerTlsFlags("tls-")
+MESSENGER_TLS = ClientTlsFlags("messenger-tls-", "the Messengers")
 
 
 @dataclass(frozen=True, slots=True)
 class ConductorSettings:
     """Everything a Conductor process is configured with."""
 
-    conductor_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    conductor_id: str = field(default_factory=process_id)
     listen: str = "127.0.0.1:50051"
     http_listen: str = "127.0.0.1:8081"
     advertise: str = ""  # address clients reach (defaults to `listen`)
@@ -110,29 +110,21 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     )
     _flag(p, "transfer-timeout", d.transfer_timeout_s, "KV transfer deadline floor, seconds")
     _flag(p, "transfer-timeout-factor", d.transfer_timeout_factor, "plus this × its estimate")
-    _flag(p, "tls-cert", "", "server certificate (PEM) to serve TLS")
-    _flag(p, "tls-key", "", "server private key (PEM)")
-    _flag(p, "tls-client-ca", "", "CA (PEM) that client certificates must chain to (mTLS)")
-    _flag(p, "messenger-tls-ca", "", "CA (PEM) of the Messengers' certificates: use TLS")
-    _flag(p, "messenger-tls-cert", "", "client certificate (PEM) for Messengers asking mTLS")
-    _flag(p, "messenger-tls-key", "", "client private key (PEM) for Messengers asking mTLS")
+    SERVER_TLS.add(_flag, p)
+    MESSENGER_TLS.add(_flag, p)
     a = p.parse_args(argv)
     if a.time_scale <= 0:
         p.error("--time-scale must be positive")
     if a.transfer_timeout <= 0 or a.transfer_timeout_factor < 0:
         p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
-    tls = ServerTls(a.tls_cert, a.tls_key, a.tls_client_ca or None) if a.tls_cert else None
-    messenger_tls = (
-        ClientTls(a.messenger_tls_ca, a.messenger_tls_cert or None, a.messenger_tls_key or None)
-        if a.messenger_tls_ca
-        else None
-    )
+    tls = SERVER_TLS.read(p, a)
+    messenger_tls = MESSENGER_TLS.read(p, a)
     try:
         hashes = block_hashes.from_args(a)
     except ValueError as exc:
         p.error(str(exc))
     return ConductorSettings(
-        conductor_id=a.id or ConductorSettings().conductor_id,
+        conductor_id=a.id or process_id(),
         listen=a.listen,
         http_listen=a.http_listen,
         advertise=a.advertise,
@@ -158,5 +150,5 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         etcd=EtcdSettings.from_env(),
         tls=tls,
         messenger_tls=messenger_tls,
-        otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        otlp_endpoint=otlp_endpoint(),
     )
