@@ -2,7 +2,7 @@
 
 Builds a cluster whose index holds 1,000,000 blocks (16-token blocks: 4,096-token chains spread
 over the instances, a shared 2K-token system prefix held by a few of them), then times
-`policy.place()` — index lookup, scoring every instance, and recording the decision (load
+`recording.place()` — index lookup, scoring every instance, and recording the decision (load
 charge and speculative index entries) — for 32,768-token prompts that share a random part of an
 existing chain. The baseline measured in the same run is one bare `PrefixIndex.match` of the
 same prompts (the index walk every cache-aware policy pays), so each policy's cost is also
@@ -18,6 +18,7 @@ import random
 import time
 
 from bench.common import percentile
+from kvsched.core import recording
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import RequestInfo
 from kvsched.core.load import LoadReport
@@ -96,7 +97,7 @@ def main() -> None:
         for i, req in enumerate(reqs):
             now = i * 0.01  # 100 decisions a second: speculative entries live 1 s
             t = time.perf_counter()
-            policy.place(req, now, play)
+            recording.place(cluster, policy, req, now, play)
             times.append(time.perf_counter() - t)
         line(times, spec, baseline)
     print(f"goal: p50 <= {GOAL_MS} ms per decision")

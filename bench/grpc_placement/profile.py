@@ -27,9 +27,9 @@ _INNER = (
     ("grpc.aio Python layer", ("grpc/aio/", "grpc/_")),
 )
 _OUTER = (
-    ("Finish (scheduler.finish, policy.on_finish)", ("PlacementRpcs._finish",)),
+    ("Finish (scheduler.finish, recording.finish)", ("PlacementRpcs._finish",)),
     ("load reports (cursors.apply)", ("KvEventRpcs._apply",)),
-    ("policy.place: decide + record (numpy scoring)", ("Policy.place",)),
+    ("recording.place: decide + record (numpy scoring)", ("core/recording.py",)),
     (
         "Scheduler.place: validation, idempotency, transfer names, sessions",
         ("Scheduler.place",),

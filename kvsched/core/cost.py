@@ -1,17 +1,26 @@
-"""The cost model policies share: prefill, decode and transfer times for a cluster."""
+"""The cost model policies share: prefill, decode and transfer times for a cluster, the TTFT
+terms a placement is scored by, what fetching a prefix from its holder saves, and the transfer
+orders it prices. All pure: nothing here changes cluster state."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core.decision import RequestId, TransferKind, TransferPlan
 from kvsched.core.latency import LatencyModel
 from kvsched.core.models import ModelConfig
 from kvsched.core.topology import LinkClass, Topology
 
+if TYPE_CHECKING:
+    from kvsched.core.load import LoadTracker
+    from kvsched.core.request_view import RequestView
+
 FloatVec = npt.NDArray[np.float64]
+BoolVec = npt.NDArray[np.bool_]
 # How far one measured transfer moves a link's bandwidth estimate (an exponential average).
 MEASURED_WEIGHT = 0.3
 
@@ -86,3 +95,128 @@ class CostModel:
         nbytes = tokens * self.kv_bytes_per_token
         moving = tokens > 0
         return np.where(moving, self.setup_s[src] + nbytes * self.s_per_byte[src], 0.0)
+
+
+# ---- TTFT terms ------------------------------------------------------------------------------
+
+
+def ttft_terms(
+    cost: CostModel,
+    load: LoadTracker,
+    view: RequestView,
+    cached: FloatVec,
+    transfer_s: FloatVec | None = None,
+) -> dict[str, FloatVec]:
+    """Estimated TTFT per slot, term by term: queue + prefill of the uncached tokens (with the
+    decode passes it shares) + KV transfer on the critical path (`transfer_s`, none when
+    omitted). Computed for every slot; the view's `eligible` mask says which were candidates."""
+    n_new = float(view.req.prompt_tokens) - cached
+    lat = cost.latency
+    # Every pass also carries the instance's running decodes.
+    per_pass = lat.step_s + lat.decode_seq_s * load.running + lat.decode_ctx_s * load.decode_tokens
+    prefill = cost.passes(n_new) * per_pass + n_new * (
+        lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5)
+    )
+    queue = load.pending_prefill_s
+    transfer = np.zeros(len(queue)) if transfer_s is None else transfer_s
+    return {
+        "hit_tokens": view.hit_tokens,
+        "cached_tokens": cached,
+        "queue_s": queue,
+        "prefill_s": prefill,
+        "transfer_s": transfer,
+        "ttft_s": queue + prefill + transfer,
+    }
+
+
+def isolated_floor_s(view: RequestView, terms: dict[str, FloatVec]) -> float:
+    """The best TTFT any eligible instance could give with an empty queue."""
+    return float(np.min((terms["prefill_s"] + terms["transfer_s"])[view.eligible]))
+
+
+# ---- fetching a prefix from its holder -------------------------------------------------------
+
+
+class PrefixFetch(NamedTuple):
+    """Where each slot's prefill would start if the slots in `fetch` first copied the holder's
+    longer prefix on the critical path."""
+
+    fetch: BoolVec  # slots that fetch
+    cached: FloatVec  # prompt tokens each slot would start its prefill on
+    transfer_s: FloatVec  # seconds of copy on the critical path (0 where nothing moves)
+
+
+def fetch_from(cost: CostModel, holder: int, hits: FloatVec, fetch: BoolVec) -> PrefixFetch:
+    """The slots in `fetch` copy `holder`'s prefix (of `hits[holder]` tokens) first."""
+    transfer = np.where(fetch, cost.transfer_from(holder, hits[holder] - hits), 0.0)
+    return PrefixFetch(fetch, np.where(fetch, hits[holder], hits), transfer)
+
+
+def fetch_when_cheaper(
+    cost: CostModel, holder: int, prompt_tokens: int, hits: FloatVec, eligible: BoolVec
+) -> PrefixFetch:
+    """Every eligible slot holding less than `holder` fetches the rest of its prefix where
+    copying it takes less time than recomputing it there would add over the holder's own
+    prefill."""
+    extra = np.clip(hits[holder] - hits, 0.0, None)
+    fetch_s = cost.transfer_from(holder, extra)
+    n = float(prompt_tokens)
+    saved = cost.prefill_s(n - hits, hits) - cost.prefill_one(
+        int(n - hits[holder]), int(hits[holder])
+    )
+    fetch = eligible & (extra > 0) & (fetch_s < saved)
+    return PrefixFetch(fetch, np.where(fetch, hits[holder], hits), np.where(fetch, fetch_s, 0.0))
+
+
+# ---- transfer orders -------------------------------------------------------------------------
+
+
+def plan_copy(
+    cost: CostModel,
+    kind: TransferKind,
+    source: int,
+    target: int,
+    *,
+    hashes: tuple[int, ...],
+    have: int,
+    upto: int,
+    on_path: bool,
+    session_id: str | None = None,
+    request_id: RequestId | None = None,
+) -> TransferPlan | None:
+    """Order copying blocks `hashes[have:upto]` from `source` to `target`, which already holds
+    the first `have`; None when there is nothing to copy. The one place a copy's order is
+    assembled and priced."""
+    if upto <= have:
+        return None
+    tokens = (upto - have) * cost.block_size
+    return TransferPlan(
+        kind=kind,
+        source=source,
+        target=target,
+        block_hashes=hashes[:upto],
+        skip_blocks=have,
+        tokens=tokens,
+        nbytes=tokens * cost.kv_bytes_per_token,
+        est_seconds=cost.transfer_s(source, target, tokens),
+        on_critical_path=on_path,
+        session_id=session_id,
+        request_id=request_id,
+    )
+
+
+def fetch_plan(cost: CostModel, view: RequestView, holder: int, target: int) -> TransferPlan | None:
+    """Order copying the prefix `holder` has beyond `target`'s to `target`, on the request's
+    critical path (Mooncake's remote-prefix fetch)."""
+    return plan_copy(
+        cost,
+        TransferKind.FETCH_PREFIX,
+        holder,
+        target,
+        hashes=view.req.block_hashes,
+        have=int(view.hit_blocks[target]),
+        upto=int(min(view.hit_blocks[holder], view.max_blocks)),
+        on_path=True,
+        session_id=view.req.session_id,
+        request_id=view.req.request_id,
+    )

@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsched.core.decision import Decision, TransferKind, TransferPlan
-from kvsched.core.policies.base import BoolVec, FloatVec, Policy, View, argmin_eligible
+from kvsched.core.cluster import ClusterState
+from kvsched.core.cost import plan_copy, ttft_terms
+from kvsched.core.decision import Decision, TransferKind, TransferPlan, placement
+from kvsched.core.pickers import argmin_eligible, least_pending
+from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.sessions import Session
-from kvsched.core.transfers import plan_copy
 
 
 class MigrationPlanner:
     """Target choice and transfer orders for moving sessions. With `by_ttft` a move must beat
     staying by `min_gain_s` of estimated TTFT; without it EAR's rule applies (the host holds
-    more than `t_hot_tokens` pending prefill tokens; the target has the fewest)."""
+    more than `t_hot_tokens` pending prefill tokens; the target has the fewest). Reads the
+    cluster (its cost model, load, index and sessions) and changes nothing in it: the caller
+    records the decisions and plans it returns."""
 
-    def __init__(self, policy: Policy, *, by_ttft: bool, t_hot_tokens: float, min_gain_s: float):
-        self.policy = policy
-        self.cluster = policy.cluster
+    def __init__(
+        self, cluster: ClusterState, *, by_ttft: bool, t_hot_tokens: float, min_gain_s: float
+    ):
+        self.cluster = cluster
         self.by_ttft = by_ttft
         self.t_hot_tokens = t_hot_tokens
         self.min_gain_s = min_gain_s
@@ -38,41 +43,43 @@ class MigrationPlanner:
         out[host] = False
         return out
 
-    def moving_terms(self, view: View, host: int) -> dict[str, FloatVec]:
+    def moving_terms(self, view: RequestView, host: int) -> dict[str, FloatVec]:
         """Estimated TTFT on every instance if the host's part of the prompt moved there first,
         on the critical path."""
+        cluster = self.cluster
         hits = view.hit_tokens
         moved = np.clip(hits[host] - hits, 0.0, None)
-        return self.policy.ttft_terms(
-            view, np.maximum(hits, hits[host]), self.cluster.cost.transfer_from(host, moved)
+        return ttft_terms(
+            cluster.cost,
+            cluster.load,
+            view,
+            np.maximum(hits, hits[host]),
+            cluster.cost.transfer_from(host, moved),
         )
 
-    def on_arrival(self, view: View, host: int, terms: dict[str, FloatVec]) -> Decision:
+    def on_arrival(self, view: RequestView, host: int, terms: dict[str, FloatVec]) -> Decision:
         """A turn arrived for a session on `host` (outside its cooldown): stay, or move it now.
         `terms` are the staying estimates."""
-        policy = self.policy
         if self.by_ttft:
             # Moving saves at most the host's queue: below the margin nothing can pay.
             if terms["queue_s"][host] <= self.min_gain_s:
-                return policy.decision(view, host, "affinity", terms)
+                return placement(view, host, "affinity", terms)
         elif self.cluster.load.pending_prefill_tokens[host] <= self.t_hot_tokens:
-            return policy.decision(view, host, "affinity", terms)
+            return placement(view, host, "affinity", terms)
         context = view.req.prompt_tokens + view.req.output_tokens
         candidates = self.candidates(view.eligible, host, context)
         if not candidates.any():
-            return policy.decision(
-                view, host, "host busy, no cooler instance with room: stay", terms
-            )
+            return placement(view, host, "host busy, no cooler instance with room: stay", terms)
         if not self.by_ttft:
-            target = policy.least_pending(candidates)
+            target = least_pending(self.cluster, candidates)
             return self.move_now(view, host, target, "host hot: migrate to least pending")
         moving = self.moving_terms(view, host)
         target = argmin_eligible(moving["ttft_s"], candidates)
         if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
-            return policy.decision(view, host, "host busy, moving does not pay: stay", terms)
+            return placement(view, host, "host busy, moving does not pay: stay", terms)
         return self.move_now(view, host, target, "host busy: migrate now, min TTFT incl. transfer")
 
-    def move_now(self, view: View, host: int, target: int, rule: str) -> Decision:
+    def move_now(self, view: RequestView, host: int, target: int, rule: str) -> Decision:
         """The decision sending this turn to `target` with the session's KV copied from `host`
         on its critical path."""
         cluster = self.cluster
@@ -93,11 +100,11 @@ class MigrationPlanner:
         cached[target] = min(view.hit_tokens[target] + moved, max(view.req.prompt_tokens - 1, 0))
         transfer = np.zeros(cluster.n)
         transfer[target] = plan.est_seconds if plan is not None else 0.0
-        return self.policy.decision(
+        return placement(
             view,
             target,
             rule,
-            self.policy.ttft_terms(view, cached, transfer),
+            ttft_terms(cluster.cost, cluster.load, view, cached, transfer),
             cached_tokens=view.hit_tokens[target],
             fetched_tokens=moved,
             transfers=(plan,) if plan is not None else (),
@@ -127,7 +134,7 @@ class MigrationPlanner:
         if self.by_ttft:
             target = argmin_eligible(est, candidates)
         else:
-            target = self.policy.least_pending(candidates)
+            target = least_pending(cluster, candidates)
         if est[target] + self.min_gain_s >= est[host]:
             return None
         return plan_copy(

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvsched.core.cluster import ClusterState
+from kvsched.core.cost import plan_copy
 from kvsched.core.decision import TransferKind, TransferPlan
 from kvsched.core.hotness import PrefixHeat
-from kvsched.core.policies.base import Policy, View
-from kvsched.core.transfers import plan_copy
+from kvsched.core.pickers import least_pending
+from kvsched.core.request_view import RequestView
 
 BENEFIT_FACTOR = 1.5  # seed 000: replicate only when the benefit exceeds 1.5 × the cost
 
 
 def hot_prefix_copy(
-    policy: Policy,
-    view: View,
+    cluster: ClusterState,
+    view: RequestView,
     heat: PrefixHeat,
     *,
     holder: int,
@@ -27,7 +29,8 @@ def hot_prefix_copy(
     """Count a reuse of the prefix this request shares with `holder`; when that prefix is hot
     (at least `min_hits` reuses and a frequency score of `hot_score`) order a copy to the
     least-loaded eligible instance lacking it (other than `chosen`, which gets it anyway),
-    provided `benefit_s(plan, score)` exceeds 1.5 × the copy's time."""
+    provided `benefit_s(plan, score)` exceeds 1.5 × the copy's time. Changes only `heat`
+    (the reuse counted; reset when a copy is ordered)."""
     blocks = int(min(view.hit_blocks[holder], view.max_blocks))
     if blocks <= 0:
         return None
@@ -39,9 +42,9 @@ def hot_prefix_copy(
     lacking[chosen] = False
     if not lacking.any():
         return None
-    target = policy.least_pending(lacking)
+    target = least_pending(cluster, lacking)
     plan = plan_copy(
-        policy.cluster.cost,
+        cluster.cost,
         TransferKind.REPLICATE_PREFIX,
         holder,
         target,

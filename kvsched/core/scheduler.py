@@ -19,12 +19,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from kvsched.core import recording
 from kvsched.core.cluster import ClusterConfig, ClusterState, Role, build_cluster
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.policies import Policy, make_policy
 from kvsched.core.recent import Recent
+from kvsched.core.request_view import request_view
 from kvsched.core.requests import Limits, RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.transfer_book import TransferBook
@@ -172,7 +174,7 @@ class Scheduler:
         before = sessions.get(req.session_id) if req.session_id else None
         host_before = NO_HOST if before is None else before.host
         try:
-            decision = self.policy.place(req, now, self.rng)
+            decision = recording.place(self.cluster, self.policy, req, now, self.rng)
         except ValueError as exc:  # no eligible instance of the needed role
             raise RequestError("unavailable", str(exc)) from exc
         if decision.rejected:
@@ -200,7 +202,7 @@ class Scheduler:
         rng = random.Random()
         rng.setstate(self.rng.getstate())
         try:
-            return self.policy.decide(self.policy.view(req), now, rng)
+            return self.policy.decide(request_view(self.cluster, req), now, rng)
         except ValueError as exc:
             raise RequestError("unavailable", str(exc)) from exc
 
@@ -210,7 +212,7 @@ class Scheduler:
         key = str(done.request_id)
         if key in self._finished:
             return ()
-        plans = self.policy.on_finish(done, now, self.rng)
+        plans = recording.finish(self.cluster, self.policy, done, now)
         self._finished.add(key, None)
         if done.session_id:
             self._session_changed(done.session_id)
@@ -231,7 +233,7 @@ class Scheduler:
             cluster.cost = cluster.cost.with_measured_transfer(
                 plan.source, plan.target, nbytes, seconds
             )
-        moved = self.policy.on_transfer(plan, ok, now)
+        moved = recording.transfer_ended(self.cluster, self.policy, plan, ok, now)
         if moved and plan.session_id:
             self.migrations += 1
             self._session_changed(plan.session_id)

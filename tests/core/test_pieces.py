@@ -8,12 +8,12 @@ import pytest
 
 from kvsched.core import admission
 from kvsched.core.cluster import Role, SloConfig
+from kvsched.core.cost import plan_copy
 from kvsched.core.decision import TransferKind
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.residency import ResidentSessions
 from kvsched.core.sessions import SessionTable
 from kvsched.core.topology import SAME_NODE
-from kvsched.core.transfers import plan_copy
 from tests.conftest import make_cluster
 
 SLO = SloConfig(ttft_s=2.0, tpot_s=0.1)

@@ -7,15 +7,26 @@ from random import Random
 import numpy as np
 import pytest
 
+from kvsched.core import recording
 from kvsched.core.cluster import ClusterState, Role, SloConfig
-from kvsched.core.decision import Completion, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.index import Tier
 from kvsched.core.policies import ALL_POLICIES, POLICIES, Policy, make_policy, parse_spec
 from kvsched.core.policies.disaggregated import split_roles
+from kvsched.core.request_view import request_view
 from kvsched.core.sessions import NO_HOST
 from tests.conftest import chain, make_cluster, request, set_load
 
 RNG = Random(0)
+
+
+def place(policy: Policy, req: RequestInfo, now: float) -> Decision:
+    """Decide with `policy` and record the placement, as the scheduler does."""
+    return recording.place(policy.cluster, policy, req, now, RNG)
+
+
+def transfer_ended(policy: Policy, plan: TransferPlan, ok: bool, now: float) -> bool:
+    return recording.transfer_ended(policy.cluster, policy, plan, ok, now)
 
 
 def test_every_policy_is_registered_and_documented() -> None:
@@ -52,7 +63,7 @@ def test_round_robin_cycles_over_live_instances() -> None:
     cluster = make_cluster(3)
     cluster.alive[1] = False
     policy = make_policy("round_robin", cluster)
-    picks = [policy.place(request(i, chain(i, 2)), 0.0, RNG).instance for i in range(4)]
+    picks = [place(policy, request(i, chain(i, 2)), 0.0).instance for i in range(4)]
     assert picks == [0, 2, 0, 2]
 
 
@@ -63,7 +74,7 @@ def test_least_loaded_ignores_cache() -> None:
     set_load(cluster, 0, pending=5000)
     set_load(cluster, 1, pending=100)
     set_load(cluster, 2, pending=200)
-    d = make_policy("least_loaded", cluster).place(request(1, hashes), 0.0, RNG)
+    d = place(make_policy("least_loaded", cluster), request(1, hashes), 0.0)
     assert d.instance == 1
     assert d.rule == "fewest pending prefill tokens"
 
@@ -75,9 +86,9 @@ def test_a_prefix_in_an_instances_node_pool_counts_as_its_hit() -> None:
     cluster.index.store(2, hashes, None, Tier.CPU)  # only in its node's KV pool
     cluster.index.store(2, hashes[:2], None)
     policy = make_policy("cache_aware", cluster)
-    view = policy.view(request(1, hashes))
+    view = request_view(cluster, request(1, hashes))
     assert list(view.hit_blocks) == [4, 0, 10]  # slot 2: its CPU tier's longer match
-    assert policy.place(request(1, hashes), 0.0, RNG).instance == 2
+    assert place(policy, request(1, hashes), 0.0).instance == 2
 
 
 def test_cache_aware_follows_the_longest_match_unless_imbalanced() -> None:
@@ -85,20 +96,18 @@ def test_cache_aware_follows_the_longest_match_unless_imbalanced() -> None:
     hashes = chain(1, 10)
     cluster.index.store(2, hashes, None)
     policy = make_policy("cache_aware", cluster)
-    assert policy.place(request(1, hashes), 0.0, RNG).instance == 2
+    assert place(policy, request(1, hashes), 0.0).instance == 2
     # 70 requests in flight on the holder: imbalance rule → shortest queue.
     for _ in range(70):
         cluster.load.charge(2, 0, 0.0, 0)
-    d = policy.place(request(2, hashes), 0.0, RNG)
+    d = place(policy, request(2, hashes), 0.0)
     assert d.instance != 2
     assert d.rule.startswith("imbalanced")
     # A low match sends the request to the emptiest cache.
     cluster2 = make_cluster(3)
     cluster2.index.store(0, chain(7, 10), None)
     cluster2.index.store(1, chain(8, 3), None)
-    assert (
-        make_policy("cache_aware", cluster2).place(request(3, chain(9, 10)), 0.0, RNG).instance == 2
-    )
+    assert place(make_policy("cache_aware", cluster2), request(3, chain(9, 10)), 0.0).instance == 2
 
 
 def test_kv_cost_weighs_uncached_blocks_against_load() -> None:
@@ -106,9 +115,9 @@ def test_kv_cost_weighs_uncached_blocks_against_load() -> None:
     hashes = chain(1, 20)
     cluster.index.store(0, hashes[:10], None)
     policy = make_policy("kv_cost", cluster)
-    assert policy.place(request(1, hashes), 0.0, RNG).instance == 0  # 10 blocks cheaper
+    assert place(policy, request(1, hashes), 0.0).instance == 0  # 10 blocks cheaper
     set_load(cluster, 0, pending=16 * 40)  # 40 blocks of queued prompt work
-    assert policy.place(request(2, hashes), 0.0, RNG).instance == 1
+    assert place(policy, request(2, hashes), 0.0).instance == 1
 
 
 def test_lmetric_minimises_new_tokens_times_batch() -> None:
@@ -117,14 +126,14 @@ def test_lmetric_minimises_new_tokens_times_batch() -> None:
     cluster.index.store(0, hashes[:15], None)
     set_load(cluster, 0, running=3)  # 81 new tokens × 3 = 243
     set_load(cluster, 1, running=1)  # 321 new tokens × 1
-    d = make_policy("lmetric", cluster).place(request(1, hashes), 0.0, RNG)
+    d = place(make_policy("lmetric", cluster), request(1, hashes), 0.0)
     assert d.instance == 0
     assert d.terms["score"][0] == pytest.approx(81 * 3)
     fresh = make_cluster(2)
     fresh.index.store(0, hashes[:15], None)
     set_load(fresh, 0, running=5)  # 405 > 321
     set_load(fresh, 1, running=1)
-    assert make_policy("lmetric", fresh).place(request(2, hashes), 0.0, RNG).instance == 1
+    assert place(make_policy("lmetric", fresh), request(2, hashes), 0.0).instance == 1
 
 
 def test_mooncake_fetches_a_remote_prefix_only_past_the_threshold() -> None:
@@ -136,9 +145,8 @@ def test_mooncake_fetches_a_remote_prefix_only_past_the_threshold() -> None:
         cluster.index.store(0, hashes[:390], None)
         cluster.index.store(1, hashes[:local], None)
         set_load(cluster, 0, pending=200_000)  # the best holder is busy
-        d = make_policy("mooncake:balancing_threshold=1.5", cluster).place(
-            request(1, hashes), 0.0, RNG
-        )
+        policy = make_policy("mooncake:balancing_threshold=1.5", cluster)
+        d = place(policy, request(1, hashes), 0.0)
         assert d.instance == 1
         kinds = {t.kind for t in d.transfers}
         # 390 > 100 × 1.5: fetch; 390 < 300 × 1.5: recompute the difference locally.
@@ -153,23 +161,23 @@ def test_mooncake_rejects_what_misses_the_slo_but_not_what_never_could() -> None
     for slot in (0, 1):
         set_load(cluster, slot, pending=60_000)  # ~1.5 s of queued prompts everywhere
     policy = make_policy("mooncake:colocated=1", cluster)
-    d = policy.place(request(1, chain(1, 10)), 0.0, RNG)
+    d = place(policy, request(1, chain(1, 10)), 0.0)
     assert d.rejected and d.retry_after_s > 0 and d.instance == -1
     huge = request(2, chain(2, 3000))  # 48K tokens: > 0.5 s even on an idle instance
-    assert not policy.place(huge, 0.0, RNG).rejected
+    assert not place(policy, huge, 0.0).rejected
 
 
 def test_sticky_pins_sessions() -> None:
     cluster = make_cluster(3)
     policy = make_policy("sticky", cluster)
-    first = policy.place(request(1, chain(1, 4), session="s"), 0.0, RNG).instance
+    first = place(policy, request(1, chain(1, 4), session="s"), 0.0).instance
     set_load(cluster, first, pending=10**6)
-    assert policy.place(request(2, chain(1, 6), session="s"), 1.0, RNG).instance == first
+    assert place(policy, request(2, chain(1, 6), session="s"), 1.0).instance == first
 
 
 def test_static_pd_uses_fixed_pools() -> None:
     cluster = make_cluster(4, roles=split_roles(4, 0.5))
-    d = make_policy("static_pd", cluster).place(request(1, chain(1, 4)), 0.0, RNG)
+    d = place(make_policy("static_pd", cluster), request(1, chain(1, 4)), 0.0)
     assert d.instance in (0, 1) and d.decode_instance in (2, 3)
     assert [t.kind for t in d.transfers] == [TransferKind.HANDOFF]
 
@@ -178,7 +186,7 @@ def _ear_setup(params: str = "") -> tuple[ClusterState, Policy, tuple[int, ...],
     cluster = make_cluster(3)
     policy = make_policy("ear" + params, cluster)
     hashes = chain(1, 40)
-    d = policy.place(request(1, hashes[:20], session="s"), 0.0, RNG)
+    d = place(policy, request(1, hashes[:20], session="s"), 0.0)
     host = d.instance
     cluster.index.store(host, hashes[:20], None)
     return cluster, policy, hashes, host
@@ -190,7 +198,7 @@ def test_ear_migrates_a_hot_host_to_the_least_pending_instance_with_room() -> No
     set_load(cluster, host, pending=20_000)
     set_load(cluster, others[0], pending=5_000)
     set_load(cluster, others[1], pending=1_000)
-    d = policy.place(request(2, hashes, session="s"), 10.0, RNG)
+    d = place(policy, request(2, hashes, session="s"), 10.0)
     assert d.instance == others[1]
     (plan,) = d.transfers
     assert plan.kind is TransferKind.MIGRATE_SESSION and plan.on_critical_path
@@ -199,11 +207,11 @@ def test_ear_migrates_a_hot_host_to_the_least_pending_instance_with_room() -> No
     session = cluster.sessions.get("s")
     assert session is not None and session.host == host
     assert session.pending_target == others[1] and session.pending_on_path
-    assert policy.on_transfer(plan, True, 10.5)
+    assert transfer_ended(policy, plan, True, 10.5)
     assert session.host == others[1] and session.migrations == 1
     # Within T_cool the session stays put even though its new host is now hot.
     set_load(cluster, others[1], pending=50_000)
-    assert policy.place(request(3, hashes, session="s"), 20.0, RNG).instance == others[1]
+    assert place(policy, request(3, hashes, session="s"), 20.0).instance == others[1]
 
 
 def test_ear_leaves_the_session_on_its_host_when_the_copy_fails() -> None:
@@ -212,13 +220,13 @@ def test_ear_leaves_the_session_on_its_host_when_the_copy_fails() -> None:
     set_load(cluster, host, pending=20_000)
     for slot in others:
         set_load(cluster, slot, pending=1_000)
-    d = policy.place(request(2, hashes, session="s"), 10.0, RNG)
+    d = place(policy, request(2, hashes, session="s"), 10.0)
     (plan,) = d.transfers
     # While the copy is in flight a second turn stays on the host: no second move.
-    second = policy.place(request(3, hashes, session="s"), 10.1, RNG)
+    second = place(policy, request(3, hashes, session="s"), 10.1)
     assert second.instance == host and not second.transfers
     assert "in flight" in second.rule
-    assert not policy.on_transfer(plan, False, 10.5)
+    assert not transfer_ended(policy, plan, False, 10.5)
     session = cluster.sessions.get("s")
     assert session is not None and session.host == host and session.migrations == 0
     assert session.pending_target == NO_HOST
@@ -230,7 +238,7 @@ def test_ear_never_migrates_to_a_busier_or_too_small_instance() -> None:
     set_load(cluster, host, pending=20_000)
     set_load(cluster, others[0], pending=30_000)  # busier
     set_load(cluster, others[1], pending=100, free=2)  # cooler but no room
-    d = policy.place(request(2, hashes, session="s"), 10.0, RNG)
+    d = place(policy, request(2, hashes, session="s"), 10.0)
     assert d.instance == host and not d.transfers
     assert "stay" in d.rule
 
@@ -249,7 +257,7 @@ def _finish(policy: Policy, req: RequestInfo, slot: int, now: float) -> list[Tra
         now - 0.5,
         now,
     )
-    return list(policy.on_finish(done, now, RNG))
+    return recording.finish(policy.cluster, policy, done, now)
 
 
 def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands() -> None:
@@ -257,11 +265,11 @@ def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands
     policy = make_policy("elastic:admission=0", cluster)
     hashes = chain(1, 200)
     req = request(1, hashes[:100], session="s")
-    host = policy.place(req, 0.0, RNG).instance
+    host = place(policy, req, 0.0).instance
     cluster.index.store(host, hashes[:100], None)
     assert _finish(policy, req, host, 1.0) == []  # host cool: nothing to do
     req2 = request(2, hashes[:120], session="s")
-    assert policy.place(req2, 5.0, RNG).instance == host  # affinity
+    assert place(policy, req2, 5.0).instance == host  # affinity
     # The host turns hot while the agent works: ~20 s of queued prompts, longer than the gap.
     set_load(cluster, host, pending=400_000)
     (plan,) = _finish(policy, req2, host, 6.0)
@@ -270,7 +278,7 @@ def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands
     session = cluster.sessions.get("s")
     assert session is not None
     assert session.host == host and session.pending_target == plan.target
-    policy.on_transfer(plan, True, 6.5)
+    transfer_ended(policy, plan, True, 6.5)
     assert session.host == plan.target and session.migrations == 1
     # A second hot finish inside T_cool does not move it again.
     set_load(cluster, plan.target, pending=400_000)
@@ -282,15 +290,15 @@ def test_elastic_keeps_the_session_on_its_source_when_a_turn_overtakes_the_copy(
     policy = make_policy("elastic:admission=0", cluster)
     hashes = chain(1, 200)
     req = request(1, hashes[:100], session="s")
-    host = policy.place(req, 0.0, RNG).instance
+    host = place(policy, req, 0.0).instance
     cluster.index.store(host, hashes[:100], None)
     _finish(policy, req, host, 1.0)
     req2 = request(2, hashes[:110], session="s")
-    policy.place(req2, 2.0, RNG)
+    place(policy, req2, 2.0)
     set_load(cluster, host, pending=400_000)
     (plan,) = _finish(policy, req2, host, 3.0)
-    policy.place(request(3, hashes[:120], session="s"), 3.1, RNG)  # arrives mid-copy
-    policy.on_transfer(plan, True, 3.5)
+    place(policy, request(3, hashes[:120], session="s"), 3.1)  # arrives mid-copy
+    transfer_ended(policy, plan, True, 3.5)
     session = cluster.sessions.get("s")
     assert session is not None and session.host == host
 
@@ -300,13 +308,10 @@ def test_elastic_admission_rejects_queueing_misses_only() -> None:
     for slot in (0, 1):
         set_load(cluster, slot, pending=60_000)
     policy = make_policy("elastic", cluster)
-    assert policy.place(request(1, chain(1, 10)), 0.0, RNG).rejected
-    assert not policy.place(request(2, chain(2, 3000)), 0.0, RNG).rejected
-    assert (
-        not make_policy("elastic:admission=0", cluster)
-        .place(request(3, chain(3, 10)), 0.0, RNG)
-        .rejected
-    )
+    assert place(policy, request(1, chain(1, 10)), 0.0).rejected
+    assert not place(policy, request(2, chain(2, 3000)), 0.0).rejected
+    lenient = make_policy("elastic:admission=0", cluster)
+    assert not place(lenient, request(3, chain(3, 10)), 0.0).rejected
 
 
 def test_elastic_cold_start_uses_the_global_index_and_fetches_shared_prefixes() -> None:
@@ -314,13 +319,13 @@ def test_elastic_cold_start_uses_the_global_index_and_fetches_shared_prefixes() 
     system = chain(9, 300)  # a 4.8K-token shared system prompt
     cluster.index.store(0, system, None)
     set_load(cluster, 0, pending=100_000)  # its holder is busy
-    d = make_policy("elastic", cluster).place(request(1, system + chain(5, 10)), 0.0, RNG)
+    d = place(make_policy("elastic", cluster), request(1, system + chain(5, 10)), 0.0)
     assert d.instance == 1
     assert [t.kind for t in d.transfers] == [TransferKind.FETCH_PREFIX]
     assert d.fetched_tokens == 300 * 16
     # Without the global index it is a least-pending cold start with no fetch.
-    d2 = make_policy("elastic:global_index=0", cluster).place(
-        request(2, system + chain(6, 10)), 0.0, RNG
+    d2 = place(
+        make_policy("elastic:global_index=0", cluster), request(2, system + chain(6, 10)), 0.0
     )
     assert d2.instance == 1 and not d2.transfers
 
@@ -329,7 +334,7 @@ def test_decisions_explain_every_candidate() -> None:
     cluster = make_cluster(3)
     cluster.alive[2] = False
     cluster.index.store(1, chain(1, 5), None)
-    d = make_policy("mooncake:colocated=1", cluster).place(request(1, chain(1, 8)), 0.0, RNG)
+    d = place(make_policy("mooncake:colocated=1", cluster), request(1, chain(1, 8)), 0.0)
     rows = d.explain()
     assert [r["instance"] for r in rows] == sorted(
         [0, 1], key=lambda s: float(d.terms["ttft_s"][s])

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from kvsched.core.cluster import ClusterState
 from kvsched.core.policies.affinity import Ear, Sticky
-from kvsched.core.policies.base import ParamValue, Policy, View
+from kvsched.core.policies.base import ParamValue, Policy
 from kvsched.core.policies.cache_aware import CacheAware
 from kvsched.core.policies.disaggregated import Mooncake, StaticPD
 from kvsched.core.policies.elastic import Elastic
@@ -78,4 +78,4 @@ def make_policy(
     return POLICIES[name](cluster, parsed)
 
 
-__all__ = ["ALL_POLICIES", "POLICIES", "Policy", "View", "make_policy", "parse_spec"]
+__all__ = ["ALL_POLICIES", "POLICIES", "Policy", "make_policy", "parse_spec"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from random import Random
 
-from kvsched.core.decision import Decision
+from kvsched.core.cost import ttft_terms
+from kvsched.core.decision import Decision, placement
 from kvsched.core.migration import MigrationPlanner
-from kvsched.core.policies.base import Policy, View
+from kvsched.core.pickers import least_pending
+from kvsched.core.policies.base import Policy
+from kvsched.core.request_view import RequestView
 from kvsched.core.sessions import NO_HOST, Session
 
 
@@ -18,15 +21,16 @@ class Sticky(Policy):
     name = "sticky"
     affinity = True
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         session = self.session(view)
-        terms = self.ttft_terms(view, view.hit_tokens)
+        cluster = self.cluster
+        terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
         if session is not None and session.host != NO_HOST and view.eligible[session.host]:
-            return self.decision(view, session.host, "session pinned", terms)
-        slot = self.least_pending(view.eligible)
-        return self.decision(view, slot, "cold start: fewest pending prefill tokens", terms)
+            return placement(view, session.host, "session pinned", terms)
+        slot = least_pending(cluster, view.eligible)
+        return placement(view, slot, "cold start: fewest pending prefill tokens", terms)
 
-    def session(self, view: View) -> Session | None:
+    def session(self, view: RequestView) -> Session | None:
         sid = view.req.session_id
         return self.cluster.sessions.get(sid) if sid is not None else None
 
@@ -50,16 +54,16 @@ class Ear(Sticky):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.planner = MigrationPlanner(
-            self, by_ttft=False, t_hot_tokens=self.param("t_hot_tokens"), min_gain_s=0.0
+            self.cluster, by_ttft=False, t_hot_tokens=self.param("t_hot_tokens"), min_gain_s=0.0
         )
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         session = self.session(view)
         if session is None or session.host == NO_HOST or not view.eligible[session.host]:
             return super().decide(view, now, rng)
-        terms = self.ttft_terms(view, view.hit_tokens)
+        terms = ttft_terms(self.cluster.cost, self.cluster.load, view, view.hit_tokens)
         if session.pending_target != NO_HOST:
-            return self.decision(view, session.host, "affinity (migration in flight)", terms)
+            return placement(view, session.host, "affinity (migration in flight)", terms)
         if session.in_cooldown(now, self.param("t_cool_s")):
-            return self.decision(view, session.host, "affinity (cooldown)", terms)
+            return placement(view, session.host, "affinity (cooldown)", terms)
         return self.planner.on_arrival(view, session.host, terms)

@@ -6,8 +6,11 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core.decision import Decision
-from kvsched.core.policies.base import Policy, View, argmin_eligible
+from kvsched.core.cost import ttft_terms
+from kvsched.core.decision import Decision, placement
+from kvsched.core.pickers import argmin_eligible
+from kvsched.core.policies.base import Policy
+from kvsched.core.request_view import RequestView
 
 
 class CacheAware(Policy):
@@ -23,26 +26,26 @@ class CacheAware(Policy):
     name = "cache_aware"
     defaults = {"cache_threshold": 0.3, "balance_abs_threshold": 64.0, "balance_rel_threshold": 1.5}
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         load = self.cluster.load.in_flight
         eligible = view.eligible
         live = load[eligible]
         hi, lo = float(live.max()), float(live.min())
-        terms = self.ttft_terms(view, view.hit_tokens)
+        terms = ttft_terms(self.cluster.cost, self.cluster.load, view, view.hit_tokens)
         terms["in_flight"] = load.copy()
         if (
             hi - lo > self.param("balance_abs_threshold")
             and hi > self.param("balance_rel_threshold") * lo
         ):
             slot = argmin_eligible(load, eligible, self.cluster.load.running)
-            return self.decision(view, slot, "imbalanced: shortest queue", terms)
+            return placement(view, slot, "imbalanced: shortest queue", terms)
         prompt = max(view.req.prompt_tokens, 1)
         best = float(np.max(np.where(eligible, view.hit_tokens, 0.0)))
         if best / prompt > self.param("cache_threshold"):
             slot = argmin_eligible(-view.hit_tokens, eligible, load)
-            return self.decision(view, slot, "longest prefix match", terms)
+            return placement(view, slot, "longest prefix match", terms)
         index = self.cluster.index
         tree = np.array([index.block_count(s) for s in range(self.cluster.n)], dtype=float)
         terms["cached_blocks"] = tree
         slot = argmin_eligible(tree, eligible, load)
-        return self.decision(view, slot, "low match: smallest cache", terms)
+        return placement(view, slot, "low match: smallest cache", terms)

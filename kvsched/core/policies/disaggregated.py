@@ -11,10 +11,13 @@ import numpy as np
 
 from kvsched.core import admission
 from kvsched.core.cluster import Role
-from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.cost import fetch_from, fetch_plan, isolated_floor_s, ttft_terms
+from kvsched.core.decision import Decision, TransferKind, TransferPlan, placement, rejection
 from kvsched.core.hotness import PrefixHeat
-from kvsched.core.policies.base import FloatVec, ParamValue, Policy, View, argmin_eligible
+from kvsched.core.pickers import argmin_eligible, least_pending
+from kvsched.core.policies.base import ParamValue, Policy
 from kvsched.core.replication import hot_prefix_copy
+from kvsched.core.request_view import FloatVec, RequestView
 
 
 def split_roles(n: int, prefill_share: float) -> tuple[Role, ...]:
@@ -33,7 +36,7 @@ class _Disaggregated(Policy):
         share = float((params or {}).get("prefill_share", cls.defaults["prefill_share"]))
         return split_roles(n, share)
 
-    def decode_terms(self, view: View, pool: np.ndarray) -> tuple[int, FloatVec]:
+    def decode_terms(self, view: RequestView, pool: np.ndarray) -> tuple[int, FloatVec]:
         """Pick the decode instance with the lowest estimated inter-token time that has room
         for the request's KV (the lowest TBT overall when none has room). Returns it with the
         TBT vector."""
@@ -45,7 +48,7 @@ class _Disaggregated(Policy):
         slot = argmin_eligible(tbt, room if room.any() else pool, load.decode_tokens, load.running)
         return slot, np.where(pool, tbt, np.nan)
 
-    def tbt_s(self, view: View) -> FloatVec:
+    def tbt_s(self, view: RequestView) -> FloatVec:
         """Estimated inter-token time on every instance once this request joins its decodes."""
         load = self.cluster.load
         lat = self.cluster.cost.latency
@@ -55,7 +58,7 @@ class _Disaggregated(Policy):
             + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
         )
 
-    def handoff(self, view: View, prefill: int, decode: int) -> TransferPlan:
+    def handoff(self, view: RequestView, prefill: int, decode: int) -> TransferPlan:
         """Ship the whole prompt's KV from the prefill to the decode instance after prefill."""
         cost = self.cluster.cost
         tokens = view.req.prompt_tokens
@@ -82,12 +85,13 @@ class StaticPD(_Disaggregated):
 
     name = "static_pd"
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
-        slot = self.least_pending(view.eligible)
-        decode, tbt = self.decode_terms(view, self.cluster.slots_with(Role.DECODE))
-        terms = self.ttft_terms(view, view.hit_tokens)
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
+        cluster = self.cluster
+        slot = least_pending(cluster, view.eligible)
+        decode, tbt = self.decode_terms(view, cluster.slots_with(Role.DECODE))
+        terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
         terms["tbt_s"] = tbt
-        return self.decision(
+        return placement(
             view,
             slot,
             "fewest pending prefill tokens; decode by TBT",
@@ -137,20 +141,18 @@ class Mooncake(_Disaggregated):
             return (Role.BOTH,) * n
         return super().roles(n, params)
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         cluster = self.cluster
         best = view.best_slot
         best_tokens = float(view.hit_tokens[best]) if best >= 0 else 0.0
         fetch = view.eligible & (best_tokens > view.hit_tokens * self.param("balancing_threshold"))
         if best >= 0:
             fetch[best] = False
-        cached = np.where(fetch, best_tokens, view.hit_tokens)
-        transfer = (
-            np.where(fetch, cluster.cost.transfer_from(best, best_tokens - view.hit_tokens), 0.0)
-            if best >= 0
-            else np.zeros(cluster.n)
-        )
-        terms = self.ttft_terms(view, cached, transfer)
+            prefix = fetch_from(cluster.cost, best, view.hit_tokens, fetch)
+            cached, transfer = prefix.cached, prefix.transfer_s
+        else:  # nothing held anywhere: nothing to fetch
+            cached, transfer = view.hit_tokens.copy(), np.zeros(cluster.n)
+        terms = ttft_terms(cluster.cost, cluster.load, view, cached, transfer)
         slot = argmin_eligible(terms["ttft_s"], view.eligible, cluster.load.in_flight)
         if self.param("colocated"):
             decode = slot
@@ -160,17 +162,17 @@ class Mooncake(_Disaggregated):
         terms["tbt_s"] = tbt
         refusal = admission.check(
             float(terms["ttft_s"][slot]),
-            self.isolated_floor(view, terms),
+            isolated_floor_s(view, terms),
             cluster.config.slo,
             tbt_s=float(tbt[decode]),
             min_retry_s=1.0,
         )
         if refusal is not None:
-            return self.reject(view, refusal.rule, refusal.retry_after_s, terms)
+            return rejection(view, refusal.rule, refusal.retry_after_s, terms)
         transfers: list[TransferPlan] = []
         fetched = 0
         if fetch[slot]:
-            plan = self.fetch_plan(view, best, slot)
+            plan = fetch_plan(cluster.cost, view, best, slot)
             if plan is not None:
                 fetched = plan.tokens
                 transfers.append(plan)
@@ -178,7 +180,7 @@ class Mooncake(_Disaggregated):
             transfers.append(self.handoff(view, slot, decode))
         if best >= 0:
             replica = hot_prefix_copy(
-                self,
+                cluster,
                 view,
                 self._heat,
                 holder=best,
@@ -192,7 +194,7 @@ class Mooncake(_Disaggregated):
             if replica is not None:
                 transfers.append(replica)
         rule = "min estimated TTFT" + (" (fetching best prefix)" if fetched else "")
-        return self.decision(
+        return placement(
             view,
             slot,
             rule,

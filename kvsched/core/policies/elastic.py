@@ -32,11 +32,14 @@ import numpy as np
 
 from kvsched.core import admission
 from kvsched.core.cluster import Role
-from kvsched.core.decision import Completion, Decision, TransferPlan
+from kvsched.core.cost import fetch_plan, fetch_when_cheaper, isolated_floor_s, ttft_terms
+from kvsched.core.decision import Completion, Decision, TransferPlan, placement, rejection
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
-from kvsched.core.policies.base import Policy, View, argmin_eligible
+from kvsched.core.pickers import argmin_eligible, least_pending
+from kvsched.core.policies.base import Policy
 from kvsched.core.replication import hot_prefix_copy
+from kvsched.core.request_view import RequestView
 from kvsched.core.residency import ResidentSessions
 from kvsched.core.sessions import NO_HOST, Session
 
@@ -65,7 +68,7 @@ class Elastic(Policy):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         cluster = self.cluster
         self.planner = MigrationPlanner(
-            self,
+            cluster,
             by_ttft=self.param("ttft_target"),
             t_hot_tokens=self.param("t_hot_tokens"),
             min_gain_s=self.param("min_gain_s"),
@@ -76,7 +79,7 @@ class Elastic(Policy):
 
     # ---- placement ---------------------------------------------------------------------
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         self.resident.expire(now, self.cluster.sessions)
         sid = view.req.session_id
         session = self.cluster.sessions.get(sid) if sid is not None else None
@@ -90,37 +93,32 @@ class Elastic(Policy):
             self.resident.claim(sid, decision.instance, view.req.prompt_tokens, now)
         return decision
 
-    def _affine(self, view: View, session: Session, now: float) -> Decision:
+    def _affine(self, view: RequestView, session: Session, now: float) -> Decision:
         host = session.host
-        terms = self.ttft_terms(view, view.hit_tokens)
+        terms = ttft_terms(self.cluster.cost, self.cluster.load, view, view.hit_tokens)
         if session.pending_target != NO_HOST:
             # Its KV is on the wire; the source still holds it: no second move.
-            return self.decision(view, host, "affinity (migration in flight)", terms)
+            return placement(view, host, "affinity (migration in flight)", terms)
         if session.in_cooldown(now, self.param("t_cool_s")):
-            return self.decision(view, host, "affinity (cooldown)", terms)
+            return placement(view, host, "affinity (cooldown)", terms)
         return self.planner.on_arrival(view, host, terms)
 
-    def _cold(self, view: View, now: float) -> Decision:
+    def _cold(self, view: RequestView, now: float) -> Decision:
         cluster = self.cluster
         if not self.param("global_index"):
-            slot = self.least_pending(view.eligible)
-            terms = self.ttft_terms(view, view.hit_tokens)
-            return self.decision(view, slot, "cold start: fewest pending prefill tokens", terms)
+            slot = least_pending(cluster, view.eligible)
+            terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
+            return placement(view, slot, "cold start: fewest pending prefill tokens", terms)
         best = view.best_slot
         hits = view.hit_tokens
         cached, transfer = hits, np.zeros(cluster.n)
         if best >= 0:
             # Fetch the best holder's longer prefix where copying beats recomputing it.
-            extra = np.clip(hits[best] - hits, 0.0, None)
-            fetch_s = cluster.cost.transfer_from(best, extra)
-            n = float(view.req.prompt_tokens)
-            saved = cluster.cost.prefill_s(n - hits, hits) - cluster.cost.prefill_one(
-                int(n - hits[best]), int(hits[best])
+            prefix = fetch_when_cheaper(
+                cluster.cost, best, view.req.prompt_tokens, hits, view.eligible
             )
-            fetch = view.eligible & (extra > 0) & (fetch_s < saved)
-            cached = np.where(fetch, hits[best], hits)
-            transfer = np.where(fetch, fetch_s, 0.0)
-        terms = self.ttft_terms(view, cached, transfer)
+            cached, transfer = prefix.cached, prefix.transfer_s
+        terms = ttft_terms(cluster.cost, cluster.load, view, cached, transfer)
         # Recomputing what another instance holds also delays whoever queues behind it: a
         # request arriving at a busy instance waits, so charge the extra prefill at the share
         # of instances busy now (for Poisson arrivals, the chance of finding one busy).
@@ -137,7 +135,7 @@ class Elastic(Policy):
         transfers: list[TransferPlan] = []
         fetched = 0
         if cached[slot] > hits[slot]:
-            plan = self.fetch_plan(view, best, slot)
+            plan = fetch_plan(cluster.cost, view, best, slot)
             if plan is not None:
                 fetched = plan.tokens
                 transfers.append(plan)
@@ -146,7 +144,7 @@ class Elastic(Policy):
             if replica is not None:
                 transfers.append(replica)
         rule = "cold start: min TTFT over the global index"
-        return self.decision(
+        return placement(
             view,
             slot,
             rule + (" (fetching shared prefix)" if fetched else ""),
@@ -156,7 +154,9 @@ class Elastic(Policy):
             transfers=tuple(transfers),
         )
 
-    def _replicate(self, view: View, best: int, chosen: int, now: float) -> TransferPlan | None:
+    def _replicate(
+        self, view: RequestView, best: int, chosen: int, now: float
+    ) -> TransferPlan | None:
         """(d): the saving is the prefill of the copied prefix for each cold start expected on
         the target over the horizon (the reuse rate spread over the instances)."""
         cost = self.cluster.cost
@@ -168,7 +168,7 @@ class Elastic(Policy):
             return float(expected * cost.prefill_one(plan.tokens, have))
 
         return hot_prefix_copy(
-            self,
+            self.cluster,
             view,
             self._heat,
             holder=best,
@@ -179,7 +179,7 @@ class Elastic(Policy):
             benefit_s=saving,
         )
 
-    def _admit(self, view: View, decision: Decision, session: Session | None) -> Decision:
+    def _admit(self, view: RequestView, decision: Decision, session: Session | None) -> Decision:
         """(e): refuse only when the cluster as a whole cannot meet the TTFT SLO now."""
         if not decision.estimated_ttft_s > self.cluster.config.slo.ttft_s:
             return decision
@@ -188,26 +188,26 @@ class Elastic(Policy):
         if session is not None and session.host != NO_HOST:
             moving = self.planner.moving_terms(view, session.host)  # moving the KV is an option
             best = min(best, float(np.min(moving["ttft_s"][view.eligible])))
-        refusal = admission.check(best, self.isolated_floor(view, terms), self.cluster.config.slo)
+        refusal = admission.check(best, isolated_floor_s(view, terms), self.cluster.config.slo)
         if refusal is None:
             return decision
-        return self.reject(view, refusal.rule, refusal.retry_after_s, terms)
+        return rejection(view, refusal.rule, refusal.retry_after_s, terms)
 
     # ---- completions and idle-gap migration ------------------------------------------------
 
-    def on_finish(self, done: Completion, now: float, rng: Random) -> list[TransferPlan]:
-        plans = list(super().on_finish(done, now, rng))
+    def after_finish(self, done: Completion, now: float) -> list[TransferPlan]:
+        """Counts the session's context on its host, and plans its idle-gap move (a)."""
         sid = done.session_id
         session = self.cluster.sessions.get(sid) if sid is not None else None
         if session is None:
-            return plans
+            return []
         host = session.host if session.host != NO_HOST else done.instance
         self.resident.claim(session.session_id, host, session.context_tokens, now)
         if self.param("idle_migration"):
             plan = self._idle_migration(session, now)
             if plan is not None:
-                plans.append(plan)
-        return plans
+                return [plan]
+        return []
 
     def _idle_migration(self, session: Session, now: float) -> TransferPlan | None:
         """(a): move a session off a busy or crowded host while its agent is busy."""
@@ -234,14 +234,10 @@ class Elastic(Policy):
             overflow = 1.0 - self._capacity_tokens / resident[host]
             penalty = overflow * cluster.cost.prefill_one(session.prompt_tokens, 0)
         eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
-        plan = self.planner.during_gap(session, gap, eligible, room, penalty)
-        if plan is not None:
-            cluster.sessions.begin_move(session.session_id, plan.target, now)
-        return plan
+        return self.planner.during_gap(session, gap, eligible, room, penalty)
 
-    def on_transfer(self, plan: TransferPlan, ok: bool, now: float) -> bool:
-        moved = super().on_transfer(plan, ok, now)
+    def after_transfer(self, plan: TransferPlan, moved: bool, now: float) -> None:
+        """A moved session's context now counts on its new host."""
         session = self.cluster.sessions.get(plan.session_id) if moved and plan.session_id else None
         if session is not None:
             self.resident.claim(session.session_id, plan.target, session.context_tokens, now)
-        return moved

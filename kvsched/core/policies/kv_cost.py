@@ -6,8 +6,11 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core.decision import Decision
-from kvsched.core.policies.base import Policy, View, argmin_eligible
+from kvsched.core.cost import ttft_terms
+from kvsched.core.decision import Decision, placement
+from kvsched.core.pickers import argmin_eligible
+from kvsched.core.policies.base import Policy
+from kvsched.core.request_view import RequestView
 
 
 class KvCost(Policy):
@@ -22,7 +25,7 @@ class KvCost(Policy):
     name = "kv_cost"
     defaults = {"overlap_weight": 1.0}
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         cluster = self.cluster
         bs = cluster.block_size
         load = cluster.load
@@ -32,7 +35,7 @@ class KvCost(Policy):
         used = cluster.capacity_blocks - load.free_blocks
         decode_blocks = np.maximum(used, 0.0) + req_blocks
         cost = self.param("overlap_weight") * prefill_blocks + decode_blocks
-        terms = self.ttft_terms(view, view.hit_tokens)
+        terms = ttft_terms(cluster.cost, load, view, view.hit_tokens)
         terms.update(prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, cost=cost)
         slot = argmin_eligible(cost, view.eligible, load.in_flight)
-        return self.decision(view, slot, "min weighted prefill + decode blocks", terms)
+        return placement(view, slot, "min weighted prefill + decode blocks", terms)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from random import Random
 
-from kvsched.core.decision import Decision
-from kvsched.core.policies.base import Policy, View, argmin_eligible
+from kvsched.core.cost import ttft_terms
+from kvsched.core.decision import Decision, placement
+from kvsched.core.pickers import argmin_eligible
+from kvsched.core.policies.base import Policy
+from kvsched.core.request_view import RequestView
 
 
 class LMetric(Policy):
@@ -16,12 +19,12 @@ class LMetric(Policy):
 
     name = "lmetric"
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         load = self.cluster.load
         new_tokens = view.req.prompt_tokens - view.hit_tokens
         batch = load.running + load.waiting
         score = new_tokens * batch
-        terms = self.ttft_terms(view, view.hit_tokens)
+        terms = ttft_terms(self.cluster.cost, load, view, view.hit_tokens)
         terms.update(new_tokens=new_tokens, batch=batch.copy(), score=score)
         slot = argmin_eligible(score, view.eligible, new_tokens, batch)
-        return self.decision(view, slot, "min new tokens × batch size", terms)
+        return placement(view, slot, "min new tokens × batch size", terms)

@@ -6,8 +6,11 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core.decision import Decision
-from kvsched.core.policies.base import Policy, View
+from kvsched.core.cost import ttft_terms
+from kvsched.core.decision import Decision, placement
+from kvsched.core.pickers import least_pending
+from kvsched.core.policies.base import Policy
+from kvsched.core.request_view import RequestView
 
 
 class RoundRobin(Policy):
@@ -19,14 +22,14 @@ class RoundRobin(Policy):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._next = 0
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         n = self.cluster.n
         for step in range(n):
             slot = (self._next + step) % n
             if view.eligible[slot]:
                 self._next = slot + 1
-                terms = self.ttft_terms(view, view.hit_tokens)
-                return self.decision(view, slot, "next instance in turn", terms)
+                terms = ttft_terms(self.cluster.cost, self.cluster.load, view, view.hit_tokens)
+                return placement(view, slot, "next instance in turn", terms)
         raise ValueError("no live instance")
 
 
@@ -35,12 +38,13 @@ class RandomChoice(Policy):
 
     name = "random"
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         slots = np.flatnonzero(view.eligible)
         if not len(slots):
             raise ValueError("no live instance")
         slot = int(slots[rng.randrange(len(slots))])
-        return self.decision(view, slot, "uniform random", self.ttft_terms(view, view.hit_tokens))
+        terms = ttft_terms(self.cluster.cost, self.cluster.load, view, view.hit_tokens)
+        return placement(view, slot, "uniform random", terms)
 
 
 class LeastLoaded(Policy):
@@ -49,9 +53,10 @@ class LeastLoaded(Policy):
 
     name = "least_loaded"
 
-    def decide(self, view: View, now: float, rng: Random) -> Decision:
-        load = self.cluster.load
-        slot = self.least_pending(view.eligible)
-        terms = self.ttft_terms(view, view.hit_tokens)
+    def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
+        cluster = self.cluster
+        load = cluster.load
+        slot = least_pending(cluster, view.eligible)
+        terms = ttft_terms(cluster.cost, load, view, view.hit_tokens)
         terms["pending_prefill_tokens"] = load.pending_prefill_tokens.copy()
-        return self.decision(view, slot, "fewest pending prefill tokens", terms)
+        return placement(view, slot, "fewest pending prefill tokens", terms)

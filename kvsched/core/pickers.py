@@ -1,0 +1,30 @@
+"""Picking a slot from scored vectors: deterministic argmins with explicit tie-breaks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsched.core.cluster import ClusterState
+from kvsched.core.request_view import BoolVec, FloatVec
+
+
+def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -> int:
+    """Index of the smallest value among eligible slots; ties go to the later keys, then the
+    lowest slot. Deterministic: no random tie-break."""
+    if not eligible.any():
+        raise ValueError("no eligible instance")
+    masked = np.where(eligible, values, np.inf)
+    best = int(np.argmin(masked))
+    if not tiebreaks or np.count_nonzero(masked == masked[best]) == 1:
+        return best  # the common case: a unique minimum
+    keys = [np.where(eligible, v, np.inf) for v in reversed(tiebreaks)]
+    return int(np.lexsort([*keys, masked])[0])
+
+
+def least_pending(cluster: ClusterState, mask: BoolVec) -> int:
+    """The slot in `mask` with the fewest pending prefill tokens. Ties (common: most instants
+    have no prompt work queued anywhere) go to the fewest requests in flight, then the fewest
+    sessions bound, then the lowest slot."""
+    load = cluster.load
+    bound = np.array([cluster.sessions.bound_on(s) for s in range(cluster.n)], dtype=float)
+    return argmin_eligible(load.pending_prefill_tokens, mask, load.in_flight, bound)

@@ -1,0 +1,50 @@
+"""What every policy scores a request on: its hits over instance slots, computed once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsched.core.cluster import ClusterState, Role
+from kvsched.core.decision import RequestInfo
+from kvsched.core.index import Tier
+
+FloatVec = npt.NDArray[np.float64]
+BoolVec = npt.NDArray[np.bool_]
+
+
+@dataclass(slots=True)
+class RequestView:
+    """Per-request vectors over instance slots, computed once and shared by the scoring code."""
+
+    req: RequestInfo
+    eligible: BoolVec  # live instances of the role this request needs
+    hit_blocks: FloatVec  # leading prompt blocks held (GPU or its node pool; speculative too)
+    hit_tokens: FloatVec  # the same in tokens, capped so one prompt token is always computed
+    max_blocks: int  # most blocks any placement can reuse (prompt − 1 tokens, whole blocks)
+
+    @property
+    def best_slot(self) -> int:
+        """Slot with the longest hit among eligible ones (lowest slot on ties), -1 if none."""
+        hits = np.where(self.eligible, self.hit_blocks, -1.0)
+        best = int(np.argmax(hits))
+        return best if hits[best] > 0 else -1
+
+
+def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
+    """The request's hits on every instance; the candidates are the live instances that take
+    prompt work. A hit is the longer of what an instance holds in its own memory (GPU tier)
+    and in its node's KV pool (CPU tier), which the engine loads before its prefill; the
+    load's time is not modelled yet (a memcpy, against a recompute). Changes nothing."""
+    bs = cluster.block_size
+    eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
+    max_blocks = max(req.prompt_tokens - 1, 0) // bs
+    hashes = req.block_hashes[:max_blocks]
+    blocks = np.zeros(cluster.n)
+    for tier in (Tier.CPU, Tier.GPU):
+        for slot, n in cluster.index.match(hashes, tier).items():
+            blocks[slot] = max(blocks[slot], n)
+    tokens = np.minimum(blocks * bs, max(req.prompt_tokens - 1, 0))
+    return RequestView(req, eligible, blocks, tokens, max_blocks)
