@@ -18,6 +18,7 @@ from kvsched.core.topology import LinkClass, Topology
 if TYPE_CHECKING:
     from kvsched.core.load import LoadTracker
     from kvsched.core.request_view import RequestView
+    from kvsched.core.sessions import Session
 
 FloatVec = npt.NDArray[np.float64]
 BoolVec = npt.NDArray[np.bool_]
@@ -129,6 +130,53 @@ def ttft_terms(
     }
 
 
+def moving_terms(
+    cost: CostModel, load: LoadTracker, view: RequestView, host: int
+) -> dict[str, FloatVec]:
+    """Estimated TTFT on every slot if the host's part of the prompt moved there first, on the
+    critical path (a session's migration on its turn)."""
+    hits = view.hit_tokens
+    moved = np.clip(hits[host] - hits, 0.0, None)
+    return ttft_terms(
+        cost, load, view, np.maximum(hits, hits[host]), cost.transfer_from(host, moved)
+    )
+
+
+def next_turn_ttft_s(
+    cost: CostModel,
+    load: LoadTracker,
+    session: Session,
+    held: FloatVec,
+    *,
+    host: int,
+    gap_s: float,
+) -> FloatVec:
+    """Estimated TTFT of `session`'s next turn on every slot if it arrives `gap_s` from now and
+    the host's context (`held[host]` tokens) moved there meanwhile: the queue left by then,
+    the transfer the gap does not hide, and the prefill of its new tokens on the context it
+    would find there."""
+    growth = max(session.growth_tokens, float(cost.block_size))
+    prompt = session.prompt_tokens + growth
+    moved = np.clip(held[host] - held, 0.0, None)
+    cached = np.maximum(held, held[host])
+    transfer = cost.transfer_from(host, moved)
+    queue = np.maximum(load.pending_prefill_s - gap_s, 0.0)
+    est: FloatVec = queue + cost.prefill_s(prompt - cached, cached)
+    est += np.maximum(transfer - gap_s, 0.0)
+    est[host] = queue[host] + cost.prefill_one(int(prompt - held[host]), int(held[host]))
+    return est
+
+
+def tbt_s(cost: CostModel, load: LoadTracker, view: RequestView) -> FloatVec:
+    """Estimated inter-token time on every slot once this request joins its decodes."""
+    lat = cost.latency
+    return (
+        lat.step_s
+        + lat.decode_seq_s * (load.running + 1)
+        + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
+    )
+
+
 def isolated_floor_s(view: RequestView, terms: dict[str, FloatVec]) -> float:
     """The best TTFT any eligible instance could give with an empty queue."""
     return float(np.min((terms["prefill_s"] + terms["transfer_s"])[view.eligible]))
@@ -186,7 +234,7 @@ def plan_copy(
 ) -> TransferPlan | None:
     """Order copying blocks `hashes[have:upto]` from `source` to `target`, which already holds
     the first `have`; None when there is nothing to copy. The one place a copy's order is
-    assembled and priced."""
+    assembled and priced (a hand-off, which ships a whole prompt, is `handoff_plan`)."""
     if upto <= have:
         return None
     tokens = (upto - have) * cost.block_size
@@ -202,6 +250,25 @@ def plan_copy(
         on_critical_path=on_path,
         session_id=session_id,
         request_id=request_id,
+    )
+
+
+def handoff_plan(cost: CostModel, view: RequestView, prefill: int, decode: int) -> TransferPlan:
+    """Order shipping the whole prompt's KV from the prefill to the decode instance after
+    prefill (disaggregated serving), off the critical path."""
+    tokens = view.req.prompt_tokens
+    return TransferPlan(
+        kind=TransferKind.HANDOFF,
+        source=prefill,
+        target=decode,
+        block_hashes=view.req.block_hashes,
+        skip_blocks=0,
+        tokens=tokens,
+        nbytes=tokens * cost.kv_bytes_per_token,
+        est_seconds=cost.transfer_s(prefill, decode, tokens),
+        on_critical_path=False,
+        session_id=view.req.session_id,
+        request_id=view.req.request_id,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsched.core.cluster import ClusterState
-from kvsched.core.cost import plan_copy, ttft_terms
+from kvsched.core.cost import moving_terms, next_turn_ttft_s, plan_copy, ttft_terms
 from kvsched.core.decision import Decision, TransferKind, TransferPlan, placement
 from kvsched.core.pickers import argmin_eligible, least_pending
 from kvsched.core.request_view import BoolVec, FloatVec, RequestView
@@ -43,20 +43,6 @@ class MigrationPlanner:
         out[host] = False
         return out
 
-    def moving_terms(self, view: RequestView, host: int) -> dict[str, FloatVec]:
-        """Estimated TTFT on every instance if the host's part of the prompt moved there first,
-        on the critical path."""
-        cluster = self.cluster
-        hits = view.hit_tokens
-        moved = np.clip(hits[host] - hits, 0.0, None)
-        return ttft_terms(
-            cluster.cost,
-            cluster.load,
-            view,
-            np.maximum(hits, hits[host]),
-            cluster.cost.transfer_from(host, moved),
-        )
-
     def on_arrival(self, view: RequestView, host: int, terms: dict[str, FloatVec]) -> Decision:
         """A turn arrived for a session on `host` (outside its cooldown): stay, or move it now.
         `terms` are the staying estimates."""
@@ -73,7 +59,7 @@ class MigrationPlanner:
         if not self.by_ttft:
             target = least_pending(self.cluster, candidates)
             return self.move_now(view, host, target, "host hot: migrate to least pending")
-        moving = self.moving_terms(view, host)
+        moving = moving_terms(self.cluster.cost, self.cluster.load, view, host)
         target = argmin_eligible(moving["ttft_s"], candidates)
         if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
             return placement(view, host, "host busy, moving does not pay: stay", terms)
@@ -129,7 +115,8 @@ class MigrationPlanner:
         candidates = self.candidates(eligible, host, session.context_tokens) & room
         if not candidates.any():
             return None
-        est = self.next_turn_estimate(session, blocks * cluster.block_size, host, gap_s)
+        held = blocks * cluster.block_size
+        est = next_turn_ttft_s(cluster.cost, cluster.load, session, held, host=host, gap_s=gap_s)
         est[host] += penalty_s
         if self.by_ttft:
             target = argmin_eligible(est, candidates)
@@ -148,22 +135,3 @@ class MigrationPlanner:
             on_path=False,
             session_id=session.session_id,
         )
-
-    def next_turn_estimate(
-        self, session: Session, held: FloatVec, host: int, gap_s: float
-    ) -> FloatVec:
-        """Estimated TTFT of the session's next turn on every instance if it arrives `gap_s`
-        from now: the queue left by then, the transfer the gap does not hide, and the prefill
-        of its new tokens on the context it would find there."""
-        cluster = self.cluster
-        cost, load = cluster.cost, cluster.load
-        growth = max(session.growth_tokens, float(cluster.block_size))
-        prompt = session.prompt_tokens + growth
-        moved = np.clip(held[host] - held, 0.0, None)
-        cached = np.maximum(held, held[host])
-        transfer = cost.transfer_from(host, moved)
-        queue = np.maximum(load.pending_prefill_s - gap_s, 0.0)
-        est: FloatVec = queue + cost.prefill_s(prompt - cached, cached)
-        est += np.maximum(transfer - gap_s, 0.0)
-        est[host] = queue[host] + cost.prefill_one(int(prompt - held[host]), int(held[host]))
-        return est

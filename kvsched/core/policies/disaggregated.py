@@ -11,8 +11,15 @@ import numpy as np
 
 from kvsched.core import admission
 from kvsched.core.cluster import Role
-from kvsched.core.cost import fetch_from, fetch_plan, isolated_floor_s, ttft_terms
-from kvsched.core.decision import Decision, TransferKind, TransferPlan, placement, rejection
+from kvsched.core.cost import (
+    fetch_from,
+    fetch_plan,
+    handoff_plan,
+    isolated_floor_s,
+    tbt_s,
+    ttft_terms,
+)
+from kvsched.core.decision import Decision, TransferPlan, placement, rejection
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.pickers import argmin_eligible, least_pending
 from kvsched.core.policies.base import ParamValue, Policy
@@ -43,38 +50,10 @@ class _Disaggregated(Policy):
         cluster = self.cluster
         load = cluster.load
         need = view.req.prompt_tokens + view.req.output_tokens
-        tbt = self.tbt_s(view)
+        tbt = tbt_s(cluster.cost, load, view)
         room = pool & (load.free_blocks * cluster.block_size >= need)
         slot = argmin_eligible(tbt, room if room.any() else pool, load.decode_tokens, load.running)
         return slot, np.where(pool, tbt, np.nan)
-
-    def tbt_s(self, view: RequestView) -> FloatVec:
-        """Estimated inter-token time on every instance once this request joins its decodes."""
-        load = self.cluster.load
-        lat = self.cluster.cost.latency
-        return (
-            lat.step_s
-            + lat.decode_seq_s * (load.running + 1)
-            + lat.decode_ctx_s * (load.decode_tokens + view.req.prompt_tokens)
-        )
-
-    def handoff(self, view: RequestView, prefill: int, decode: int) -> TransferPlan:
-        """Ship the whole prompt's KV from the prefill to the decode instance after prefill."""
-        cost = self.cluster.cost
-        tokens = view.req.prompt_tokens
-        return TransferPlan(
-            kind=TransferKind.HANDOFF,
-            source=prefill,
-            target=decode,
-            block_hashes=view.req.block_hashes,
-            skip_blocks=0,
-            tokens=tokens,
-            nbytes=tokens * cost.kv_bytes_per_token,
-            est_seconds=cost.transfer_s(prefill, decode, tokens),
-            on_critical_path=False,
-            session_id=view.req.session_id,
-            request_id=view.req.request_id,
-        )
 
 
 class StaticPD(_Disaggregated):
@@ -97,7 +76,7 @@ class StaticPD(_Disaggregated):
             "fewest pending prefill tokens; decode by TBT",
             terms,
             decode_slot=decode,
-            transfers=(self.handoff(view, slot, decode),),
+            transfers=(handoff_plan(cluster.cost, view, slot, decode),),
         )
 
 
@@ -156,7 +135,7 @@ class Mooncake(_Disaggregated):
         slot = argmin_eligible(terms["ttft_s"], view.eligible, cluster.load.in_flight)
         if self.param("colocated"):
             decode = slot
-            tbt = np.where(view.eligible, self.tbt_s(view), np.nan)
+            tbt = np.where(view.eligible, tbt_s(cluster.cost, cluster.load, view), np.nan)
         else:
             decode, tbt = self.decode_terms(view, cluster.slots_with(Role.DECODE))
         terms["tbt_s"] = tbt
@@ -177,7 +156,7 @@ class Mooncake(_Disaggregated):
                 fetched = plan.tokens
                 transfers.append(plan)
         if not self.param("colocated") and decode != slot:
-            transfers.append(self.handoff(view, slot, decode))
+            transfers.append(handoff_plan(cluster.cost, view, slot, decode))
         if best >= 0:
             replica = hot_prefix_copy(
                 cluster,

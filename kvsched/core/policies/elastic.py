@@ -32,7 +32,13 @@ import numpy as np
 
 from kvsched.core import admission
 from kvsched.core.cluster import Role
-from kvsched.core.cost import fetch_plan, fetch_when_cheaper, isolated_floor_s, ttft_terms
+from kvsched.core.cost import (
+    fetch_plan,
+    fetch_when_cheaper,
+    isolated_floor_s,
+    moving_terms,
+    ttft_terms,
+)
 from kvsched.core.decision import Completion, Decision, TransferPlan, placement, rejection
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
@@ -186,7 +192,8 @@ class Elastic(Policy):
         terms = dict(decision.terms)
         best = float(np.min(terms["ttft_s"][view.eligible]))
         if session is not None and session.host != NO_HOST:
-            moving = self.planner.moving_terms(view, session.host)  # moving the KV is an option
+            # Moving the KV is an option.
+            moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
             best = min(best, float(np.min(moving["ttft_s"][view.eligible])))
         refusal = admission.check(best, isolated_floor_s(view, terms), self.cluster.config.slo)
         if refusal is None:
