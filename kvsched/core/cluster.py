@@ -11,7 +11,7 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core.cost import CostModel
+from kvsched.core.cost_model import CostModel
 from kvsched.core.index import PrefixIndex
 from kvsched.core.latency import DEFAULT_LATENCY, load_latency
 from kvsched.core.load import LoadTracker

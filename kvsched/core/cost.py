@@ -1,19 +1,16 @@
-"""The cost model policies share: prefill, decode and transfer times for a cluster, the TTFT
-terms a placement is scored by, what fetching a prefix from its holder saves, and the transfer
+"""What placements cost, on the cluster's cost model (`cost_model.CostModel`): the TTFT terms
+a placement is scored by, what fetching a prefix from its holder saves, and the transfer
 orders it prices. All pure: nothing here changes cluster state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core.cost_model import CostModel
 from kvsched.core.decision import RequestId, TransferKind, TransferPlan
-from kvsched.core.latency import LatencyModel
-from kvsched.core.models import ModelConfig
-from kvsched.core.topology import LinkClass, Topology
 
 if TYPE_CHECKING:
     from kvsched.core.load import LoadTracker
@@ -22,80 +19,6 @@ if TYPE_CHECKING:
 
 FloatVec = npt.NDArray[np.float64]
 BoolVec = npt.NDArray[np.bool_]
-# How far one measured transfer moves a link's bandwidth estimate (an exponential average).
-MEASURED_WEIGHT = 0.3
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Latency, KV size and network terms of one cluster. Immutable; vectorised where a policy
-    scores all instances at once."""
-
-    latency: LatencyModel
-    model: ModelConfig
-    topology: Topology
-    block_size: int
-    chunk_tokens: int
-    # [src, dst] link setup seconds and seconds per byte (0 on the diagonal).
-    setup_s: FloatVec = field(init=False, repr=False)
-    s_per_byte: FloatVec = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        links = self.topology.config.links
-        distance = self.topology.distances()
-        setup = np.array([link.setup_s for link in links])[distance]
-        per_byte = np.array([1.0 / link.bandwidth_bytes_per_s for link in links])[distance]
-        np.fill_diagonal(setup, 0.0)
-        np.fill_diagonal(per_byte, 0.0)
-        object.__setattr__(self, "setup_s", setup)
-        object.__setattr__(self, "s_per_byte", per_byte)
-
-    def with_measured_transfer(
-        self, src: int, dst: int, nbytes: int, seconds: float, weight: float = MEASURED_WEIGHT
-    ) -> CostModel:
-        """The cost model after a transfer of `nbytes` from `src` to `dst` took `seconds`:
-        the bandwidth of their link class moves `weight` of the way to the one measured (the
-        setup time stays; a transfer too small to measure a rate changes nothing)."""
-        if src == dst or nbytes <= 0:
-            return self
-        topology = self.topology
-        distance = topology.distance(src, dst)
-        link = topology.config.links[distance]
-        moving_s = seconds - link.setup_s
-        if moving_s <= 0:
-            return self
-        measured = nbytes / moving_s
-        bandwidth = (1 - weight) * link.bandwidth_bytes_per_s + weight * measured
-        updated = LinkClass(bandwidth, link.setup_s)
-        return replace(self, topology=topology.with_link(distance, updated))
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token
-
-    def prefill_s(self, n_new: FloatVec, n_cached: FloatVec) -> FloatVec:
-        """Isolated chunked prefill time per candidate (arrays of equal shape)."""
-        return self.latency.prefill(n_new, n_cached, self.chunk_tokens)
-
-    def prefill_one(self, n_new: int, n_cached: int) -> float:
-        return self.latency.prefill_scalar(n_new, n_cached, self.chunk_tokens)
-
-    def passes(self, n_new: FloatVec) -> FloatVec:
-        """Forward passes a prompt of `n_new` uncached tokens takes under chunking."""
-        return np.maximum(np.ceil(n_new / self.chunk_tokens), 1.0)
-
-    def transfer_s(self, src: int, dst: int, tokens: int) -> float:
-        """Seconds to move `tokens` of KV from `src` to `dst` on idle links."""
-        if src == dst or tokens <= 0:
-            return 0.0
-        nbytes = tokens * self.kv_bytes_per_token
-        return float(self.setup_s[src, dst] + nbytes * self.s_per_byte[src, dst])
-
-    def transfer_from(self, src: int, tokens: FloatVec) -> FloatVec:
-        """Seconds to move `tokens[j]` tokens of KV from `src` to every instance j."""
-        nbytes = tokens * self.kv_bytes_per_token
-        moving = tokens > 0
-        return np.where(moving, self.setup_s[src] + nbytes * self.s_per_byte[src], 0.0)
 
 
 # ---- TTFT terms ------------------------------------------------------------------------------

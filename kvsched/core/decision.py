@@ -6,13 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-if TYPE_CHECKING:
-    from kvsched.core.request_view import RequestView
 
 RequestId = int | str
 
@@ -101,55 +98,6 @@ class Decision:
             rows.append(row)
         key = "ttft_s" if "ttft_s" in self.terms else next(iter(self.terms))
         return sorted(rows, key=lambda r: (r[key] != r[key], r[key], r["instance"]))  # NaN last
-
-
-def placement(
-    view: RequestView,
-    slot: int,
-    rule: str,
-    terms: dict[str, npt.NDArray[np.float64]],
-    *,
-    decode_slot: int | None = None,
-    cached_tokens: float | None = None,
-    fetched_tokens: int = 0,
-    transfers: tuple[TransferPlan, ...] = (),
-) -> Decision:
-    """The decision placing `view.req` on `slot`, from the terms computed for it (its local
-    hit unless `cached_tokens` says otherwise; decoding there unless `decode_slot`)."""
-    ttft = terms.get("ttft_s")
-    return Decision(
-        request_id=view.req.request_id,
-        instance=slot,
-        decode_instance=slot if decode_slot is None else decode_slot,
-        cached_tokens=int(view.hit_tokens[slot] if cached_tokens is None else cached_tokens),
-        fetched_tokens=fetched_tokens,
-        estimated_ttft_s=float(ttft[slot]) if ttft is not None else float("nan"),
-        rule=rule,
-        transfers=transfers,
-        terms=terms,
-        candidates=view.eligible,
-    )
-
-
-def rejection(
-    view: RequestView, rule: str, retry_after_s: float, terms: dict[str, npt.NDArray[np.float64]]
-) -> Decision:
-    """The decision refusing `view.req` for now (retry after `retry_after_s`)."""
-    return Decision(
-        request_id=view.req.request_id,
-        instance=-1,
-        decode_instance=-1,
-        cached_tokens=0,
-        fetched_tokens=0,
-        estimated_ttft_s=float(np.min(terms["ttft_s"][view.eligible]))
-        if "ttft_s" in terms
-        else float("nan"),
-        rule=rule,
-        terms=terms,
-        candidates=view.eligible,
-        rejected=True,
-        retry_after_s=retry_after_s,
-    )
 
 
 @dataclass(frozen=True, slots=True)

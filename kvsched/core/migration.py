@@ -12,7 +12,8 @@ import numpy as np
 
 from kvsched.core.cluster import ClusterState
 from kvsched.core.cost import moving_terms, next_turn_ttft_s, plan_copy, ttft_terms
-from kvsched.core.decision import Decision, TransferKind, TransferPlan, placement
+from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.decision_builders import placement
 from kvsched.core.pickers import argmin_eligible, least_pending
 from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.sessions import Session

@@ -5,7 +5,8 @@ from __future__ import annotations
 from random import Random
 
 from kvsched.core.cost import ttft_terms
-from kvsched.core.decision import Decision, placement
+from kvsched.core.decision import Decision
+from kvsched.core.decision_builders import placement
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import least_pending
 from kvsched.core.policies.base import Policy

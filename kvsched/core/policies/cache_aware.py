@@ -7,7 +7,8 @@ from random import Random
 import numpy as np
 
 from kvsched.core.cost import ttft_terms
-from kvsched.core.decision import Decision, placement
+from kvsched.core.decision import Decision
+from kvsched.core.decision_builders import placement
 from kvsched.core.pickers import argmin_eligible
 from kvsched.core.policies.base import Policy
 from kvsched.core.request_view import RequestView

@@ -19,7 +19,8 @@ from kvsched.core.cost import (
     tbt_s,
     ttft_terms,
 )
-from kvsched.core.decision import Decision, TransferPlan, placement, rejection
+from kvsched.core.decision import Decision, TransferPlan
+from kvsched.core.decision_builders import placement, rejection
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.pickers import argmin_eligible, least_pending
 from kvsched.core.policies.base import ParamValue, Policy

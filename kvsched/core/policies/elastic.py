@@ -39,7 +39,8 @@ from kvsched.core.cost import (
     moving_terms,
     ttft_terms,
 )
-from kvsched.core.decision import Completion, Decision, TransferPlan, placement, rejection
+from kvsched.core.decision import Completion, Decision, TransferPlan
+from kvsched.core.decision_builders import placement, rejection
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, least_pending
