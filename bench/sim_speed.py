@@ -17,7 +17,8 @@ from bench.common import REPO, SHARED
 from kvsched.core.cluster import ClusterConfig
 from kvsched.sim.compare import expand_policies
 from kvsched.sim.prepare import prepare
-from kvsched.sim.replay import ReplayConfig, run_replay
+from kvsched.sim.records import ReplayConfig
+from kvsched.sim.replay import run_replay
 from kvsched.sim.traces import transform
 
 GOAL = 1000.0

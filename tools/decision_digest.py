@@ -23,7 +23,8 @@ from typing import Any
 from kvsched.sim.cli import DEFAULT_MODE, build_parser, load_trace
 from kvsched.sim.compare import Comparison, replay_config, run_comparison
 from kvsched.sim.prepare import prepare
-from kvsched.sim.replay import Replay, ReplayConfig
+from kvsched.sim.records import ReplayConfig
+from kvsched.sim.replay import Replay
 
 SLICES = Path(__file__).resolve().parents[1] / "data" / "traces"
 TRACES = ("mooncake_conversation_head.jsonl", "weka_cc_agentic_sample.jsonl.xz")

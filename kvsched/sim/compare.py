@@ -17,7 +17,8 @@ from kvsched.core.policies import ALL_POLICIES, parse_spec
 from kvsched.core.topology import DISTANCE_NAMES, TopologyConfig
 from kvsched.sim.figures import write_figures
 from kvsched.sim.prepare import PreparedTrace, prepare
-from kvsched.sim.replay import ReplayConfig, ReplayResult, run_replay
+from kvsched.sim.records import ReplayConfig, ReplayResult
+from kvsched.sim.replay import run_replay
 from kvsched.sim.report import markdown_table, write_report
 from kvsched.sim.summary import measured_calls, summarize
 from kvsched.sim.traces import ceiling

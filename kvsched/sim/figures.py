@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvsched.sim.replay import ReplayResult
+from kvsched.sim.records import ReplayResult
 
 HEADLINES = (
     ("ttft_p90", "TTFT p90 (s)", "lower is better"),

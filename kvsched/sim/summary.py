@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.sim.replay import ReplayConfig, ReplayResult
+from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.traces.ceiling import ideal_hits
 from kvsched.sim.traces.model import Trace
 

@@ -13,7 +13,7 @@ An import is two calls around a writer's copy. `import_begin` holds the chain's 
 reserves pages in the prefix cache for the missing blocks and stages as many KV memory pages
 for the writer. `import_commit` checks the blocks' token ids really hash to the chain, then
 makes them cached blocks as the simulator does for a copy nobody waits on
-(`kvsched.sim.replay`): committed, then unlocked, so they are evictable and most recently used,
+(`kvsched.sim.transfers`): committed, then unlocked, so they are evictable and most recently used,
 and the store names them like blocks computed there. `import_abort`, or the hold time passing,
 gives everything back.
 

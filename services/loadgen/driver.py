@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvsched.sim.arrivals import draw_group_starts
 from kvsched.sim.meters import GapHistogram
-from kvsched.sim.replay import Req, draw_group_starts
+from kvsched.sim.records import Req
 from kvsched.sim.traces.model import Trace
 from services.loadgen.client import Outcome, complete
 from services.loadgen.prompts import call_prompt

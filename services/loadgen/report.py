@@ -12,7 +12,8 @@ from kvsched.core.cluster import build_cluster
 from kvsched.core.policies import POLICIES, parse_spec
 from kvsched.sim.engine import Engine, EngineSpec
 from kvsched.sim.meters import HotspotMeter
-from kvsched.sim.replay import MigrationLog, ReplayConfig, ReplayResult
+from kvsched.sim.migrations import MigrationLog
+from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.summary import summarize
 from kvsched.sim.traces.model import Trace
 from services.loadgen.driver import LiveRun

@@ -24,7 +24,8 @@ from kvsched.core.events import KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.sim.prepare import PreparedTrace, prepare
-from kvsched.sim.replay import Replay, ReplayConfig
+from kvsched.sim.records import ReplayConfig
+from kvsched.sim.replay import Replay
 from kvsched.sim.traces import transform
 from services.common import durations
 from services.common.kv_event_messages import event_message

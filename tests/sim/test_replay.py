@@ -11,7 +11,8 @@ import pytest
 from kvsched.core.cluster import ClusterConfig
 from kvsched.core.policies import ALL_POLICIES
 from kvsched.sim.prepare import PreparedTrace, prepare
-from kvsched.sim.replay import ReplayConfig, ReplayResult, run_replay
+from kvsched.sim.records import ReplayConfig, ReplayResult
+from kvsched.sim.replay import run_replay
 from kvsched.sim.summary import measured_calls, summarize
 from kvsched.sim.traces import ceiling, transform
 from kvsched.sim.traces.model import Trace

@@ -1,0 +1,52 @@
+"""What the simulated engines tell the scheduler, as the live services tell it: their cache
+events (forwarded as a Messenger forwards vLLM's KV events) and their load reports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvsched.core.events import BlocksRemoved, BlocksStored, KvEvent, split
+from kvsched.core.scheduler import SchedulerPort
+from kvsched.sim.clock import EventQueue
+from kvsched.sim.engine import Engine
+from kvsched.sim.meters import HotspotMeter
+
+
+class EngineFeedback:
+    """Carries each engine's cache events and load into the scheduler's view of it."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        scheduler: SchedulerPort,
+        hotspot: HotspotMeter,
+        max_blocks: int,
+        clock: EventQueue,
+    ) -> None:
+        """`max_blocks`: the most blocks one forwarded event may name (the longest prompt)."""
+        self._engines = engines
+        self._scheduler = scheduler
+        self._hotspot = hotspot
+        self._max_blocks = max_blocks
+        self._clock = clock
+
+    def drain(self, slot: int) -> None:
+        """Apply the engine's pending cache events to the scheduler's index, cut as a
+        Messenger cuts them (no event longer than the longest prompt); empties the engine's
+        event buffer."""
+        events = self._engines[slot].cache.drain_events()
+        if not events:
+            return
+        # As the replay always applied them: the stores of the window, then its removals.
+        stored: list[KvEvent] = [e for e in events if isinstance(e, BlocksStored)]
+        removed = tuple(h for e in events if isinstance(e, BlocksRemoved) for h in e.hashes)
+        if removed:
+            stored.append(BlocksRemoved(removed))
+        self._scheduler.apply(slot, list(split(stored, self._max_blocks)))
+
+    def report(self, slot: int) -> None:
+        """Send the engine's load report to the scheduler and its pending prefill tokens to
+        the hotspot meter, as of now."""
+        engine = self._engines[slot]
+        self._scheduler.apply(slot, (engine.report(),))
+        self._hotspot.set(self._clock.now, slot, float(engine.pending_tokens))
