@@ -124,9 +124,10 @@ class SessionTable:
     def end_move(self, session_id: str, target: int, ok: bool, now: float) -> bool:
         """The copy to `target` ended. The session moves there only if every block landed
         verified and, for an idle-gap copy, no turn ran meanwhile (its host then holds newer
-        KV); otherwise it stays on its host, which still has its KV. Returns whether it moved."""
+        KV); otherwise it stays on its host, which still has its KV. A report for a copy not in
+        flight moves nothing. Returns whether it moved."""
         s = self._sessions.get(session_id)
-        if s is None or s.pending_target != target:
+        if s is None or s.pending_target == NO_HOST or s.pending_target != target:
             return False
         moved = ok and (s.pending_on_path or s.last_arrival_at < s.pending_since)
         self._clear_move(s)
