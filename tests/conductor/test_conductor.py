@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -278,94 +279,165 @@ async def test_kv_events_sequence_resume_and_resync(start_conductor: Start) -> N
 # ---- 4. bad input ----------------------------------------------------------------------
 
 
+Call = Callable[["ConductorServiceAsyncStub"], Awaitable[object]]
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A call the Conductor must refuse: with `code`, saying `fragment` in its details;
+    made once an instance is registered, holds blocks and has a request in flight (`served`),
+    or on an empty Conductor."""
+
+    call: Call
+    code: grpc.StatusCode
+    fragment: str
+    served: bool = True
+
+
+def spec_without_id() -> pb.InstanceSpec:
+    spec = instance(0)
+    spec.instance_id = ""
+    return spec
+
+
+SERVED = chain(1, 4)  # the served setup's blocks and its request's prompt
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+BAD_INPUTS: dict[str, BadInput] = {
+    "placement before any instance registered": BadInput(
+        lambda s: s.Schedule(sched("r0", chain(1, 2))),
+        grpc.StatusCode.UNAVAILABLE,
+        "no instance is registered",
+        served=False,
+    ),
+    "registering with no role": BadInput(
+        lambda s: s.RegisterInstance(pb.RegisterInstanceRequest(spec=instance(0, role=0))),
+        INVALID,
+        "role must be",
+        served=False,
+    ),
+    "registering with no id": BadInput(
+        lambda s: s.RegisterInstance(pb.RegisterInstanceRequest(spec=spec_without_id())),
+        INVALID,
+        "instance_id is required",
+        served=False,
+    ),
+    "a bad tier after a good event: the whole batch": BadInput(
+        lambda s: s.PublishKvEvents(
+            publish(
+                IID[0], 1, stored(chain(2, 2)), stored(chain(3, 2), tier=common.TIER_UNSPECIFIED)
+            )
+        ),
+        INVALID,
+        "tier must be",
+    ),
+    "placement with no request id": BadInput(
+        lambda s: s.Schedule(sched("", SERVED, session="new")), INVALID, "request_id is required"
+    ),
+    "placement of an empty prompt": BadInput(
+        lambda s: s.Schedule(sched("r-zero", [], prompt=0, session="new")),
+        INVALID,
+        "prompt_tokens must be positive",
+    ),
+    "placement of a prompt without its hashes": BadInput(
+        lambda s: s.Schedule(sched("r-nohash", [], prompt=100, session="new")),
+        INVALID,
+        "block_hashes is empty",
+    ),
+    "placement with more hashes than the prompt has blocks": BadInput(
+        lambda s: s.Schedule(sched("r-many", chain(4, 8), prompt=100, session="new")),
+        INVALID,
+        "at most 7",
+    ),
+    "placement of a prompt longer than the model's context": BadInput(
+        lambda s: s.Schedule(sched("r-long", chain(5, 8), prompt=131_073, session="new")),
+        INVALID,
+        "exceeds the limit of 131072",
+    ),
+    "events of an unknown instance": BadInput(
+        lambda s: s.PublishKvEvents(publish("nobody", 0, stored(chain(6, 2)))),
+        NOT_FOUND,
+        "unknown instance 'nobody'",
+    ),
+    "an unknown session": BadInput(
+        lambda s: s.GetSession(pb.GetSessionRequest(session_id="nobody")),
+        NOT_FOUND,
+        "unknown session 'nobody'",
+    ),
+    "finishing on an unknown instance": BadInput(
+        lambda s: s.Finish(pb.FinishRequest(request_id="ok", instance_id="nobody", ok=True)),
+        NOT_FOUND,
+        "unknown instance 'nobody'",
+    ),
+    "the outcome of an unknown transfer": BadInput(
+        lambda s: s.ReportTransfer(pb.ReportTransferRequest(transfer_id="nope")),
+        NOT_FOUND,
+        "unknown or already reported transfer 'nope'",
+    ),
+    "keeping an unknown instance alive": BadInput(
+        lambda s: s.KeepAliveInstance(pb.KeepAliveInstanceRequest(instance_id="nobody")),
+        NOT_FOUND,
+        "unknown instance 'nobody'",
+    ),
+    "deregistering an unknown instance": BadInput(
+        lambda s: s.DeregisterInstance(pb.DeregisterInstanceRequest(instance_id="nobody")),
+        NOT_FOUND,
+        "unknown instance 'nobody'",
+    ),
+    "a policy that does not exist": BadInput(
+        lambda s: s.SetPolicy(pb.SetPolicyRequest(spec="nonsense")),
+        INVALID,
+        "unknown policy 'nonsense'",
+    ),
+}
+
+
+async def conductor_state(c: Conductor, s: ConductorServiceAsyncStub) -> tuple[object, ...]:
+    """What a refused call must leave as it was: what the Conductor serves, holds and wrote
+    to etcd."""
+    state = c.state
+    cluster = state.cluster
+    index = cluster.index
+    listing = await s.ListInstances(pb.ListInstancesRequest())
+    policy = await s.GetPolicy(pb.GetPolicyRequest())
+    known = cluster.sessions.get("known")
+    return (
+        listing.SerializeToString(deterministic=True),
+        policy.spec,
+        state.scheduler.spec,
+        {iid: inst.next_sequence for iid, inst in state.instances.items()},
+        len(index),
+        tuple(index.block_count(slot) for slot in range(cluster.n)),
+        index.pending_count(),
+        len(cluster.sessions),
+        (known.host, known.turns) if known is not None else None,
+        tuple(cluster.load.in_flight),
+        [(kv.key, kv.value) for kv in await c.store.get_prefix(keys.INSTANCES.encode())],
+        await c.store.get(keys.POLICY.encode()),
+    )
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
 async def test_bad_input_is_refused_with_the_right_code_and_changes_nothing(
-    start_conductor: Start,
+    start_conductor: Start, bad: BadInput
 ) -> None:
     c = await start_conductor()
-    state = c.state
     async with stub(c.url) as s:
-        # No instance registered yet: placement is unavailable.
-        await refused(s.Schedule(sched("r0", chain(1, 2))), grpc.StatusCode.UNAVAILABLE)
-        assert len(state.cluster.sessions) == 0
-
-        await refused(s.RegisterInstance(pb.RegisterInstanceRequest(spec=instance(0, role=0))),
-                      grpc.StatusCode.INVALID_ARGUMENT)  # fmt: skip
-        no_id = instance(0)
-        no_id.instance_id = ""
-        await refused(
-            s.RegisterInstance(pb.RegisterInstanceRequest(spec=no_id)),
-            grpc.StatusCode.INVALID_ARGUMENT,
-        )
-        assert await listed(s) == {}
-        assert await etcd_instance(c, IID[0]) is None
-        assert await c.store.get_prefix(keys.INSTANCES.encode()) == []
-
-        inst = await register(s, 0)
-        hashes = chain(1, 4)
-        await s.PublishKvEvents(publish(IID[0], 0, stored(hashes)))
-        await s.Schedule(sched("ok", hashes, session="known"))
-
-        async def snapshot() -> tuple[object, ...]:
-            reply = await s.ListInstances(pb.ListInstancesRequest())
-            index = state.cluster.index
-            known = state.cluster.sessions.get("known")
-            assert known is not None
-            return (
-                reply.SerializeToString(deterministic=True),
-                len(index),
-                index.block_count(inst.slot),
-                index.pending_count(),
-                len(state.cluster.sessions),
-                (known.host, known.turns),
-                state.scheduler.spec,
-                float(state.cluster.load.in_flight[inst.slot]),
+        if bad.served:
+            inst = await register(s, 0)
+            await s.PublishKvEvents(publish(IID[0], 0, stored(SERVED)))
+            await s.Schedule(sched("ok", SERVED, session="known"))
+        before = await conductor_state(c, s)
+        err = await refused(bad.call(s), bad.code)
+        assert bad.fragment in (err.details() or "")
+        assert await conductor_state(c, s) == before
+        if bad.served:
+            # The request in flight before the refusal finishes for real.
+            done = pb.FinishRequest(
+                request_id="ok", instance_id=IID[0], session_id="known", ok=True
             )
-
-        before = await snapshot()
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
-        # A bad tier after a good event: the whole batch is refused, the good event too.
-        good_then_bad = publish(
-            IID[0], 1, stored(chain(2, 2)), stored(chain(3, 2), tier=common.TIER_UNSPECIFIED)
-        )
-        await refused(s.PublishKvEvents(good_then_bad), invalid)
-        assert state.cluster.index.holders(chain(2, 1)[0]) == 0
-        # Placement requests that cannot be right.
-        await refused(s.Schedule(sched("", hashes, session="new")), invalid)
-        await refused(s.Schedule(sched("r-zero", [], prompt=0, session="new")), invalid)
-        await refused(s.Schedule(sched("r-nohash", [], prompt=100, session="new")), invalid)
-        await refused(s.Schedule(sched("r-many", chain(4, 8), prompt=100, session="new")), invalid)
-        await refused(
-            s.Schedule(sched("r-long", chain(5, 8), prompt=131_073, session="new")), invalid
-        )
-        # Unknown things.
-        not_found = grpc.StatusCode.NOT_FOUND
-        await refused(s.PublishKvEvents(publish("nobody", 0, stored(chain(6, 2)))), not_found)
-        await refused(s.GetSession(pb.GetSessionRequest(session_id="nobody")), not_found)
-        await refused(
-            s.Finish(pb.FinishRequest(request_id="ok", instance_id="nobody", ok=True)), not_found
-        )
-        await refused(s.ReportTransfer(pb.ReportTransferRequest(transfer_id="nope")), not_found)
-        await refused(
-            s.KeepAliveInstance(pb.KeepAliveInstanceRequest(instance_id="nobody")), not_found
-        )
-        await refused(
-            s.DeregisterInstance(pb.DeregisterInstanceRequest(instance_id="nobody")), not_found
-        )
-        # A policy that does not exist.
-        policy = await s.GetPolicy(pb.GetPolicyRequest())
-        await refused(s.SetPolicy(pb.SetPolicyRequest(spec="nonsense")), invalid)
-        assert (await s.GetPolicy(pb.GetPolicyRequest())).spec == policy.spec == "cache_aware"
-
-        assert await snapshot() == before
-        assert state.cluster.sessions.get("new") is None
-        assert state.instances[IID[0]].next_sequence == 1
-        # The request the refused Finish named is still in flight and can finish for real.
-        done = pb.FinishRequest(request_id="ok", instance_id=IID[0], session_id="known", ok=True)
-        await s.Finish(done)
-        assert float(state.cluster.load.in_flight[inst.slot]) == 0
-        # And the policy recorded in etcd is the one in force.
-        recorded = await c.store.get(keys.POLICY.encode())
-        assert recorded is not None and recorded.value == b"cache_aware"
+            await s.Finish(done)
+            assert float(c.state.cluster.load.in_flight[inst.slot]) == 0
 
 
 # ---- 5. standby ------------------------------------------------------------------------
