@@ -33,10 +33,9 @@ import aiohttp
 
 from clients.python import ConductorClient
 from clients.python.kv_stream import KvEventStream
-from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.load import LoadReport
-from services.common.durations import duration
+from services.common.kv_event_messages import event_message
 from services.common.kv_events import Event, EventBatch
 from services.common.kv_layout import SIM_FORMAT
 from services.messenger.batcher import Batcher
@@ -64,18 +63,6 @@ class SessionEnded(Exception):
 
 
 LOAD_REFRESH_POLLS = 10
-
-
-def load_event(load: LoadReport) -> pb.KvEvent:
-    report = common.LoadReport(
-        pending_prefill_tokens=load.pending_prefill_tokens,
-        waiting=load.waiting,
-        running=load.running,
-        decode_tokens=load.decode_tokens,
-        free_blocks=load.free_blocks,
-        pending_prefill=duration(load.pending_prefill_s),
-    )
-    return pb.KvEvent(load=report)
 
 
 class EngineRelay:
@@ -304,7 +291,7 @@ class EngineRelay:
                 if self.registered and (unchanged == 0 or unchanged >= LOAD_REFRESH_POLLS):
                     unchanged = 0
                     self._load_sent = load
-                    self._batcher.set_load(load_event(load))
+                    self._batcher.set_load(event_message(load))
             await asyncio.sleep(self.settings.load_interval_s)
 
     # ---- events ----------------------------------------------------------------------------
@@ -415,7 +402,7 @@ class EngineRelay:
             events += translator.translate(self.pool.snapshot())
         if self._load is not None:
             self._load_sent = self._load
-            events.append(load_event(self._load))
+            events.append(event_message(self._load))
         self._batcher.clear()
         sequence = self._stream.send(info.instance_id, events, resync=True, merge=not whole)
         if next_seq is not None:
