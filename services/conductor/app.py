@@ -59,7 +59,7 @@ from services.conductor.state import ConductorState
 from services.conductor.streams import OpenStreams
 from services.conductor.term import Term, TermHolder
 from services.conductor.transfer_rpcs import TransferRpcs
-from services.conductor.transfers import TransferRunner
+from services.conductor.transfer_runner import TransferRunner
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConductorService"].full_name

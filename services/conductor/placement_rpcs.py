@@ -24,7 +24,7 @@ from services.conductor.metrics import ConductorMetrics
 from services.conductor.rpc_status import CODES, Context, abort, require_leader
 from services.conductor.streams import OpenStreams
 from services.conductor.term import CurrentTerm
-from services.conductor.transfers import TransferRunner
+from services.conductor.transfer_runner import TransferRunner
 
 STREAM_WINDOW = 4096  # placement answers queued on one stream before the reader waits
 

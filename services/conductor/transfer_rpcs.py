@@ -15,7 +15,7 @@ from services.common.store import StoreError
 from services.conductor.leadership import Leadership
 from services.conductor.rpc_status import Context, abort, require_leader
 from services.conductor.term import CurrentTerm
-from services.conductor.transfers import TransferRunner
+from services.conductor.transfer_runner import TransferRunner
 
 DEFAULT_AWAIT_S = 30.0  # AwaitTransfer without a timeout
 MAX_AWAIT_S = 600.0
