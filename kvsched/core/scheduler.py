@@ -14,6 +14,7 @@ are the services' (a Conductor observes what is applied through `IndexObserver`)
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from dataclasses import replace
@@ -201,8 +202,13 @@ class Scheduler:
             raise RequestError("unavailable", "no instance is registered")
         rng = random.Random()
         rng.setstate(self.rng.getstate())
+        # A policy's own bookkeeping (a round-robin cursor, prefix heat) moves as it decides:
+        # ask a copy of it that shares the cluster state, which deciding only reads.
+        shared = {id(value): value for value in vars(self.cluster).values()}
+        shared[id(self.cluster)] = self.cluster
+        policy = copy.deepcopy(self.policy, shared)
         try:
-            return self.policy.decide(request_view(self.cluster, req), now, rng)
+            return policy.decide(request_view(self.cluster, req), now, rng)
         except ValueError as exc:
             raise RequestError("unavailable", str(exc)) from exc
 
