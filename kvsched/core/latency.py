@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+
+from kvsched.data_files import data_path
 
 DEFAULT_LATENCY = "llama-3.1-8b-h100"
 
@@ -103,7 +104,7 @@ class LatencyModel:
 
 def load_latency(name: str = DEFAULT_LATENCY) -> LatencyModel:
     """Load fitted constants shipped in `kvsched/data/latency/<name>.json`."""
-    path = resources.files("kvsched").joinpath("data", "latency", f"{name}.json")
+    path = data_path("latency", f"{name}.json")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

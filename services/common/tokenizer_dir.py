@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from kvsched.data_files import data_path
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -56,7 +57,7 @@ class TokenizerDir:
         demo model's (`kvsched/data/tokenizer/`). Raises `OSError`, or `ValueError` for a
         directory that cannot be read as transformers reads it."""
         if path is None:
-            where: Traversable = resources.files("kvsched").joinpath("data", "tokenizer")
+            where: Traversable = data_path("tokenizer")
             tokenizer_file = where.joinpath(TOKENIZER_FILE)
         else:
             given = Path(path)

@@ -15,13 +15,13 @@ import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import get_args
 
 from kvsched.core.cluster import ClusterConfig, Role
 from kvsched.core.latency import DEFAULT_LATENCY
 from kvsched.core.models import MINI_MODEL
 from kvsched.core.vllm_hashing import resolve_seed
+from kvsched.data_files import data_path
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint, process_id
@@ -94,7 +94,7 @@ class EngineSettings:
 def latency_profile_for_gpu(gpu: str, model: str) -> str:
     """The shipped latency profile measured on `gpu` (case-insensitive prefix of its GPU
     name, e.g. `h100`), preferring one measured for `model`."""
-    base = resources.files("kvsched").joinpath("data", "latency")
+    base = data_path("latency")
     found: list[tuple[bool, str]] = []
     for entry in sorted(base.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".json"):
