@@ -8,6 +8,13 @@ from typing import Any
 
 from aiohttp import web
 
+# Retry-After on a 503, in whole seconds. What a 503 waits out passes in about a second: a
+# Router's instance list refilling after etcd or the Conductor restarts, an engine or a
+# Messenger finishing its start, a load balancer taking a draining server out of rotation. A
+# client refused again waits again: 1 s (the least the header can say) retries soon without
+# piling up.
+UNAVAILABLE_RETRY_AFTER_S = 1
+
 
 class ApiError(Exception):
     """A request the server refuses; `status` and the OpenAI error fields say why."""
@@ -23,6 +30,8 @@ class ApiError(Exception):
         retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
+        if retry_after_s is None and status == 503:
+            retry_after_s = UNAVAILABLE_RETRY_AFTER_S  # every 503 says when to try again
         self.status = status
         self.message = message
         self.type = type_
@@ -41,11 +50,16 @@ class ApiError(Exception):
         }
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
-        """The error as an aiohttp response (with Retry-After on a 429)."""
+        """The error as an aiohttp response (with Retry-After on a 429 or a 503)."""
         out = dict(headers or {})
         if self.retry_after_s is not None:
             out["Retry-After"] = str(max(1, round(self.retry_after_s + 0.4999)))
         return web.json_response(self.body(), status=self.status, headers=out)
+
+
+def unavailable_headers() -> dict[str, str]:
+    """The headers a 503 made without `ApiError` (a health or readiness answer) carries."""
+    return {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
+from services.common.api_errors import unavailable_headers
 from services.common.http_site import start_site
 from services.conductor import convert
 from services.conductor.explain import Explainer
@@ -21,7 +22,10 @@ _STATUS = {"invalid": 400, "not_found": 404, "out_of_range": 400, "unavailable":
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    """The error as JSON; a 503 says when to try again."""
+    headers = unavailable_headers() if status == 503 else None
+    body = {"error": {"message": message, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
 
 
 class AdminHttp:

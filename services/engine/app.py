@@ -21,6 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvsched.core.models import model_config
+from services.common.api_errors import unavailable_headers
 from services.common.kv_layout import KvLayout
 from services.common.kv_memory import KvMemory
 from services.common.openai_api import (
@@ -201,7 +202,9 @@ class EngineApp:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self.draining or self.live.failed else 200)
+        if self.draining or self.live.failed:
+            return web.Response(status=503, headers=unavailable_headers())
+        return web.Response(status=200)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         engine, m = self.live.engine, self.live.metrics

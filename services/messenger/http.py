@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from services.common.api_errors import unavailable_headers
 from services.common.http_site import start_site
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class MessengerHttp:
     async def ready(self, request: web.Request) -> web.Response:
         reason = self._unready()
         if reason is not None:
-            return web.json_response({"status": "unready", "reason": reason}, status=503)
+            body = {"status": "unready", "reason": reason}
+            return web.json_response(body, status=503, headers=unavailable_headers())
         return web.json_response({"status": "ready"})
 
     async def health(self, request: web.Request) -> web.Response:

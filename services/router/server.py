@@ -17,7 +17,8 @@ relay to the engine → report to the Conductor in the background. Every respons
 Conductor decided) or `x-kvsched-fallback: 1` (the local fallback did).
 
 Errors are OpenAI error JSON: 400, 401, 429 with Retry-After, 502 (the engine failed before
-answering), 503 (no instance, or draining); an engine's own error status passes through.
+answering), 503 with Retry-After (no instance, or draining); an engine's own error status
+passes through.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from clients.python import ConductorClient, Interceptor
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
+from services.common.api_errors import unavailable_headers
 from services.common.grpc_server import (
     NOT_SERVING,
     SERVING,
@@ -321,7 +323,9 @@ class Router:
             "conductor": "up" if self.placer.conductor_up else "down",
             "instances": len(self.placer.instances),
         }
-        return web.json_response(body, status=503 if self.draining else 200)
+        if self.draining:
+            return web.json_response(body, status=503, headers=unavailable_headers())
+        return web.json_response(body)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         data = generate_latest(self.metrics.registry)

@@ -198,8 +198,9 @@ async def test_explain_refuses_malformed_requests(start_conductor: Start) -> Non
     async with stub(c.url) as s, aiohttp.ClientSession() as http:
         url = f"{c.http_url}/api/explain"
         # No instance yet: nothing to explain against.
-        status, body = await post(http, url, json={"block_hashes": [1, 2]})
-        assert_error(status, body, 503)
+        async with http.post(url, json={"block_hashes": [1, 2]}) as r:
+            assert_error(r.status, await r.json(), 503)
+            assert r.headers["Retry-After"] == "1"
         await register(s, 0)
         bad: list[dict[str, Any]] = [
             {"data": b"{not json", "headers": {"Content-Type": "application/json"}},

@@ -107,6 +107,6 @@ async def test_a_stopped_engine_ends_its_streams_with_an_error(start_engine: Any
         chunks = sse(b"data: " + (await resp.read()).split(b"data: ", 1)[1])
     assert chunks[-1]["error"]["type"] == "service_unavailable"
     async with eng.http.get(f"{eng.url}/health") as health:
-        assert health.status == 503
+        assert (health.status, health.headers["Retry-After"]) == (503, "1")
     async with await eng.post("/v1/completions", {"prompt": "x"}) as late:
-        assert late.status == 503
+        assert (late.status, late.headers["Retry-After"]) == (503, "1")

@@ -45,10 +45,13 @@ async def test_draining_refuses_new_requests_while_open_streams_finish(stack: St
             first = await resp.content.readany()
             drained = await admin.SetDraining(pb.SetDrainingRequest(draining=True))
             assert drained.draining and drained.streams_open == 1
-            status_code, _, data = await stack.post(router.url + "/v1/completions", completion())
+            status_code, headers, data = await stack.post(
+                router.url + "/v1/completions", completion()
+            )
             assert status_code == 503 and json.loads(data)["error"]["code"] == "service_unavailable"
+            assert headers["Retry-After"] == "1"
             async with stack.http.get(router.url + "/health") as h:
-                assert h.status == 503
+                assert (h.status, h.headers["Retry-After"]) == (503, "1")
             assert await health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
             rest = await resp.read()
         assert (first + rest).rstrip().endswith(b"data: [DONE]")  # the open stream finished

@@ -1,5 +1,5 @@
-"""Every way a request can fail at the Router, each an OpenAI-shaped error: 400, 401, 429 with
-Retry-After, 502, 503; an engine's own error passes through unchanged."""
+"""Every way a request can fail at the Router, each an OpenAI-shaped error: 400, 401, 429 and 503
+with Retry-After, 502; an engine's own error passes through unchanged."""
 
 from __future__ import annotations
 
@@ -98,9 +98,10 @@ async def test_a_rejection_by_the_conductor_is_429_with_retry_after(stack: Stack
 
 async def test_no_instance_is_503(stack: Stack) -> None:
     _, _, router = await stack.up(0)
-    status, _, data = await stack.post(router.url + "/v1/completions", completion())
+    status, headers, data = await stack.post(router.url + "/v1/completions", completion())
     assert status == 503
     assert openai_error(data)["type"] == "service_unavailable"
+    assert headers["Retry-After"] == "1"
 
 
 async def test_an_instance_that_refuses_connections_is_skipped_then_502(stack: Stack) -> None:

@@ -146,7 +146,7 @@ def test_least_in_flight_and_suspects() -> None:
     assert {placer.fallback(q, "timeout").instance_id for _ in range(4)} >= {"i1", "i2"}
     with pytest.raises(ApiError) as err:
         placer.fallback(q, "refused", exclude=("i0", "i1", "i2"))
-    assert err.value.status == 503
+    assert (err.value.status, err.value.response().headers["Retry-After"]) == (503, "1")
     assert placer.fallback_decisions == 2 + 4
 
 
