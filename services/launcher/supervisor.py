@@ -19,6 +19,29 @@ from services.launcher.plan import READY_TIMEOUT_S, STAGES, Child, ClusterPlan, 
 
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.05
+# The processes' logs are for their owner only: they tell about users' requests (request ids,
+# errors, whatever a DEBUG log adds), and a run dir is often under the shared /tmp.
+LOG_DIR_MODE = 0o700
+LOG_FILE_MODE = 0o600
+
+
+def make_log_dir(path: Path) -> None:
+    """Create the logs directory (and its parents), owner-only whatever the umask, an
+    existing one (a reused `--run-dir`) included."""
+    path.mkdir(mode=LOG_DIR_MODE, parents=True, exist_ok=True)
+    path.chmod(LOG_DIR_MODE)
+
+
+def open_log(path: Path) -> IO[bytes]:
+    """Open `path` to write a process's log from its start, owner-only whatever the umask,
+    an existing file included."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, LOG_FILE_MODE)
+    try:
+        os.fchmod(fd, LOG_FILE_MODE)  # O_CREAT's mode does not apply to an existing file
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "wb")
 
 
 class StartError(RuntimeError):
@@ -47,7 +70,7 @@ class Supervisor:
 
     async def start(self) -> None:
         """Start stage by stage; each stage must serve before the next starts."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        make_log_dir(self.log_dir)
         base = dict(os.environ)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as http:
             for stage in STAGES:
@@ -60,8 +83,7 @@ class Supervisor:
 
     def _spawn(self, child: Child, base: dict[str, str]) -> None:
         log_path = self.log_dir / f"{child.name}.log"
-        log: IO[bytes]
-        with log_path.open("wb") as log:
+        with open_log(log_path) as log:
             # A session of its own: Ctrl-C reaches `kvsched up` only, which then stops the
             # children in order (Routers first, etcd last).
             process = subprocess.Popen(
