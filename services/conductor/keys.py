@@ -21,6 +21,7 @@ from urllib.parse import quote, unquote
 from kvsched.core.cluster import Role
 from kvsched.core.index import Tier
 from kvsched.core.sessions import NO_HOST, Session
+from services.common.log_ids import session_tag
 
 ROOT = "/kvsched/v1/"
 LEADER = ROOT + "leader"
@@ -58,6 +59,13 @@ def session_key(session_id: str) -> str:
 def tail(key: str, prefix: str) -> str:
     """The decoded id after `prefix` (instances/, cursors/, sessions/)."""
     return unquote(key[len(prefix) :])
+
+
+def loggable(key: str) -> str:
+    """`key` as a log may name it: a session's id replaced by its tag (`session_tag`)."""
+    if key.startswith(SESSIONS):
+        return SESSIONS + session_tag(tail(key, SESSIONS))
+    return key
 
 
 def parse_block_key(key: str) -> tuple[str, Tier, int]:

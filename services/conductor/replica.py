@@ -121,4 +121,5 @@ async def follow(store: Store, state: ConductorState, election: Election, revisi
         try:
             apply_change(state, election, event)
         except (ValueError, KeyError) as exc:  # a record we cannot read: skip, never crash
-            log.error("skipping unreadable record %r: %s", event.key, exc)
+            key = keys.loggable(event.key.decode(errors="replace"))
+            log.error("skipping unreadable record %r: %s", key, exc)

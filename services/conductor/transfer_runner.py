@@ -34,6 +34,7 @@ from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.decision import TransferKind, TransferPlan
 from kvsched.core.requests import RequestError
 from services.common import durations
+from services.common.log_ids import session_tag
 from services.common.store import StoreError
 from services.common.telemetry import client_interceptors
 from services.common.tls import aio_channel
@@ -281,7 +282,8 @@ class TransferRunner:
             try:
                 await self.sync()
             except StoreError as exc:  # kept in memory; the write-behind retries it
-                log.warning("etcd did not take the binding of %s yet: %s", plan.session_id, exc)
+                tag = session_tag(plan.session_id) if plan.session_id else None
+                log.warning("etcd did not take the binding of session %s yet: %s", tag, exc)
         m = self.metrics
         kind = plan.kind.value
         m.transfers.labels(kind, "done" if ok else "failed").inc()

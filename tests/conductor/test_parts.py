@@ -1,8 +1,11 @@
 """The Conductor's pieces without etcd: the servicer's binding of RPCs to parts, terms,
-event cursors, and conversion that changes nothing."""
+event cursors, conversion that changes nothing, and logs that name no session id."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import re
 from typing import Any
 
 import pytest
@@ -12,11 +15,15 @@ from kvsched.core.cluster import Role
 from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.conductor import convert, keys
+from services.common.log_ids import session_tag
+from services.common.memory_store import MemoryStore
+from services.conductor import convert, keys, replica
+from services.conductor.election import Election, LeaderInfo
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.service import RPCS, conductor_servicer
 from services.conductor.settings import ConductorSettings
 from services.conductor.term import Term, TermHolder
+from tests.fixtures.poll import wait_for
 
 
 def _part(*names: str) -> Any:
@@ -78,3 +85,30 @@ def test_a_completion_is_converted_without_changing_the_state() -> None:
         convert.completion(term.state, pb.FinishRequest(instance_id="a"), now=10.0)
     with pytest.raises(RequestError, match="unknown instance"):
         convert.completion(term.state, pb.FinishRequest(request_id="r", instance_id="b"), 1.0)
+
+
+def test_a_session_key_is_logged_by_the_ids_tag() -> None:
+    user = "alice@example.com/chat-7"
+    tag = session_tag(user)
+    assert re.fullmatch("[0-9a-f]{12}", tag) and tag == session_tag(user)
+    assert tag != session_tag(user + "x")
+    assert keys.loggable(keys.session_key(user)) == keys.SESSIONS + tag
+    assert keys.loggable(keys.instance_key("a")) == keys.instance_key("a")
+
+
+async def test_an_unreadable_session_record_is_logged_without_its_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    user = "alice@example.com/chat-7"
+    store = MemoryStore()
+    election = Election(store, LeaderInfo("c1", "http://c1", "http://c1-admin"), ttl_s=5)
+    follow = asyncio.create_task(replica.follow(store, _term().state, election, 0))
+    try:
+        await store.put(keys.session_key(user).encode(), b"not a session record")
+        await wait_for(lambda: "skipping unreadable record" in caplog.text)
+    finally:
+        follow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follow
+    assert session_tag(user) in caplog.text
+    assert "alice" not in caplog.text
