@@ -3,6 +3,7 @@ asked, mutual TLS refusing a client without a certificate, a taken port refused.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import grpc
@@ -69,3 +70,40 @@ async def test_mutual_tls_admits_only_clients_with_a_certificate(tmp_path: Path)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(None)
+
+
+@pytest.mark.parametrize(
+    "method, streams",
+    [
+        ("/grpc.health.v1.Health/Check", (False, False)),
+        ("/grpc.health.v1.Health/Watch", (False, True)),
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (True, True)),
+    ],
+)
+async def test_an_undecodable_request_is_invalid_argument_without_a_traceback(
+    method: str, streams: tuple[bool, bool], caplog: pytest.LogCaptureFixture
+) -> None:
+    garbage = b"\xff\x00garbage"
+    server, port = await start_grpc_server("127.0.0.1:0", API, health_servicer(), tracer=TRACER)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                match streams:
+                    case (False, False):
+                        await channel.unary_unary(method, None, None)(garbage, timeout=5)
+                    case (False, True):
+                        async for _ in channel.unary_stream(method, None, None)(garbage, timeout=5):
+                            pass
+                    case _:
+                        async for _ in channel.stream_stream(method, None, None)(
+                            iter([garbage]), timeout=5
+                        ):
+                            pass
+            # A well-formed request still gets its answer on the same server.
+            assert await _status(channel, "") == Status.SERVING
+    finally:
+        await server.stop(None)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid" in (refused.value.details() or "")
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert any("undecodable request" in r.getMessage() for r in caplog.records)

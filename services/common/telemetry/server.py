@@ -1,5 +1,6 @@
 """The server interceptor: one SERVER span per RPC, parented on the caller's trace context
-and current while the handler runs (the whole stream for streaming RPCs)."""
+and current while the handler runs (the whole stream for streaming RPCs). It also answers a
+request that does not decode INVALID_ARGUMENT (`grpc_requests`), inside that span."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context, attach, detach, get_current
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
+from services.common import grpc_requests
 from services.common.telemetry.propagation import extract
 from services.common.telemetry.spans import MethodInfo, end_with_code, method_info
 
@@ -62,7 +64,8 @@ def _finish_server_span(span: Span, context: Any, exc: BaseException | None) -> 
 class _TracingServerInterceptor(_ServerInterceptorBase):
     """Wraps each method handler once (cached per method) and keeps its kind: coroutine,
     async generator or plain function, which is how grpc.aio picks the calling convention
-    (async vs thread pool; generator vs ``context.write``)."""
+    (async vs thread pool; generator vs ``context.write``). An async handler's requests are
+    decoded tolerantly and one that does not decode is refused (`grpc_requests`)."""
 
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = tracer
@@ -92,25 +95,26 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
         self, handler: grpc.RpcMethodHandler[Any, Any], info: MethodInfo
     ) -> grpc.RpcMethodHandler[Any, Any]:
         des, ser = handler.request_deserializer, handler.response_serializer
-        if handler.request_streaming and handler.response_streaming:
-            assert handler.stream_stream is not None
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap(handler.stream_stream, info, streaming=True), des, ser
-            )
-        if handler.request_streaming:
-            assert handler.stream_unary is not None
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap(handler.stream_unary, info, streaming=False), des, ser
-            )
-        if handler.response_streaming:
-            assert handler.unary_stream is not None
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap(handler.unary_stream, info, streaming=True), des, ser
-            )
-        assert handler.unary_unary is not None
-        return grpc.unary_unary_rpc_method_handler(
-            self._wrap(handler.unary_unary, info, streaming=False), des, ser
+        stream_in = handler.request_streaming
+        behavior = (
+            (handler.stream_stream if handler.response_streaming else handler.stream_unary)
+            if stream_in
+            else (handler.unary_stream if handler.response_streaming else handler.unary_unary)
         )
+        assert behavior is not None
+        # A sync handler's request stream is not checked: it keeps grpc's own decoding.
+        if not stream_in or not _is_sync(behavior):
+            des = grpc_requests.tolerant(des)
+        wrapped = self._wrap(
+            behavior, info, streaming=bool(handler.response_streaming), stream_in=stream_in
+        )
+        if stream_in and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(wrapped, des, ser)
+        if stream_in:
+            return grpc.stream_unary_rpc_method_handler(wrapped, des, ser)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(wrapped, des, ser)
+        return grpc.unary_unary_rpc_method_handler(wrapped, des, ser)
 
     def _start(self, info: MethodInfo, context: Any) -> tuple[Span, Context]:
         parent = extract(context.invocation_metadata())
@@ -119,16 +123,19 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
         )
         return span, trace.set_span_in_context(span, parent)
 
-    def _wrap(self, behavior: _Behavior, info: MethodInfo, *, streaming: bool) -> _Behavior:
+    def _wrap(
+        self, behavior: _Behavior, info: MethodInfo, *, streaming: bool, stream_in: bool
+    ) -> _Behavior:
         # Same dispatch order as grpc.aio's server: coroutine functions first (for streaming
         # responses that is the ``context.write`` style), then async generators, else sync.
         if inspect.iscoroutinefunction(behavior):
-            return self._wrap_coroutine(behavior, info)
+            return self._wrap_coroutine(_checking(behavior, info, stream_in), info)
         if inspect.isasyncgenfunction(behavior):
-            return self._wrap_async_gen(behavior, info)
+            return self._wrap_async_gen(_checking_gen(behavior, info, stream_in), info)
+        checked = behavior if stream_in else _checking_sync(behavior, info)
         if streaming:
-            return self._wrap_sync_gen(behavior, info)
-        return self._wrap_sync(behavior, info)
+            return self._wrap_sync_gen(checked, info)
+        return self._wrap_sync(checked, info)
 
     def _wrap_coroutine(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
         start = self._start
@@ -232,6 +239,61 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
                 _finish_server_span(span, context, exc)
 
         return traced
+
+
+def _is_sync(behavior: _Behavior) -> bool:
+    return not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior))
+
+
+def _checking(behavior: _Behavior, info: MethodInfo, stream_in: bool) -> _Behavior:
+    """A coroutine handler that refuses an undecodable request (or request in its stream)."""
+    method = info.name
+
+    async def handler(request: Any, context: Any) -> Any:
+        if stream_in:
+            return await behavior(grpc_requests.checked(request, context, method), context)
+        await grpc_requests.refuse(request, context, method)
+        return await behavior(request, context)
+
+    return handler
+
+
+def _checking_gen(behavior: _Behavior, info: MethodInfo, stream_in: bool) -> _Behavior:
+    """`_checking` for an async-generator handler: returns its response stream."""
+    method = info.name
+
+    def handler(request: Any, context: Any) -> AsyncIterator[Any]:
+        if stream_in:
+            responses: AsyncIterator[Any] = behavior(
+                grpc_requests.checked(request, context, method), context
+            )
+            return responses
+        return _refused_first(behavior, request, context, method)
+
+    return handler
+
+
+async def _refused_first(
+    behavior: _Behavior, request: Any, context: Any, method: str
+) -> AsyncIterator[Any]:
+    await grpc_requests.refuse(request, context, method)
+    responses: AsyncIterator[Any] = behavior(request, context)
+    try:
+        async for item in responses:
+            yield item
+    finally:
+        await _aclose(responses)
+
+
+def _checking_sync(behavior: _Behavior, info: MethodInfo) -> _Behavior:
+    """`_checking` for a handler grpc runs on its thread pool (one request)."""
+    method = info.name
+
+    def handler(request: Any, context: Any) -> Any:
+        grpc_requests.refuse_sync(request, context, method)
+        return behavior(request, context)
+
+    return handler
 
 
 async def _aclose(responses: AsyncIterator[Any]) -> None:

@@ -1,0 +1,78 @@
+"""Requests a gRPC server cannot decode: answered INVALID_ARGUMENT with a short message and a
+rate-limited WARNING, where grpc would answer UNKNOWN ("Unexpected <class DecodeError>") and
+log a traceback for each.
+
+grpc deserializes a request before any handler or interceptor code runs, and an exception
+there is treated as a server bug. So the deserializer is wrapped (`tolerant`) to hand the
+handler an `Undecodable` in place of the message, and the handler wrapper (the server
+interceptor) refuses it through its context (`refuse` for one request, `checked` for a
+request stream)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+
+from services.common.client_errors import ClientErrorLog
+
+log = logging.getLogger(__name__)
+_client_errors = ClientErrorLog(log)
+
+Deserializer = Callable[[bytes], Any]
+
+
+class Undecodable:
+    """What a request that failed to decode is handed to its handler as."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def tolerant(deserializer: Deserializer | None) -> Deserializer | None:
+    """`deserializer`, returning an `Undecodable` where it would raise."""
+    if deserializer is None:
+        return None
+    decode = deserializer
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except Exception as exc:  # protobuf raises DecodeError; any failure is the client's
+            return Undecodable(f"{type(exc).__name__}: {exc}"[:200])
+
+    return deserialize
+
+
+def _message(method: str, request: Undecodable) -> str:
+    _client_errors.warning("undecodable request to %s: %s", method, request.reason)
+    return f"the request is not a valid {method.rpartition('/')[2]} message"
+
+
+async def refuse(request: Any, context: Any, method: str) -> None:
+    """Abort the call INVALID_ARGUMENT when `request` did not decode (async handlers)."""
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request))
+
+
+def refuse_sync(request: Any, context: Any, method: str) -> None:
+    """`refuse` for handlers that grpc runs on its thread pool."""
+    if isinstance(request, Undecodable):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request))
+
+
+async def checked(requests: AsyncIterator[Any], context: Any, method: str) -> AsyncIterator[Any]:
+    """A request stream that aborts the call at the first message that did not decode."""
+    async for request in requests:
+        await refuse(request, context, method)
+        yield request
+
+
+def checked_sync(requests: Iterator[Any], context: Any, method: str) -> Iterator[Any]:
+    for request in requests:
+        refuse_sync(request, context, method)
+        yield request
