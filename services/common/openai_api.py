@@ -47,6 +47,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's C parser recurses once per nested array or object
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body
@@ -155,6 +157,16 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def _encode_prompt(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """`encode`, or a 400 for text that is not Unicode: JSON's `\\ud800` escapes decode to
+        lone surrogates, which the tokenizer refuses with a TypeError."""
+        try:
+            return self.encode(text, add_special_tokens)
+        except TypeError:
+            raise bad_request(
+                f"'{param}' is not valid Unicode (it contains a lone surrogate)", param
+            ) from None
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
@@ -169,11 +181,12 @@ class PromptTokenizer:
         ids = request.prompt_ids
         if request.chat is not None:
             if request.chat.forwarded_ids is None:
-                return self.encode(self.render_chat(request.chat), request.add_special_tokens)
+                text = self.render_chat(request.chat)
+                return self._encode_prompt(text, request.add_special_tokens, "messages")
             ids = request.chat.forwarded_ids
         if ids is None:
             assert request.prompt_text is not None
-            return self.encode(request.prompt_text, request.add_special_tokens)
+            return self._encode_prompt(request.prompt_text, request.add_special_tokens, "prompt")
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of vocabulary", "prompt")

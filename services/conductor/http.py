@@ -139,8 +139,10 @@ class AdminHttp:
                 output_tokens=int(body.get("output_tokens", 0)),
                 session_id=str(body.get("session_id", "")),
             )
-        except (ValueError, TypeError, json.JSONDecodeError) as exc:
+        except (ValueError, TypeError) as exc:  # JSON errors and bad text are ValueErrors
             return _error(400, f"bad explain request: {exc}")
+        except RecursionError:  # json's parser recurses once per level of nesting
+            return _error(400, "bad explain request: the body is nested too deeply")
         try:
             decision = self.explainer.explain(msg)
         except RequestError as exc:

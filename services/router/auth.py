@@ -97,9 +97,13 @@ class Authenticator:
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise unauthorized("The Authorization header must be `Bearer KEY`.")
+        try:
+            digest = key_digest(key)
+        except UnicodeEncodeError:  # bytes that are not UTF-8: no stored key is one
+            raise unauthorized("Incorrect API key provided.") from None
         # A dict lookup by digest: the comparison is on SHA-256 digests of what the caller
         # sent, which leak nothing usable about stored keys through timing.
-        tenant = self._by_digest.get(key_digest(key))
+        tenant = self._by_digest.get(digest)
         if tenant is None:
             raise unauthorized("Incorrect API key provided.")
         return tenant

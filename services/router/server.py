@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from clients.python import ConductorClient, Interceptor
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from services.common.api_errors import unavailable_headers
+from services.common.client_errors import ClientErrorLog
 from services.common.grpc_server import (
     NOT_SERVING,
     SERVING,
@@ -70,6 +71,7 @@ from services.router.proxy import EngineFailed, Upstream
 from services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
+client_errors = ClientErrorLog(log)  # a client's mistakes: a few warnings, never a flood
 
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 COMPLETIONS: Final = "/v1/completions"
@@ -253,6 +255,8 @@ class Router:
             return response
         except ApiError as err:
             status = err.status
+            if _is_mistake(status):
+                client_errors.warning("POST %s: %d %s", route, status, err.message)
             return err.response(reply)
         except Exception:
             log.exception("request failed")
@@ -330,6 +334,12 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _is_mistake(status: int) -> bool:
+    """Whether a status says the client sent what it should not have (not a 429: that one
+    says the cluster is busy)."""
+    return 400 <= status < 500 and status != 429
 
 
 def with_aliases(models: bytes, aliases: dict[str, str]) -> bytes:

@@ -211,6 +211,9 @@ async def test_explain_refuses_malformed_requests(start_conductor: Start) -> Non
             {"json": {}},
             {"json": {"block_hashes": [1, 2], "token_ids": [1, 2, 3]}},
             {"json": {"block_hashes": [1, 2], "prompt_tokens": "many"}},
+            # Nesting deeper than json's parser recurses, and a prompt that is not Unicode.
+            {"data": b"[" * 100_000 + b"]" * 100_000},
+            {"json": {"prompt": "a\ud800b"}},
         ]
         for kwargs in bad:
             status, body = await post(http, url, **kwargs)
