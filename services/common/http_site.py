@@ -8,12 +8,18 @@ from aiohttp import web
 
 
 async def start_site(
-    app: web.Application, listen: str, *, backlog: int = 128, **runner_options: Any
+    app: web.Application,
+    listen: str,
+    *,
+    backlog: int = 128,
+    runner_class: type[web.AppRunner] = web.AppRunner,
+    **runner_options: Any,
 ) -> tuple[web.AppRunner, int]:
     """Serve `app` on `listen` (port 0: any free one), without access logs; returns the
-    runner (to clean up) and the bound port. `runner_options` go to `web.AppRunner`."""
+    runner (to clean up) and the bound port. `runner_options` go to `runner_class` (e.g.
+    `http_errors.JsonErrorRunner`)."""
     host, _, port = listen.rpartition(":")
-    runner = web.AppRunner(app, access_log=None, **runner_options)
+    runner = runner_class(app, access_log=None, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, host, int(port), backlog=backlog)
     await site.start()

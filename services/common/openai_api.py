@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from services.common.api_errors import ApiError, bad_request, rate_limited, unavailable
 from services.common.chat_prompt import ChatRenderer, ChatRequest, parse_chat
@@ -36,13 +37,16 @@ Kind = Literal["completion", "chat"]
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object; raises `ApiError` 400 (or 413) otherwise."""
+    """The request body as a JSON object; raises `ApiError` 400 (or 413) otherwise, and 400
+    for a body cut short (the client may still read the answer)."""
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes") from None
+    except (ConnectionError, HttpProcessingError):  # the body ended before its Content-Length
+        raise bad_request("the request body ended before its Content-Length") from None
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

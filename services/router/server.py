@@ -17,8 +17,8 @@ relay to the engine → report to the Conductor in the background. Every respons
 Conductor decided) or `x-kvsched-fallback: 1` (the local fallback did).
 
 Errors are OpenAI error JSON: 400, 401, 429 with Retry-After, 502 (the engine failed before
-answering), 503 with Retry-After (no instance, or draining); an engine's own error status
-passes through.
+answering), 503 with Retry-After (no instance, or draining), and aiohttp's own (404, 405, a
+request it cannot parse: `http_errors`); an engine's own error status passes through.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from services.common.grpc_server import (
     health_servicer,
     start_grpc_server,
 )
+from services.common.http_errors import JsonErrorRunner, json_errors
 from services.common.http_site import start_site
 from services.common.openai_api import MAX_BODY_BYTES, ApiError, Kind, unavailable
 from services.common.telemetry import (
@@ -144,7 +145,8 @@ class Router:
         self._started_at = int(time.time())
         self.url = ""  # http://host:port once started
         self.grpc_url = ""  # host:port once started
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        # Every error as OpenAI error JSON, aiohttp's own (404, 405, unparsable) included.
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
         self.app.add_routes(
             [
                 web.post(COMPLETIONS, self.completions),
@@ -165,7 +167,11 @@ class Router:
         await self.upstream.start()
         await self.placer.start()
         self._runner, port = await start_site(
-            self.app, s.listen, backlog=s.backlog, shutdown_timeout=5.0
+            self.app,
+            s.listen,
+            backlog=s.backlog,
+            runner_class=JsonErrorRunner,
+            shutdown_timeout=5.0,
         )
         self.url = f"http://{s.listen.rpartition(':')[0]}:{port}"
         self.grpc_url = await self._start_grpc()
