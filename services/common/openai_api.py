@@ -19,6 +19,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from services.common.api_errors import ApiError, bad_request, rate_limited, unavailable
 from services.common.chat_prompt import ChatRenderer, ChatRequest, parse_chat
+from services.common.request_fields import check_fields
 from services.common.tokenizer_dir import TokenizerDir
 
 __all__ = [
@@ -48,7 +49,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     except (ConnectionError, HttpProcessingError):  # the body ended before its Content-Length
         raise bad_request("the request body ended before its Content-Length") from None
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # json's C parser recurses once per nested array or object
@@ -78,8 +79,10 @@ class CompletionRequest:
 
 
 def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
-    """Validate the fields we read (others pass through untouched); raises `ApiError` 400.
-    A chat's messages are checked when rendered (`PromptTokenizer.prompt_ids`)."""
+    """Validate the fields we read and the sampling fields OpenAI defines (`request_fields`;
+    others pass through untouched); raises `ApiError` 400. A chat's messages are checked when
+    rendered (`PromptTokenizer.prompt_ids`)."""
+    check_fields(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -96,17 +99,12 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
     add_special_tokens = body.get("add_special_tokens", kind == "completion")
     if not isinstance(add_special_tokens, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
-    n = body.get("n", 1)
-    if n not in (1, None):
+    if body.get("n") not in (1, None):  # an integer of at least 1 (`check_fields`)
         raise bad_request("only n=1 is supported", "n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[kind]
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise bad_request("'max_tokens' must be a positive integer", "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", "stream")
+    stream = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
@@ -246,6 +244,12 @@ def _optional_str(body: Mapping[str, Any], key: str) -> str | None:
     if not isinstance(value, str):
         raise bad_request(f"'{key}' must be a string", key)
     return value or None
+
+
+def _refuse_constant(name: str) -> float:
+    # Python's json reads NaN and Infinity, which JSON does not have: a client sending them
+    # means no number the engine could use.
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _is_int(value: object) -> bool:

@@ -53,6 +53,10 @@ MALFORMED: list[tuple[str, str, Any, str | None]] = [
         {"messages": [{"role": ["user"], "content": "hi"}]},
         "messages",
     ),
+    ("NaN for a number", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', None),
+    ("Infinity for a number", "/v1/completions", b'{"prompt": "hi", "top_p": -Infinity}', None),
+    ("a string for a number", "/v1/completions", completion(temperature="hot"), "temperature"),
+    ("true for n", "/v1/chat/completions", chat(n=True), "n"),
 ]
 
 
