@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -72,25 +73,55 @@ async def test_mutual_tls_admits_only_clients_with_a_certificate(tmp_path: Path)
         await server.stop(None)
 
 
+async def _count(requests: Any, context: Any) -> health_pb2.HealthCheckResponse:
+    async for _ in requests:
+        pass
+    return health_pb2.HealthCheckResponse(status=Status.SERVING)
+
+
+def _sync_check(request: Any, context: Any) -> health_pb2.HealthCheckResponse:
+    return health_pb2.HealthCheckResponse(status=Status.SERVING)
+
+
+def _add_probes(server: grpc.aio.Server) -> None:
+    """Handler kinds the standard services lack: a coroutine taking a request stream, and a
+    plain function (run on grpc's thread pool)."""
+    decode = health_pb2.HealthCheckRequest.FromString
+    encode = health_pb2.HealthCheckResponse.SerializeToString
+    handlers = {
+        "Count": grpc.stream_unary_rpc_method_handler(_count, decode, encode),
+        "SyncCheck": grpc.unary_unary_rpc_method_handler(_sync_check, decode, encode),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PROBES, handlers),))
+
+
+PROBES = "kvsched.test.v1.Probes"
+
+
 @pytest.mark.parametrize(
     "method, streams",
     [
         ("/grpc.health.v1.Health/Check", (False, False)),
         ("/grpc.health.v1.Health/Watch", (False, True)),
         ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (True, True)),
+        (f"/{PROBES}/Count", (True, False)),
+        (f"/{PROBES}/SyncCheck", (False, False)),
     ],
 )
 async def test_an_undecodable_request_is_invalid_argument_without_a_traceback(
     method: str, streams: tuple[bool, bool], caplog: pytest.LogCaptureFixture
 ) -> None:
     garbage = b"\xff\x00garbage"
-    server, port = await start_grpc_server("127.0.0.1:0", API, health_servicer(), tracer=TRACER)
+    api = GrpcApi(PROBES, _add_probes)
+    server, port = await start_grpc_server("127.0.0.1:0", api, health_servicer(), tracer=TRACER)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 match streams:
                     case (False, False):
                         await channel.unary_unary(method, None, None)(garbage, timeout=5)
+                    case (True, False):
+                        await channel.stream_unary(method, None, None)(iter([garbage]), timeout=5)
                     case (False, True):
                         async for _ in channel.unary_stream(method, None, None)(garbage, timeout=5):
                             pass
@@ -101,6 +132,10 @@ async def test_an_undecodable_request_is_invalid_argument_without_a_traceback(
                             pass
             # A well-formed request still gets its answer on the same server.
             assert await _status(channel, "") == Status.SERVING
+            check = health_pb2.HealthCheckRequest().SerializeToString()
+            sync = await channel.unary_unary(f"/{PROBES}/SyncCheck", None, None)(check, timeout=5)
+            count = channel.stream_unary(f"/{PROBES}/Count", None, None)
+            assert sync == await count(iter([check, check]), timeout=5) != b""
     finally:
         await server.stop(None)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
