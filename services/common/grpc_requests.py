@@ -6,12 +6,12 @@ grpc deserializes a request before any handler or interceptor code runs, and an 
 there is treated as a server bug. So the deserializer is wrapped (`tolerant`) to hand the
 handler an `Undecodable` in place of the message, and the handler wrapper (the server
 interceptor) refuses it through its context (`refuse` for one request, `checked` for a
-request stream)."""
+request stream). A plain (thread-pool) handler's request stream keeps grpc's own decoding."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -69,10 +69,4 @@ async def checked(requests: AsyncIterator[Any], context: Any, method: str) -> As
     """A request stream that aborts the call at the first message that did not decode."""
     async for request in requests:
         await refuse(request, context, method)
-        yield request
-
-
-def checked_sync(requests: Iterator[Any], context: Any, method: str) -> Iterator[Any]:
-    for request in requests:
-        refuse_sync(request, context, method)
         yield request

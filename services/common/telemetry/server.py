@@ -64,8 +64,9 @@ def _finish_server_span(span: Span, context: Any, exc: BaseException | None) -> 
 class _TracingServerInterceptor(_ServerInterceptorBase):
     """Wraps each method handler once (cached per method) and keeps its kind: coroutine,
     async generator or plain function, which is how grpc.aio picks the calling convention
-    (async vs thread pool; generator vs ``context.write``). An async handler's requests are
-    decoded tolerantly and one that does not decode is refused (`grpc_requests`)."""
+    (async vs thread pool; generator vs ``context.write``). Requests are decoded tolerantly
+    and one that does not decode is refused (`grpc_requests`; a plain handler's request
+    stream excepted)."""
 
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = tracer
