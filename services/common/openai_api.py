@@ -124,14 +124,19 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
     )
 
 
-def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+def check_length(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, *, at_least: bool = False
+) -> int:
     """The output tokens a request can get, or a 400 in vLLM's words for what vLLM refuses:
     a prompt that leaves no room for output, `max_tokens` beyond the context. A prompt plus
-    `max_tokens` over the context is served, as vLLM does, with the output cut short."""
+    `max_tokens` over the context is served, as vLLM does, with the output cut short.
+    `at_least`: `prompt_tokens` is a lower bound (the prompt was not tokenized), and the
+    message says so."""
     if prompt_tokens >= max_model_len:
+        count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+            f"prompt contains {count} input tokens, which exceeds this limit even "
             "without any output tokens. Please reduce the length of the input prompt.",
             "input_tokens",
         )

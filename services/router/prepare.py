@@ -3,6 +3,7 @@ the request runs.
 
 Every check the Router makes of a request's content is here, in the order a client meets
 them: the body (JSON, at most `MAX_BODY_BYTES`: `read_json`), its fields (`parse_request`),
+a prompt too long for the context by its bytes alone (`prompt_bounds`: refused untokenized),
 the chat's rendering (`PromptTokenizer.prompt_ids`: media parts, a request's own template),
 then the lengths (`output_budget`: an empty prompt, the model's context, in vLLM's words).
 What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
@@ -27,7 +28,6 @@ from opentelemetry.trace import Tracer
 from services.common.openai_api import (
     CompletionRequest,
     Kind,
-    PromptTokenizer,
     bad_request,
     check_length,
     parse_request,
@@ -35,6 +35,7 @@ from services.common.openai_api import (
 )
 from services.router.auth import Tenant
 from services.router.placement import PlacementQuery
+from services.router.prompt_bounds import BoundedTokenizer
 from services.router.proxy import with_cache_salt
 from services.router.settings import RouterSettings
 
@@ -70,7 +71,7 @@ class Preparer:
     its threads."""
 
     def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
-        self.tokenizer = PromptTokenizer(settings.tokenizer)
+        self.tokenizer = BoundedTokenizer(settings.tokenizer)
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)
         self.max_model_len = settings.max_model_len
@@ -98,6 +99,7 @@ class Preparer:
         req = parse_request(kind, body)
         session = request.headers.get("x-session-id") or req.session_id
         scoped = session_key(tenant.name, session) if session else ""
+        self._refuse_beyond_context(req)
         salt = tenant.cache_salt(req.cache_salt)
         with self._tracer.start_as_current_span("tokenize") as span:
             if _small(req):
@@ -114,6 +116,14 @@ class Preparer:
             rid, tokenized.prompt_tokens, tokenized.output_tokens, tokenized.block_hashes, scoped
         )
         return Call(req, query, tokenized.body, arrived, reply)
+
+    def _refuse_beyond_context(self, req: CompletionRequest) -> None:
+        """Raise the 400 vLLM gives for a prompt over the context when the fewest tokens the
+        prompt can have (`BoundedTokenizer.least_tokens`) are already too many: such a
+        prompt is refused without being tokenized (seconds of work for megabytes of text)."""
+        least = self.tokenizer.least_tokens(req)
+        if least >= self.max_model_len:
+            check_length(least, req.max_tokens, self.max_model_len, at_least=True)
 
     def _tokenize(
         self, req: CompletionRequest, raw: bytes, body: dict[str, Any], salt: str

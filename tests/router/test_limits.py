@@ -1,0 +1,115 @@
+"""What a request may cost the Router before it is refused: a prompt too long for the context
+by its bytes alone is refused untokenized."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from services.common.openai_api import CompletionRequest, PromptTokenizer, parse_request
+from services.router.prompt_bounds import BoundedTokenizer, max_token_bytes
+from services.router.server import Router
+from tests.router.conftest import Stack, chat, completion
+
+JSON = {"Content-Type": "application/json"}
+
+
+def error_of(data: bytes) -> dict[str, Any]:
+    error = json.loads(data)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return dict(error)
+
+
+def count_tokenizing(router: Router, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the Router's calls for a prompt's token ids (in its one-element list)."""
+    calls = [0]
+    tokenizer = router.preparer.tokenizer
+    real: Callable[..., list[int]] = tokenizer.prompt_ids
+
+    def counted(*args: Any) -> list[int]:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(tokenizer, "prompt_ids", counted)
+    return calls
+
+
+def test_a_token_stands_for_at_most_its_longest_pieces_bytes() -> None:
+    demo = BoundedTokenizer()
+    assert demo.max_token_bytes == max(len(p) for p in demo._tok.get_vocab())  # byte-level
+    sentencepiece = {
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ],
+        },
+        "model": {"type": "BPE", "vocab": {"▁héllo": 0, "<0x41>": 1}},
+        "added_tokens": [{"content": "<|a-long-special-token|>"}],
+    }
+    assert max_token_bytes(sentencepiece) == len("<|a-long-special-token|>")
+    # Where one token may stand for more text than its piece spells, there is no bound.
+    assert max_token_bytes({**sentencepiece, "normalizer": {"type": "NFC"}}) is None
+    fused = {**sentencepiece, "model": {"type": "BPE", "vocab": {"a": 0}, "fuse_unk": True}}
+    assert max_token_bytes(fused) is None
+    assert max_token_bytes({"model": {"type": "Unigram", "vocab": [["a", 0.0]]}}) is None
+
+
+def test_the_bound_never_exceeds_the_tokens_a_prompt_has() -> None:
+    demo = BoundedTokenizer()
+    plain = PromptTokenizer()
+    for text in ("-" * 5000, " " + "-" * 73, "héllo wörld ✓ " * 300, "\U0001f600" * 100):
+        req = completion_request(text)
+        assert 0 < demo.least_tokens(req) <= len(plain.encode(text))
+
+
+def completion_request(text: str) -> CompletionRequest:
+    return parse_request("completion", completion(text))
+
+
+async def test_a_prompt_too_long_by_its_bytes_is_refused_untokenized(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, router = await stack.up(1, max_model_len=64)
+    calls = count_tokenizing(router, monkeypatch)
+    longest = router.preparer.tokenizer.max_token_bytes
+    assert longest is not None
+    text = "x" * (64 * longest)  # at least 64 tokens, whatever they are
+    for path, body in [
+        ("/v1/completions", completion(text)),
+        ("/v1/chat/completions", chat(text)),
+        ("/v1/completions", completion(list(range(64)))),
+    ]:
+        status, _, data = await stack.post(router.url + path, body)
+        assert status == 400, data
+        error = error_of(data)
+        assert error["param"] == "input_tokens"
+        assert "maximum context length is 64 tokens" in error["message"]
+    assert calls == [0]
+    # A token's worth less could be 63 tokens: it is tokenized, then refused by its count.
+    status, _, data = await stack.post(router.url + "/v1/completions", completion(text[longest:]))
+    assert status == 400 and error_of(data)["param"] == "input_tokens"
+    assert calls == [1]
+    status, _, data = await stack.post(router.url + "/v1/completions", completion())
+    assert status == 200, data
+
+
+async def test_a_10_mb_prompt_is_refused_while_a_small_one_is_served(stack: Stack) -> None:
+    _, _, router = await stack.up(1)  # the default context: 131,072 tokens
+    url = router.url + "/v1/completions"
+
+    async def post_huge() -> tuple[int, bytes]:
+        # A stream, not bytes: aiohttp warns that a large body of bytes blocks its loop.
+        body = io.BytesIO(json.dumps(completion("a" * (10 << 20))).encode())
+        async with stack.http.post(url, data=body, headers=JSON) as resp:
+            return resp.status, await resp.read()
+
+    (status, data), small = await asyncio.gather(post_huge(), stack.post(url, completion("hi")))
+    assert status == 400 and "at least" in error_of(data)["message"]
+    assert small[0] == 200, small[2]
