@@ -3,9 +3,10 @@ the request runs.
 
 Every check the Router makes of a request's content is here, in the order a client meets
 them: the body (JSON, at most `MAX_BODY_BYTES`: `read_json`), its fields (`parse_request`),
-a prompt too long for the context by its bytes alone (`prompt_bounds`: refused untokenized),
-the chat's rendering (`PromptTokenizer.prompt_ids`: media parts, a request's own template),
-then the lengths (`output_budget`: an empty prompt, the model's context, in vLLM's words).
+the session id's length (`check_session_id`), a prompt too long for the context by its bytes
+alone (`prompt_bounds`: refused untokenized), the chat's rendering
+(`PromptTokenizer.prompt_ids`: media parts, a request's own template), then the lengths
+(`output_budget`: an empty prompt, the model's context, in vLLM's words).
 What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
 event loop for a small prompt, else on a thread pool, as HF tokenizers releases the GIL), and
 leaves as a `Call`. (Who may ask, and whether this Router still takes requests, is the
@@ -75,6 +76,7 @@ class Preparer:
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)
         self.max_model_len = settings.max_model_len
+        self.max_session_id_bytes = settings.max_session_id_bytes
         self._tracer = tracer
         self._pool = ThreadPoolExecutor(
             settings.tokenizer_threads, thread_name_prefix="kvsched-tok"
@@ -98,6 +100,8 @@ class Preparer:
         raw = await request.read()  # the bytes read_json parsed (aiohttp keeps them)
         req = parse_request(kind, body)
         session = request.headers.get("x-session-id") or req.session_id
+        if session:
+            check_session_id(session, self.max_session_id_bytes, _session_param(request, body))
         scoped = session_key(tenant.name, session) if session else ""
         self._refuse_beyond_context(req)
         salt = tenant.cache_salt(req.cache_salt)
@@ -154,6 +158,28 @@ def _small(req: CompletionRequest) -> bool:
     if req.prompt_text is not None:
         return len(req.prompt_text) <= INLINE_PROMPT_CHARS
     return req.prompt_ids is not None and len(req.prompt_ids) <= INLINE_PROMPT_CHARS
+
+
+def check_session_id(session: str, max_bytes: int, param: str) -> None:
+    """Raise a 400 for a session id over `max_bytes` UTF-8 bytes (before it is placed, so
+    nothing is bound to it). Any character may be in one: `session_key` makes it a valid
+    header value."""
+    size = len(session.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise bad_request(
+            f"The session id is {size} bytes long (UTF-8); at most {max_bytes} are allowed.",
+            param,
+        )
+
+
+def _session_param(request: web.Request, body: dict[str, Any]) -> str:
+    """Where the request's session id came from, as the error's `param` names it."""
+    if request.headers.get("x-session-id"):
+        return "x-session-id"
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str):
+        return "metadata.session_id"
+    return "user"
 
 
 def session_key(tenant: str, session: str) -> str:

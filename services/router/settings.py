@@ -50,6 +50,9 @@ class RouterSettings:
     suspect_s: float = 5.0  # how long an instance that refused a connection is skipped
     drain_timeout_s: float = 30.0  # SIGTERM: how long open streams may take to finish
     tokenizer_threads: int = 4
+    # Longest session id a client may give (UTF-8 bytes): the engine gets it in a header,
+    # percent-encoded (up to three times as long), which HTTP parsers cap at a few KB.
+    max_session_id_bytes: int = 256
     otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -67,6 +70,7 @@ class RouterSettings:
             "--instances-refresh": self.instances_refresh_s,
             "--upstream-timeout": self.upstream_timeout_s,
             "--tokenizer-threads": self.tokenizer_threads,
+            "--max-session-id-bytes": self.max_session_id_bytes,
         }
         for flag, value in positive.items():
             if value <= 0:
@@ -103,6 +107,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "backlog", d.backlog, "listen backlog of the HTTP socket")
     _flag(p, "drain-timeout", d.drain_timeout_s, "on SIGTERM, seconds open streams may take")
     _flag(p, "tokenizer-threads", d.tokenizer_threads, "threads that tokenize and hash")
+    _flag(p, "max-session-id-bytes", d.max_session_id_bytes, "longest session id, UTF-8 bytes")
     a = p.parse_args(argv)
     tls = CONDUCTOR_TLS.read(p, a)
     try:
@@ -128,6 +133,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             backlog=a.backlog,
             drain_timeout_s=a.drain_timeout,
             tokenizer_threads=a.tokenizer_threads,
+            max_session_id_bytes=a.max_session_id_bytes,
             otlp_endpoint=otlp_endpoint(),
         )
     except ValueError as exc:

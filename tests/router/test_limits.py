@@ -1,5 +1,6 @@
 """What a request may cost the Router before it is refused: a prompt too long for the context
-by its bytes alone is refused untokenized."""
+by its bytes alone is refused untokenized, and an over-long session id is refused before it
+is placed (so nothing is bound to it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from services.common.openai_api import CompletionRequest, PromptTokenizer, parse_request
 from services.router.prompt_bounds import BoundedTokenizer, max_token_bytes
 from services.router.server import Router
+from services.router.settings import parse
 from tests.router.conftest import Stack, chat, completion
 
 JSON = {"Content-Type": "application/json"}
@@ -113,3 +115,32 @@ async def test_a_10_mb_prompt_is_refused_while_a_small_one_is_served(stack: Stac
     (status, data), small = await asyncio.gather(post_huge(), stack.post(url, completion("hi")))
     assert status == 400 and "at least" in error_of(data)["message"]
     assert small[0] == 200, small[2]
+
+
+async def test_an_over_long_session_id_is_refused_and_binds_nothing(stack: Stack) -> None:
+    conductor, _, router = await stack.up(1, policy="sticky")
+    url = router.url + "/v1/completions"
+    long_id = "é" * 2000
+    refused = [
+        (completion(user=long_id), {}, "user"),
+        (completion(metadata={"session_id": long_id}), {}, "metadata.session_id"),
+        (completion(), {"x-session-id": "x" * 257}, "x-session-id"),
+    ]
+    for body, headers, param in refused:
+        status, reply, data = await stack.post(url, body, **headers)
+        assert status == 400 and reply["Content-Type"].startswith("application/json"), data
+        error = error_of(data)
+        assert error["param"] == param and "at most 256" in error["message"]
+    sessions = conductor.state.cluster.sessions
+    assert len(sessions) == 0
+    # At the limit it is served, and bound.
+    status, _, data = await stack.post(url, completion(user="é" * 128))
+    assert status == 200, data
+    assert len(sessions) == 1 and sessions.get("anonymous/" + "%C3%A9" * 128) is not None
+
+
+def test_the_session_id_limit_is_a_flag() -> None:
+    assert parse(["--no-auth"]).max_session_id_bytes == 256
+    assert parse(["--no-auth", "--max-session-id-bytes", "64"]).max_session_id_bytes == 64
+    with pytest.raises(SystemExit):
+        parse(["--no-auth", "--max-session-id-bytes", "0"])
