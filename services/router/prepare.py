@@ -4,7 +4,7 @@ the request runs.
 Every check the Router makes of a request's content is here, in the order a client meets
 them: the body (JSON, at most `MAX_BODY_BYTES`: `read_json`), its fields (`parse_request`),
 the session id's length (`check_session_id`), a prompt too long for the context by its bytes
-alone (`prompt_bounds`: refused untokenized), the chat's rendering
+alone (`tokenizer`: refused untokenized), the chat's rendering
 (`PromptTokenizer.prompt_ids`: media parts, a request's own template), then the lengths
 (`output_budget`: an empty prompt, the model's context, in vLLM's words).
 What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
@@ -36,9 +36,9 @@ from services.common.openai_api import (
 )
 from services.router.auth import Tenant
 from services.router.placement import PlacementQuery
-from services.router.prompt_bounds import BoundedTokenizer
 from services.router.proxy import with_cache_salt
 from services.router.settings import RouterSettings
+from services.router.tokenizer import RouterTokenizer
 
 _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
@@ -72,7 +72,7 @@ class Preparer:
     its threads."""
 
     def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
-        self.tokenizer = BoundedTokenizer(settings.tokenizer)
+        self.tokenizer = RouterTokenizer(settings.tokenizer)
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)
         self.max_model_len = settings.max_model_len
@@ -123,7 +123,7 @@ class Preparer:
 
     def _refuse_beyond_context(self, req: CompletionRequest) -> None:
         """Raise the 400 vLLM gives for a prompt over the context when the fewest tokens the
-        prompt can have (`BoundedTokenizer.least_tokens`) are already too many: such a
+        prompt can have (`RouterTokenizer.least_tokens`) are already too many: such a
         prompt is refused without being tokenized (seconds of work for megabytes of text)."""
         least = self.tokenizer.least_tokens(req)
         if least >= self.max_model_len:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from services.common.openai_api import CompletionRequest, PromptTokenizer, parse_request
-from services.router.prompt_bounds import BoundedTokenizer, max_token_bytes
 from services.router.server import Router
 from services.router.settings import parse
+from services.router.tokenizer import GIL_FREE_CHARS, RouterTokenizer, max_token_bytes
 from tests.router.conftest import Stack, chat, completion
 
 JSON = {"Content-Type": "application/json"}
@@ -42,7 +42,7 @@ def count_tokenizing(router: Router, monkeypatch: pytest.MonkeyPatch) -> list[in
 
 
 def test_a_token_stands_for_at_most_its_longest_pieces_bytes() -> None:
-    demo = BoundedTokenizer()
+    demo = RouterTokenizer()
     assert demo.max_token_bytes == max(len(p) for p in demo._tok.get_vocab())  # byte-level
     sentencepiece = {
         "normalizer": {
@@ -64,11 +64,19 @@ def test_a_token_stands_for_at_most_its_longest_pieces_bytes() -> None:
 
 
 def test_the_bound_never_exceeds_the_tokens_a_prompt_has() -> None:
-    demo = BoundedTokenizer()
+    demo = RouterTokenizer()
     plain = PromptTokenizer()
     for text in ("-" * 5000, " " + "-" * 73, "héllo wörld ✓ " * 300, "\U0001f600" * 100):
         req = completion_request(text)
         assert 0 < demo.least_tokens(req) <= len(plain.encode(text))
+
+
+def test_a_long_text_gets_the_same_ids_without_the_gil() -> None:
+    ours, plain = RouterTokenizer(), PromptTokenizer()
+    text = "héllo wörld, <|begin_of_text|> ✓ 12345 " * 100
+    assert len(text) >= GIL_FREE_CHARS
+    for special in (True, False):
+        assert ours.encode(text, special) == plain.encode(text, special)
 
 
 def completion_request(text: str) -> CompletionRequest:
