@@ -5,6 +5,7 @@ is placed (so nothing is bound to it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 from collections.abc import Callable
@@ -12,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import CompletionRequest, PromptTokenizer, parse_request
+from services.common.openai_api import (
+    MAX_BODY_BYTES,
+    CompletionRequest,
+    PromptTokenizer,
+    parse_request,
+)
 from services.router.server import Router
 from services.router.settings import parse
 from services.router.tokenizer import GIL_FREE_CHARS, RouterTokenizer, max_token_bytes
@@ -152,3 +158,44 @@ def test_the_session_id_limit_is_a_flag() -> None:
     assert parse(["--no-auth", "--max-session-id-bytes", "64"]).max_session_id_bytes == 64
     with pytest.raises(SystemExit):
         parse(["--no-auth", "--max-session-id-bytes", "0"])
+
+
+async def test_a_body_over_the_limit_is_refused(stack: Stack) -> None:
+    _, _, router = await stack.up(0)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\n"
+    )
+    # Announced over the limit: refused from the header, before a byte of the body is sent.
+    announced = head + b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)
+    assert await status_of(router, announced, b"") == 413
+    # Sent in chunks, no length announced: refused once the limit is crossed.
+    chunk = b"x" * (1 << 20)
+    chunks = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    count = MAX_BODY_BYTES // len(chunk) + 1
+    assert (
+        await status_of(router, head + b"Transfer-Encoding: chunked\r\n\r\n", chunks, count) == 413
+    )
+
+
+async def status_of(router: Router, head: bytes, chunk: bytes, count: int = 0) -> int:
+    """Send `head` then `chunk` `count` times (or until the Router stops reading); returns the
+    status of the Router's JSON answer."""
+    host, _, port = router.url.removeprefix("http://").rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+
+    async def send() -> None:
+        writer.write(head)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(count):
+                writer.write(chunk)
+                await writer.drain()
+
+    sending = asyncio.create_task(send())
+    answer = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+    length = int(answer.partition("content-length:")[2].split()[0])
+    error = error_of(await reader.readexactly(length))
+    sending.cancel()
+    writer.close()
+    assert "application/json" in answer
+    return int(error["code"])
