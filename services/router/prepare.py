@@ -4,13 +4,13 @@ the request runs.
 Every check the Router makes of a request's content is here, in the order a client meets
 them: the body (JSON, at most `MAX_BODY_BYTES`: `read_json`), its fields (`parse_request`),
 the session id's length (`check_session_id`), a prompt too long for the context by its bytes
-alone (`tokenizer`: refused untokenized), the chat's rendering
+alone (`RouterTokenizer.least_tokens`: refused untokenized), the chat's rendering
 (`PromptTokenizer.prompt_ids`: media parts, a request's own template), then the lengths
 (`output_budget`: an empty prompt, the model's context, in vLLM's words).
 What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
-event loop for a small prompt, else on a thread pool, as HF tokenizers releases the GIL), and
-leaves as a `Call`. (Who may ask, and whether this Router still takes requests, is the
-server's: `server`.)
+event loop for a small prompt, else on a thread pool, where `RouterTokenizer.encode` lets go
+of the GIL for a long text), and leaves as a `Call`. (Who may ask, and whether this Router
+still takes requests, is the server's: `server`.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""What a request may cost the Router before it is refused: a prompt too long for the context
-by its bytes alone is refused untokenized, and an over-long session id is refused before it
-is placed (so nothing is bound to it)."""
+"""What a request may cost the Router before it is refused: a body over the limit is refused
+unread, a prompt too long for the context by its bytes alone untokenized, and an over-long
+session id before it is placed (so nothing is bound to it); a long prompt is tokenized to the
+same ids without the GIL."""
 
 from __future__ import annotations
 
