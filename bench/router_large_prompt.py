@@ -67,11 +67,12 @@ def gil(text: str, rounds: int) -> dict[str, Any]:
     `encode` (`PromptTokenizer`), then with `encode_batch` (`RouterTokenizer`)."""
     plain, ours = PromptTokenizer(), RouterTokenizer()
 
-    def small_encodes(more: Callable[[int], bool]) -> list[float]:
-        """The time from one small encode to the next, each after a short pause (as requests
-        come spaced): when another thread holds the GIL, this one waits for it, anywhere."""
+    def small_encodes(more: Callable[[int], bool], since: float) -> list[float]:
+        """The time from one small encode to the next (the first: from `since`), each after a
+        short pause (as requests come spaced): when another thread holds the GIL, this one
+        waits for it, anywhere (even in `Thread.start`)."""
         took: list[float] = []
-        last = time.perf_counter()
+        last = since
         while more(len(took)):
             time.sleep(0.0005)
             plain.encode("hi there", True)
@@ -80,7 +81,7 @@ def gil(text: str, rounds: int) -> dict[str, Any]:
             last = now
         return took
 
-    alone = small_encodes(lambda n: n < 200)
+    alone = small_encodes(lambda n: n < 200, time.perf_counter())
     out: dict[str, Any] = {
         "text_tokens": len(plain.encode(text, True)),
         "small_alone": summary(alone),
@@ -92,7 +93,7 @@ def gil(text: str, rounds: int) -> dict[str, Any]:
             start = time.perf_counter()
             worker = threading.Thread(target=encode, args=(text, True))
             worker.start()
-            during += small_encodes(partial(_first_or_while, worker))
+            during += small_encodes(partial(_first_or_while, worker), start)
             worker.join()
             large.append((time.perf_counter() - start) * 1e3)
         out[name] = {
