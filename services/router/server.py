@@ -72,7 +72,6 @@ from services.router.proxy import EngineFailed, Upstream
 from services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
-client_errors = ClientErrorLog(log)  # a client's mistakes: a few warnings, never a flood
 
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 COMPLETIONS: Final = "/v1/completions"
@@ -91,6 +90,7 @@ class Router:
     ) -> None:
         self.settings = s = settings
         self.metrics = RouterMetrics()
+        self.client_errors = ClientErrorLog(log)  # a client's mistakes: a few warnings, no flood
         self.tracer_provider = tracer_provider or setup_tracing(
             TelemetrySettings("kvsched-router", s.otlp_endpoint)
         )
@@ -262,7 +262,7 @@ class Router:
         except ApiError as err:
             status = err.status
             if _is_mistake(status):
-                client_errors.warning("POST %s: %d %s", route, status, err.message)
+                self.client_errors.warning("POST %s: %d %s", route, status, err.message)
             return err.response(reply)
         except Exception:
             log.exception("request failed")

@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common import grpc_requests
+from services.common.client_errors import ClientErrorLog
 from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
 from services.common.tls import ClientTls, ServerTls, aio_channel
 from tests.fixtures.etcd import make_tls
@@ -20,6 +22,15 @@ from tests.fixtures.etcd import make_tls
 API = GrpcApi("kvsched.test.v1.Nothing", lambda server: None)
 TRACER = TracerProvider().get_tracer("test")
 Status = health_pb2.HealthCheckResponse
+
+
+@pytest.fixture(autouse=True)
+def fresh_client_error_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with a full burst of the process-wide client-error log (other tests
+    in this process may have spent it: their lines would be left out here)."""
+    monkeypatch.setattr(
+        grpc_requests, "_client_errors", ClientErrorLog(logging.getLogger(grpc_requests.__name__))
+    )
 
 
 async def _status(channel: grpc.aio.Channel, service: str) -> int:

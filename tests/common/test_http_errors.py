@@ -9,8 +9,19 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from services.common import http_errors
+from services.common.client_errors import ClientErrorLog
 from services.common.http_errors import JsonErrorRunner, json_errors
 from services.common.http_site import start_site
+
+
+@pytest.fixture(autouse=True)
+def fresh_client_error_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with a full burst of the process-wide client-error log (other tests
+    in this process may have spent it: their lines would be left out here)."""
+    monkeypatch.setattr(
+        http_errors, "_client_errors", ClientErrorLog(logging.getLogger(http_errors.__name__))
+    )
 
 
 async def _broken(request: web.Request) -> web.Response:
