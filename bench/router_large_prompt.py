@@ -1,5 +1,5 @@
-"""What one large prompt costs the other requests of a Router (issue 14, finding 3), on a live
-local cluster (`kvsched up`'s processes, started here: one Router, one engine):
+"""What one large prompt costs the other requests of a Router, on a live local cluster
+(`kvsched up`'s processes, started here: one Router, one engine):
 
 1. gil: in this process, the latency of tokenizing a small prompt on one thread while another
    tokenizes the large text with `encode`, then with `encode_batch`, against the same small
