@@ -67,6 +67,9 @@ class IndexObserver(Protocol):
     def session_changed(self, session: Session) -> None:
         """A session's binding or history changed."""
 
+    def session_forgotten(self, session_id: str) -> None:
+        """A session was forgotten (idle too long, or over the cap)."""
+
 
 class Scheduler:
     """The in-process `SchedulerPort`, and the one front door to the core's state."""
@@ -250,6 +253,17 @@ class Scheduler:
     def restore_session(self, session: Session) -> None:
         """Put back a session read from the durable copy (not observed again)."""
         self.cluster.sessions.restore(session)
+
+    def forget_idle_sessions(self, now: float, ttl_s: float, max_sessions: int = 0) -> list[str]:
+        """Forget the sessions idle for `ttl_s` (0: none) and, over `max_sessions` (0: no
+        cap), the least recently active idle ones; the observer is told of each. Returns
+        their ids. A forgotten session's next turn starts it afresh. The simulator never
+        calls this, so its decisions do not depend on it."""
+        gone = self.cluster.sessions.forget_idle(now, ttl_s, max_sessions)
+        if self.observer is not None:
+            for session_id in gone:
+                self.observer.session_forgotten(session_id)
+        return gone
 
     def _session_changed(self, session_id: str) -> None:
         if self.observer is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 NO_HOST = -1
@@ -29,6 +30,28 @@ class Session:
 
     def in_cooldown(self, now: float, cooldown_s: float) -> bool:
         return now - self.last_migration_at < cooldown_s
+
+    @property
+    def last_active_at(self) -> float:
+        """The last time anything happened to it: a turn arrived or ended, a copy started."""
+        pending = self.pending_since if self.pending_target != NO_HOST else float("-inf")
+        return max(self.last_arrival_at, self.last_finish_at, self.last_migration_at, pending)
+
+    @property
+    def busy(self) -> bool:
+        """A turn (arrived, not ended) or a copy of its KV is in flight."""
+        return self.pending_target != NO_HOST or self.last_arrival_at > self.last_finish_at
+
+    def forgettable(self, now: float, ttl_s: float) -> bool:
+        """Whether it may be forgotten now when idle for `ttl_s`: no copy of its KV in
+        flight, no turn in flight, and nothing happened for `ttl_s`. A turn whose end never
+        came (rejected, or its Router died) holds it for at most one more `ttl_s`."""
+        if self.pending_target != NO_HOST:
+            return False
+        idle_since = self.last_active_at
+        if self.last_arrival_at > self.last_finish_at:  # a turn in flight
+            idle_since = self.last_arrival_at + ttl_s
+        return now - idle_since >= ttl_s
 
 
 class SessionTable:
@@ -134,6 +157,31 @@ class SessionTable:
         if moved:
             self.bind(session_id, target, now, migrated=True)
         return moved
+
+    def forget_idle(self, now: float, ttl_s: float, max_sessions: int = 0) -> list[str]:
+        """Drop the sessions idle for `ttl_s` (0: none), then, while more than `max_sessions`
+        (0: no cap) remain, the least recently active of those with no turn or copy in flight
+        (ties by id). Returns the ids dropped, in that order."""
+        table = self._sessions
+        gone = (
+            sorted(sid for sid, s in table.items() if s.forgettable(now, ttl_s))
+            if ttl_s > 0
+            else []
+        )
+        for sid in gone:
+            self._drop(sid)
+        excess = len(table) - max_sessions
+        if max_sessions > 0 and excess > 0:
+            idle = [(s.last_active_at, sid) for sid, s in table.items() if not s.busy]
+            for _, sid in heapq.nsmallest(excess, idle):
+                self._drop(sid)
+                gone.append(sid)
+        return gone
+
+    def _drop(self, session_id: str) -> None:
+        s = self._sessions.pop(session_id)
+        if s.host != NO_HOST:
+            self.bound[s.host] -= 1
 
     def unbind_host(self, host: int) -> int:
         """Drop every binding to `host` (the instance died); returns how many moved."""

@@ -71,3 +71,6 @@ class EtcdRecords:
         found = self.holder(session.host) if session.host != NO_HOST else None
         host = found[0] if found is not None else None
         self.outbox.put(keys.session_key(session.session_id), keys.encode_session(session, host))
+
+    def session_forgotten(self, session_id: str) -> None:
+        self.outbox.delete(keys.session_key(session_id))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvsched.core.cluster import ClusterConfig, Role
-from kvsched.core.decision import Decision
+from kvsched.core.decision import Completion, Decision
 from kvsched.core.events import BlocksStored
 from kvsched.core.policies import ALL_POLICIES, POLICIES
 from kvsched.core.scheduler import Scheduler
@@ -53,3 +53,55 @@ def test_explain_answers_what_place_then_does() -> None:
     first = core.explain(req, 0.0)
     assert core.explain(req, 0.0).instance == first.instance  # the cursor did not move
     assert core.place(req, 0.0).instance == first.instance
+
+
+class Told:
+    """An observer that keeps what it was told about sessions."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+        self.changed: list[str] = []
+
+    def stored(self, slot: int, event: BlocksStored) -> None:
+        pass
+
+    def removed(self, slot: int, tier: object, hashes: object) -> None:
+        pass
+
+    def session_changed(self, session: object) -> None:
+        self.changed.append(getattr(session, "session_id", ""))
+
+    def session_forgotten(self, session_id: str) -> None:
+        self.forgotten.append(session_id)
+
+
+def turn(core: Scheduler, rid: int, session: str, at: float) -> Decision:
+    """A turn of `session` placed at `at` and ended a second later."""
+    req = request(rid, chain(200 + rid, 8), session=session)
+    d = core.place(req, at)
+    assert not d.rejected and d.instance >= 0
+    done = Completion(
+        rid, session, d.instance, d.decode_instance, req.prompt_tokens, 16, 0,
+        req.block_hashes, at, at + 0.5, at + 1.0,
+    )  # fmt: skip
+    core.finish(done, at + 1.0)
+    return d
+
+
+@pytest.mark.parametrize("spec", ["elastic", "sticky", "ear"])
+def test_forgetting_idle_sessions_tells_the_observer_and_placement_goes_on(spec: str) -> None:
+    told = Told()
+    core = scheduler(spec)
+    core.observer = told
+    for i in range(3):
+        turn(core, i + 1, f"s{i}", float(i))
+    assert core.forget_idle_sessions(61.5, 60.0) == ["s0"]
+    assert told.forgotten == ["s0"]
+    assert core.cluster.sessions.get("s0") is None and len(core.cluster.sessions) == 2
+    # The policy holds no stale reference: the forgotten session and the others place again.
+    for i in range(3):
+        turn(core, 10 + i, f"s{i}", 62.0 + i)
+    assert core.cluster.sessions.get("s0") is not None
+    assert core.forget_idle_sessions(1e6, 0.0, max_sessions=1) == ["s0", "s1"]
+    assert told.forgotten == ["s0", "s0", "s1"]
+    assert core.forget_idle_sessions(1e6, 0.0) == []  # no TTL, no cap: nothing

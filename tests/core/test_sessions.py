@@ -272,3 +272,86 @@ def test_unbinding_a_host_with_no_sessions_changes_nothing() -> None:
     session = bound_to(table, 0)
     assert table.unbind_host(5) == 0
     assert (session.host, table.bound_on(0), len(table)) == (0, 1, 1)
+
+
+# ---- lifetime ----------------------------------------------------------------------------
+
+
+def idle_since(table: SessionTable, session_id: str, at: float, host: int = 0) -> Session:
+    """A session whose one turn arrived and ended at `at`, bound to `host`."""
+    session = bound_to(table, host, session_id, at)
+    table.finish(session_id, (1,), 10, 1, at)
+    return session
+
+
+def test_an_idle_session_is_forgotten_exactly_when_its_ttl_has_passed() -> None:
+    table = SessionTable()
+    idle_since(table, "s", 10.0, host=2)
+    assert table.forget_idle(69.999, 60.0) == []
+    assert table.get("s") is not None and table.bound_on(2) == 1
+    assert table.forget_idle(70.0, 60.0) == ["s"]
+    assert table.get("s") is None and len(table) == 0 and table.bound_on(2) == 0
+
+
+def test_a_ttl_of_zero_forgets_nothing() -> None:
+    table = SessionTable()
+    idle_since(table, "s", 0.0)
+    assert table.forget_idle(1e9, 0.0) == []
+    assert len(table) == 1
+
+
+def test_a_turn_in_flight_holds_its_session_for_one_more_ttl() -> None:
+    table = SessionTable()
+    idle_since(table, "s", 0.0)
+    table.arrive("s", 50.0)  # a turn arrived and has not ended
+    assert table.forget_idle(110.0, 60.0) == []
+    assert table.forget_idle(169.0, 60.0) == []
+    table.finish("s", (1,), 10, 1, 169.0)
+    assert table.forget_idle(228.0, 60.0) == []
+    assert table.forget_idle(229.0, 60.0) == ["s"]
+
+
+def test_a_turn_whose_end_never_came_releases_its_session_after_twice_the_ttl() -> None:
+    table = SessionTable()
+    table.arrive("s", 0.0)  # rejected, or its Router died: no finish will come
+    assert table.forget_idle(119.0, 60.0) == []
+    assert table.forget_idle(120.0, 60.0) == ["s"]
+
+
+def test_a_copy_in_flight_holds_its_session_until_it_ends() -> None:
+    table = SessionTable()
+    idle_since(table, "s", 0.0, host=0)
+    table.begin_move("s", 1, 1.0)
+    assert table.forget_idle(1e6, 60.0) == []
+    assert table.end_move("s", 1, True, 1e6)
+    assert table.forget_idle(1e6 + 59.0, 60.0) == []  # the move counts as activity
+    assert table.forget_idle(1e6 + 60.0, 60.0) == ["s"]
+    assert table.bound_on(1) == 0
+
+
+def test_the_cap_forgets_the_least_recently_active_idle_sessions_ties_by_id() -> None:
+    table = SessionTable()
+    idle_since(table, "c", 5.0)
+    idle_since(table, "b", 1.0)
+    idle_since(table, "a", 1.0)
+    idle_since(table, "d", 3.0)
+    table.arrive("old-busy", 0.0)  # a turn in flight: never capped
+    assert table.forget_idle(6.0, 0.0, max_sessions=2) == ["a", "b", "d"]
+    assert sorted(table._sessions) == ["c", "old-busy"]
+    assert table.forget_idle(6.0, 0.0, max_sessions=2) == []
+
+
+def test_the_cap_applies_after_the_ttl() -> None:
+    table = SessionTable()
+    for i, sid in enumerate(["x", "y", "z"]):
+        idle_since(table, sid, float(i))
+    assert table.forget_idle(60.5, 60.0, max_sessions=1) == ["x", "y"]
+    assert [sid for sid in "xyz" if table.get(sid)] == ["z"]
+
+
+def test_a_forgotten_session_starts_afresh_on_its_next_turn() -> None:
+    table = SessionTable()
+    idle_since(table, "s", 0.0, host=3)
+    table.forget_idle(100.0, 60.0)
+    session = table.arrive("s", 100.0)
+    assert (session.turns, session.host, session.idle_gap_s) == (1, NO_HOST, -1.0)
