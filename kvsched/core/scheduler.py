@@ -254,6 +254,10 @@ class Scheduler:
         """Put back a session read from the durable copy (not observed again)."""
         self.cluster.sessions.restore(session)
 
+    def forget_session(self, session_id: str) -> None:
+        """Drop a session the durable copy no longer has (not observed again)."""
+        self.cluster.sessions.forget(session_id)
+
     def forget_idle_sessions(self, now: float, ttl_s: float, max_sessions: int = 0) -> list[str]:
         """Forget the sessions idle for `ttl_s` (0: none) and, over `max_sessions` (0: no
         cap), the least recently active idle ones; the observer is told of each. Returns

@@ -178,6 +178,13 @@ class SessionTable:
                 gone.append(sid)
         return gone
 
+    def forget(self, session_id: str) -> bool:
+        """Drop one session, whatever its state; returns whether it was known."""
+        if session_id not in self._sessions:
+            return False
+        self._drop(session_id)
+        return True
+
     def _drop(self, session_id: str) -> None:
         s = self._sessions.pop(session_id)
         if s.host != NO_HOST:

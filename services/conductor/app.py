@@ -177,6 +177,8 @@ class Conductor:
             asyncio.create_task(self.election.run(self._on_elected, self._on_lost)),
             asyncio.create_task(self.persister.run()),
         ]
+        if s.session_sweep_s > 0:
+            self._tasks.append(asyncio.create_task(self._sweep_sessions(s.session_sweep_s)))
         log.info("Conductor %s listening on %s (http %s)", s.conductor_id, self.url, self.http_url)
 
     @property
@@ -221,6 +223,26 @@ class Conductor:
                     term = self._new_term()
                     revision = await replica.load(self.store, term.state)
                     self.terms.swap(term)
+
+    async def _sweep_sessions(self, every_s: float) -> None:
+        """Forget idle sessions every `every_s` wall seconds, on the leader only (a standby
+        follows the deletes from etcd)."""
+        while True:
+            await asyncio.sleep(every_s)
+            if self.serving:
+                self.forget_idle_sessions()
+
+    def forget_idle_sessions(self) -> int:
+        """Forget the sessions idle past the TTL, and over the cap, at the policy clock's
+        now; their etcd records go with the next flush. Returns how many went."""
+        s = self.settings
+        gone = self.state.scheduler.forget_idle_sessions(
+            self.clock(), s.session_ttl_s, s.max_sessions
+        )
+        if gone:
+            self.metrics.sessions_forgotten.inc(len(gone))
+            log.info("forgot %d idle sessions", len(gone))
+        return len(gone)
 
     async def _on_elected(self) -> None:
         """Catch up on what the watch may not have applied yet, then serve."""

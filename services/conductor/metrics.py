@@ -58,6 +58,11 @@ class ConductorMetrics:
             registry=r,
             buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
+        self.sessions_forgotten = Counter(
+            "kvsched_conductor_sessions_forgotten",
+            "Sessions forgotten: idle past the TTL, or over the cap.",
+            registry=r,
+        )
         self.transfers = Counter(
             "kvsched_conductor_transfers",
             "KV transfers ended, by kind and outcome (done, failed).",
@@ -106,7 +111,7 @@ class StateGauges(Collector):
         )
         yield GaugeMetricFamily(
             "kvsched_conductor_sessions",
-            "Sessions known.",
+            "Sessions held (idle ones are forgotten after the TTL or over the cap).",
             value=float(len(state.cluster.sessions)),
         )
         yield GaugeMetricFamily(

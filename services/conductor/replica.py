@@ -109,8 +109,12 @@ def apply_change(state: ConductorState, election: Election, event: WatchEvent) -
         inst = state.instances.get(keys.tail(key, keys.CURSORS))
         if inst is not None:
             inst.next_sequence = int(value)
-    elif key.startswith(keys.SESSIONS) and value is not None:
-        state.restore_session(keys.tail(key, keys.SESSIONS), value)
+    elif key.startswith(keys.SESSIONS):
+        session_id = keys.tail(key, keys.SESSIONS)
+        if value is None:
+            state.forget_session(session_id)  # the leader forgot it: idle, or over the cap
+        else:
+            state.restore_session(session_id, value)
     elif key == keys.POLICY and value is not None:
         _set_policy(state, value.decode())
 

@@ -45,6 +45,8 @@ class ConductorSettings:
     instance_ttl_s: int = 10
     persist_interval_s: float = 0.05
     persist_blocks: bool = True
+    session_ttl_s: float = 3600.0  # policy seconds an idle session is kept; 0: forever
+    max_sessions: int = 1_000_000  # sessions kept at most (least recently active go); 0: any
     time_scale: float = 1.0  # wall seconds per policy second (engines running faster than real)
     execute_transfers: bool = True  # order planned transfers from the Messengers
     transfer_timeout_s: float = 5.0  # a transfer's deadline: this many wall seconds ...
@@ -57,6 +59,14 @@ class ConductorSettings:
     @property
     def url(self) -> str:
         return self.advertise or self.listen
+
+    @property
+    def session_sweep_s(self) -> float:
+        """Wall seconds between sweeps of idle sessions: a tenth of the TTL, at most 30;
+        0 when nothing is ever forgotten."""
+        if self.session_ttl_s <= 0:
+            return 0.0 if self.max_sessions <= 0 else 30.0
+        return min(self.session_ttl_s * self.time_scale / 10, 30.0)
 
     @property
     def http_url(self) -> str:
@@ -100,6 +110,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "instance-ttl", d.instance_ttl_s, "default instance lease, seconds")
     _flag(p, "persist-interval", d.persist_interval_s, "write-behind flush period, seconds")
     _flag(p, "persist-blocks", d.persist_blocks, "persist block metadata for warm restarts")
+    _flag(p, "session-ttl", d.session_ttl_s, "policy seconds an idle session is kept (0: forever)")
+    _flag(
+        p,
+        "max-sessions",
+        d.max_sessions,
+        "sessions kept at most, least recently active go first (0: no cap)",
+    )
     _flag(p, "time-scale", d.time_scale, "wall seconds per policy second, as the engines run")
     _flag(
         p,
@@ -115,6 +132,8 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     a = p.parse_args(argv)
     if a.time_scale <= 0:
         p.error("--time-scale must be positive")
+    if a.session_ttl < 0 or a.max_sessions < 0:
+        p.error("--session-ttl and --max-sessions must not be negative")
     if a.transfer_timeout <= 0 or a.transfer_timeout_factor < 0:
         p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
     tls = SERVER_TLS.read(p, a)
@@ -143,6 +162,8 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         instance_ttl_s=a.instance_ttl,
         persist_interval_s=a.persist_interval,
         persist_blocks=a.persist_blocks,
+        session_ttl_s=a.session_ttl,
+        max_sessions=a.max_sessions,
         time_scale=a.time_scale,
         execute_transfers=a.execute_transfers,
         transfer_timeout_s=a.transfer_timeout,

@@ -153,6 +153,10 @@ class ConductorState:
         session, _ = keys.decode_session(session_id, value, self.slot_of(body_host))
         self.scheduler.restore_session(session)
 
+    def forget_session(self, session_id: str) -> None:
+        """A session's etcd record was deleted (the leader forgot it): forget it here too."""
+        self.scheduler.forget_session(session_id)
+
     def set_policy(self, spec: str) -> str:
         """Switch the policy; returns the previous spec. Raises RequestError on a bad spec."""
         return self.scheduler.set_policy(spec)

@@ -57,8 +57,10 @@ async def start_conductor(
 ) -> AsyncIterator[Callable[..., Any]]:
     started: list[Conductor] = []
 
-    async def start(*, lead: bool = True, **overrides: Any) -> Conductor:
-        c = Conductor(settings(etcd, **overrides))
+    async def start(
+        *, lead: bool = True, clock: Callable[[], float] | None = None, **overrides: Any
+    ) -> Conductor:
+        c = Conductor(settings(etcd, **overrides), clock=clock)
         await c.start()
         started.append(c)
         if lead:

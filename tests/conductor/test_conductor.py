@@ -641,6 +641,58 @@ async def test_new_leader_warm_starts_from_etcd(start_conductor: Start) -> None:
         assert placed.decision.policy == "least_loaded"
 
 
+async def test_an_idle_session_is_forgotten_after_its_ttl_by_leader_etcd_and_standby(
+    start_conductor: Start,
+) -> None:
+    now = [1000.0]  # policy time, driven here; the sweep runs every 60 × 0.01 / 10 wall s
+    c1 = await start_conductor(
+        conductor_id="c1", clock=lambda: now[0], session_ttl_s=60, time_scale=0.01
+    )
+    c2 = await start_conductor(conductor_id="c2", lead=False)
+    async with stub(c1.url) as s:
+        await register(s, 0)
+        for sid, finished_at in (("idle", 1000.0), ("kept", 1050.0)):
+            await s.Schedule(sched(f"r-{sid}", chain(1, 4), session=sid))
+            now[0] = finished_at
+            done = pb.FinishRequest(request_id=f"r-{sid}", instance_id=IID[0], session_id=sid)
+            await s.Finish(done)
+        now[0] = 1050.0
+
+        def standby_has(*sids: str) -> bool:
+            held = c2.state.cluster.sessions
+            return all(held.get(sid) is not None for sid in sids) and len(held) == len(sids)
+
+        await wait_for(lambda: standby_has("idle", "kept"), 5.0, message="the standby follows")
+        assert c1.forget_idle_sessions() == 0  # 50 s idle of 60: nothing yet
+        now[0] = 1060.0  # "idle" has been idle exactly its TTL, "kept" 10 s
+
+        def leader_forgot() -> bool:
+            return c1.state.cluster.sessions.get("idle") is None
+
+        await wait_for(leader_forgot, 5.0, message="the sweep forgets the idle session")
+        assert c1.state.cluster.sessions.get("kept") is not None
+
+        async def etcd_sessions() -> list[str]:
+            kvs = await c1.store.get_prefix(keys.SESSIONS.encode())
+            return [keys.tail(kv.key.decode(), keys.SESSIONS) for kv in kvs]
+
+        async def etcd_forgot() -> bool:
+            return await etcd_sessions() == ["kept"]
+
+        await wait_for(etcd_forgot, 5.0, message="its etcd binding is deleted")
+        await wait_for(lambda: standby_has("kept"), 5.0, message="the standby forgets it too")
+        forgotten = c1.metrics.registry.get_sample_value(
+            "kvsched_conductor_sessions_forgotten_total"
+        )
+        assert forgotten == 1.0
+        await refused(
+            s.GetSession(pb.GetSessionRequest(session_id="idle")), grpc.StatusCode.NOT_FOUND
+        )
+        # Its next turn starts it afresh.
+        await s.Schedule(sched("r-again", chain(1, 4), session="idle"))
+        assert c1.state.cluster.sessions.get("idle").turns == 1  # type: ignore[union-attr]
+
+
 # ---- 9. placement stream ---------------------------------------------------------------
 
 

@@ -185,6 +185,10 @@ def conductor_thread(etcd: EtcdServer) -> Iterator[Any]:
             instance_ttl_s=60,
             persist_blocks=False,
             execute_transfers=False,  # the simulator moves the KV and reports each transfer
+            # The simulator never forgets a session; a sweep landing mid-trace (the trace's
+            # clock runs far ahead of the wall's) could, and then decide otherwise.
+            session_ttl_s=0,
+            max_sessions=0,
         )
 
         async def boot() -> Conductor:

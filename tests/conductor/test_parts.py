@@ -17,7 +17,8 @@ from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
 from services.common.log_ids import session_tag
 from services.common.memory_store import MemoryStore
-from services.conductor import convert, keys, replica
+from services.common.store import WatchEvent
+from services.conductor import convert, keys, replica, settings
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.service import RPCS, conductor_servicer
@@ -112,3 +113,35 @@ async def test_an_unreadable_session_record_is_logged_without_its_id(
             await follow
     assert session_tag(user) in caplog.text
     assert "alice" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "ttl", "cap", "sweep"),
+    [
+        ([], 3600.0, 1_000_000, 30.0),  # a tenth of an hour is over the 30 s ceiling
+        (["--session-ttl", "60"], 60.0, 1_000_000, 6.0),
+        (["--session-ttl", "60", "--time-scale", "0.5"], 60.0, 1_000_000, 3.0),  # wall s
+        (["--session-ttl", "0"], 0.0, 1_000_000, 30.0),  # the cap alone still sweeps
+        (["--session-ttl", "0", "--max-sessions", "0"], 0.0, 0, 0.0),  # never: no sweep
+    ],
+)
+def test_session_lifetime_flags_and_the_sweep_period(
+    flags: list[str], ttl: float, cap: int, sweep: float
+) -> None:
+    s = settings.parse(flags)
+    assert (s.session_ttl_s, s.max_sessions, s.session_sweep_s) == (ttl, cap, sweep)
+
+
+def test_a_negative_session_ttl_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        settings.parse(["--session-ttl", "-1"])
+
+
+def test_the_leaders_deleted_session_record_is_forgotten_by_a_follower() -> None:
+    term = _term()
+    state = term.state
+    state.scheduler.cluster.sessions.arrive("s", 1.0)
+    election = Election(MemoryStore(), LeaderInfo("c2", "", ""), 1)
+    deleted = WatchEvent("delete", keys.session_key("s").encode(), b"", 7)
+    replica.apply_change(state, election, deleted)
+    assert state.cluster.sessions.get("s") is None
