@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import REPO
@@ -25,7 +26,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 class ConductorProcess:
-    def __init__(self, etcd: EtcdServer, policy: str, n: int, log: Path) -> None:
+    def __init__(
+        self, etcd: EtcdServer, policy: str, n: int, log: Path, extra: Sequence[str] = ()
+    ) -> None:
+        """`extra`: more flags for the Conductor."""
         self.port, self.http_port = free_port(), free_port()
         args = [
             sys.executable, "-m", "services.conductor",
@@ -35,6 +39,7 @@ class ConductorProcess:
             "--max-instances", str(n),
             "--policy", policy,
             "--persist-blocks", "false",
+            *extra,
         ]  # fmt: skip
         env = dict(os.environ, KVSCHED_ETCD_ENDPOINTS=etcd.url)
         with log.open("wb") as out:
