@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
 
 from bench.grpc_placement.processes import ConductorProcess, rss_mb
 from kvsched.api.common.v1 import common_pb2 as common
@@ -36,6 +37,7 @@ from tests.fixtures.etcd import EtcdServer, start_etcd
 SESSION_ID_BYTES = 256  # the Router's default bound on a session id
 INSTANCE = "node-0/engine-0"
 MB = 1 << 20
+LEASE_S = 3600
 
 
 def etcd_call(etcd: EtcdServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +87,8 @@ async def churn(url: str, n: int, concurrency: int) -> float:
         spec = pb.InstanceSpec(
             instance_id=INSTANCE, url="http://127.0.0.1:9", node="node-0", role=common.ROLE_BOTH
         )
-        await stub.RegisterInstance(pb.RegisterInstanceRequest(spec=spec))
+        lease = Duration(seconds=LEASE_S)  # outlives the run: no keep-alives sent
+        await stub.RegisterInstance(pb.RegisterInstanceRequest(spec=spec, lease_ttl=lease))
         todo = iter(range(n))
         started = time.perf_counter()
 
