@@ -38,6 +38,11 @@ def etcd_argv(name: str, data_dir: Path, client_url: str, peer_url: str) -> list
         "--initial-cluster-state=new",
         f"--initial-cluster-token={uuid.uuid4().hex}",
         *FAST_FLAGS,
+        # Every write (a forgotten session's delete too) adds a revision: without compaction
+        # the database grows for ever. Five minutes of history is far more than a standby's
+        # watch falls behind by (one that does catches up from a fresh read).
+        "--auto-compaction-mode=periodic",
+        "--auto-compaction-retention=5m",
         "--log-level=warn",
     ]
 
