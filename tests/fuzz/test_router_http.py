@@ -1,0 +1,316 @@
+"""Fuzzes a running Router over HTTP: a Conductor, two simulated engines and a Router, sent
+thousands of hypothesis-drawn requests (fuzzed OpenAI bodies, raw garbage, odd paths, methods
+and headers) on a keep-alive client. No answer is a 5xx of the Router's own making, every
+refusal on `/v1/...` is OpenAI's JSON error, the servers are still up at the end, and a phase
+of requests that must all be refused leaves the Conductor's state as it was."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.common.openai_api import DEFAULT_MODEL
+from services.conductor.app import Conductor
+from services.router.server import Router
+from tests.fuzz.conftest import fuzz_settings
+from tests.router.conftest import EngineProcess, Stack
+from tests.router.test_errors import openai_error
+
+pytestmark = pytest.mark.slow
+
+BATCH = 50  # requests per hypothesis example
+MIXED_EXAMPLES = 160  # 8,000 requests of every kind
+REFUSED_EXAMPLES = 50  # 2,500 requests that must all be refused
+MIN_REQUESTS = 10_000
+
+
+@dataclass(frozen=True)
+class FuzzRequest:
+    """One request as the fuzzer sends it."""
+
+    method: str
+    path: str
+    body: bytes | None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# -- strategies ---------------------------------------------------------------------------
+
+OPENAI_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models"]
+KNOWN_PATHS = [*OPENAI_PATHS, "/health", "/metrics"]
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+
+# Text a JSON body may carry: any code point, lone surrogates included (json.dumps escapes
+# them as `\ud800`: valid JSON whose text is not Unicode).
+any_text = st.text(st.characters(codec=None), max_size=40)
+huge_text = st.integers(1_000, 200_000).map(lambda n: "x" * n)
+numbers = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63), 1e308, -1e-308, 0.5]),
+)
+scalars = st.one_of(st.none(), st.booleans(), numbers, any_text)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(any_text, inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+# a field's value: right-looking or wrong-typed, out of range, huge or empty
+field_values = st.one_of(json_values, huge_text, st.just(""), st.just([]), st.just({}))
+
+COMPLETION_FIELDS = [
+    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
+    "logprobs", "echo", "user", "session_id", "presence_penalty", "frequency_penalty",
+    "stream_options", "min_tokens",
+]  # fmt: skip
+CHAT_FIELDS = [
+    *(f for f in COMPLETION_FIELDS if f not in {"prompt", "echo"}),
+    "messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
+]  # fmt: skip
+
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]), "content": any_text}
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def openai_body(fields: list[str], base: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    """A valid-shaped body (`base`) with some of `fields` given fuzzed values, and extras."""
+    return st.builds(
+        lambda overrides, extra: {**base, **extra, **overrides},
+        st.dictionaries(st.sampled_from(fields), field_values, max_size=3),
+        st.dictionaries(any_text, json_values, max_size=2),
+    )
+
+
+completion_bodies = openai_body(
+    COMPLETION_FIELDS, {"model": DEFAULT_MODEL, "prompt": "Hello there", "max_tokens": 4}
+)
+chat_bodies = st.builds(
+    lambda body, msgs: {"messages": msgs, **body},
+    openai_body(CHAT_FIELDS, {"model": DEFAULT_MODEL, "max_tokens": 4}),
+    messages,
+)
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+raw_bodies = st.one_of(
+    st.binary(max_size=200),
+    st.integers(1, 200_000).map(nested),
+    st.sampled_from([b"", b"null", b"[]", b"{", b'{"prompt": NaN}', b'"\\ud800"', b"\xff\xfe"]),
+    json_values.map(lambda v: json.dumps(v).encode()),
+)
+json_bodies = st.one_of(completion_bodies, chat_bodies).map(lambda b: json.dumps(b).encode())
+
+# Header values aiohttp's client sends as they are: no control characters, Latin-1 bytes.
+header_text = st.text(
+    st.characters(min_codepoint=0x21, max_codepoint=0xFF, exclude_characters="\x7f"),
+    max_size=300,
+)
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "Content-Type": st.one_of(
+            st.sampled_from(
+                ["application/json", "text/plain", "application/json; charset=latin-1", ""]
+            ),
+            header_text,
+        ),
+        "x-session-id": header_text,
+        "Authorization": st.one_of(header_text, header_text.map("Bearer ".__add__)),
+        "Accept-Encoding": header_text,
+    },
+)
+
+random_paths = st.one_of(
+    st.sampled_from(KNOWN_PATHS),
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=30).map(
+        lambda p: "/" + p.lstrip("/")
+    ),
+    st.sampled_from(OPENAI_PATHS).map(lambda p: p + "/extra"),
+)
+
+
+def fuzz_requests() -> st.SearchStrategy[FuzzRequest]:
+    """Requests of every kind: OpenAI bodies to the OpenAI routes, garbage anywhere."""
+    to_openai = st.builds(
+        FuzzRequest,
+        st.just("POST"),
+        st.sampled_from(OPENAI_PATHS[:2]),
+        st.one_of(json_bodies, raw_bodies),
+        headers,
+    )
+    anything = st.builds(
+        FuzzRequest,
+        st.sampled_from(METHODS),
+        random_paths,
+        st.one_of(st.none(), raw_bodies, json_bodies),
+        headers,
+    )
+    return st.one_of(to_openai, anything)
+
+
+# Requests that must be refused: a body that is not a JSON object, or a field of a type no
+# request may carry, or a path the Router does not serve.
+not_an_object = st.one_of(
+    st.binary(max_size=100).filter(lambda b: not b.lstrip().startswith(b"{")),
+    st.sampled_from([b"", b"null", b"[]", b"{", b"\xff\xfe", b'{"prompt": NaN}']),
+)
+wrong_type = st.one_of(
+    st.builds(lambda b, v: {**b, "max_tokens": v}, completion_bodies, any_text),
+    st.builds(lambda b, v: {**b, "messages": v}, chat_bodies, st.one_of(any_text, numbers)),
+).map(lambda b: json.dumps(b).encode())
+refused_requests = st.one_of(
+    st.builds(
+        FuzzRequest,
+        st.just("POST"),
+        st.sampled_from(OPENAI_PATHS[:2]),
+        st.one_of(not_an_object, wrong_type),
+        st.just({"Content-Type": "application/json"}),
+    ),
+    st.builds(
+        FuzzRequest,
+        st.sampled_from(METHODS),
+        st.sampled_from(OPENAI_PATHS).map(lambda p: p + "/nothing-here"),
+        st.none(),
+    ),
+)
+
+
+# -- the checks ---------------------------------------------------------------------------
+
+
+async def send(http: aiohttp.ClientSession, router: Router, req: FuzzRequest) -> int:
+    """Send `req` and check its answer; returns the status."""
+    async with http.request(
+        req.method,
+        router.url + req.path,
+        data=req.body,
+        headers=req.headers,
+        skip_auto_headers=["Content-Type"],
+    ) as resp:
+        body = await resp.read()
+        status = resp.status
+        assert status < 500, (req, status, body[:500])
+        if req.path.startswith("/v1/") and status >= 400 and req.method != "HEAD":
+            assert resp.content_type == "application/json", (req, status, body[:500])
+            openai_error(body)
+        return status
+
+
+def conductor_state(conductor: Conductor) -> dict[str, Any]:
+    """What a refused request must not change: instances, policy, index, sessions."""
+    state = conductor.state
+    return {
+        "instances": sorted(state.instances),
+        "policy": state.scheduler.spec,
+        "index_blocks": len(state.cluster.index),
+        "sessions": len(state.cluster.sessions),
+        "in_flight": state.cluster.load.in_flight.tolist(),
+    }
+
+
+async def alive(http: aiohttp.ClientSession, router: Router, engines: list[EngineProcess]) -> None:
+    for url in [router.url, *(e.url for e in engines)]:
+        async with http.get(url + "/health") as resp:
+            assert resp.status == 200, url
+    assert all(e.process.poll() is None for e in engines)
+
+
+class ParkedLoop:
+    """Runs hypothesis in a thread beside the event loop of the servers it fuzzes, the loop
+    parked while hypothesis draws: hypothesis takes a change of the global `random` state
+    during a draw for a strategy's doing, and the servers' code uses `random`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._resume: threading.Event | None = None
+
+    def park(self) -> None:
+        """Block the loop (from hypothesis's thread) until `resume`."""
+        parked, resume = threading.Event(), threading.Event()
+
+        def wait() -> None:
+            parked.set()
+            resume.wait(timeout=120)  # bounded: a stuck hypothesis thread frees the loop
+
+        self._resume = resume
+        self.loop.call_soon_threadsafe(wait)
+        parked.wait(timeout=120)
+
+    def resume(self) -> None:
+        if self._resume is not None:
+            self._resume.set()
+            self._resume = None
+
+    def batch(
+        self, http: aiohttp.ClientSession, router: Router, reqs: list[FuzzRequest]
+    ) -> list[int]:
+        """Send `reqs` concurrently on the loop, and park it again; returns their statuses."""
+
+        async def send_all() -> list[int]:
+            return list(await asyncio.gather(*(send(http, router, r) for r in reqs)))
+
+        self.resume()
+        try:
+            return asyncio.run_coroutine_threadsafe(send_all(), self.loop).result(timeout=120)
+        finally:
+            self.park()
+
+    async def run(self, fuzz: Callable[[], None]) -> None:
+        """Run a hypothesis test (`fuzz`) in a thread, the loop parked while it draws."""
+
+        def parked_fuzz() -> None:
+            self.park()
+            try:
+                fuzz()
+            finally:
+                self.resume()
+
+        await asyncio.to_thread(parked_fuzz)
+
+
+async def test_the_router_survives_fuzzed_http(stack: Stack) -> None:
+    conductor, engines, router = await stack.up(2)
+    loop = ParkedLoop(asyncio.get_running_loop())
+    statuses: list[int] = []
+
+    def run_batch(batch: list[FuzzRequest]) -> list[int]:
+        return loop.batch(stack.http, router, batch)
+
+    @fuzz_settings(REFUSED_EXAMPLES)
+    @given(st.lists(refused_requests, min_size=BATCH, max_size=BATCH))
+    def fuzz_refused(batch: list[FuzzRequest]) -> None:
+        got = run_batch(batch)
+        assert all(400 <= s < 500 for s in got), list(zip(batch, got, strict=True))
+        statuses.extend(got)
+
+    @fuzz_settings(MIXED_EXAMPLES)
+    @given(st.lists(fuzz_requests(), min_size=BATCH, max_size=BATCH))
+    def fuzz_mixed(batch: list[FuzzRequest]) -> None:
+        statuses.extend(run_batch(batch))
+
+    before = conductor_state(conductor)
+    await loop.run(fuzz_refused)
+    assert conductor_state(conductor) == before  # refused requests changed nothing
+    await loop.run(fuzz_mixed)
+    await alive(stack.http, router, engines)
+    assert len(statuses) >= MIN_REQUESTS, len(statuses)
+    print(f"{len(statuses)} requests; statuses {sorted(set(statuses))}")
