@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
+from tests.messenger.conftest import start_messenger
 from tests.router.conftest import (
     etcd,
     http,
@@ -25,6 +26,7 @@ __all__ = [  # fixtures re-exported for the tests here
     "stack",
     "start_conductor",
     "start_engines",
+    "start_messenger",
     "start_router",
 ]
 

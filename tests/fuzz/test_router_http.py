@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -25,7 +24,14 @@ from tests.fuzz.conftest import fuzz_settings
 from tests.router.conftest import EngineProcess, Stack
 from tests.router.test_errors import openai_error
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # Hypothesis warns when the global `random` state changes while it draws, taking it for a
+    # strategy's doing: here the servers, on the loop in the other thread, use `random`.
+    pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies"),
+]
+
+T = TypeVar("T")
 
 BATCH = 50  # requests per hypothesis example
 MIXED_EXAMPLES = 160  # 8,000 requests of every kind
@@ -234,66 +240,34 @@ async def alive(http: aiohttp.ClientSession, router: Router, engines: list[Engin
     assert all(e.process.poll() is None for e in engines)
 
 
-class ParkedLoop:
-    """Runs hypothesis in a thread beside the event loop of the servers it fuzzes, the loop
-    parked while hypothesis draws: hypothesis takes a change of the global `random` state
-    during a draw for a strategy's doing, and the servers' code uses `random`."""
+class LoopBridge:
+    """Runs hypothesis in a thread beside the event loop of the servers it fuzzes (hypothesis
+    drives its examples synchronously), each example's requests made on that loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._resume: threading.Event | None = None
 
-    def park(self) -> None:
-        """Block the loop (from hypothesis's thread) until `resume`."""
-        parked, resume = threading.Event(), threading.Event()
-
-        def wait() -> None:
-            parked.set()
-            resume.wait(timeout=120)  # bounded: a stuck hypothesis thread frees the loop
-
-        self._resume = resume
-        self.loop.call_soon_threadsafe(wait)
-        parked.wait(timeout=120)
-
-    def resume(self) -> None:
-        if self._resume is not None:
-            self._resume.set()
-            self._resume = None
-
-    def batch(
-        self, http: aiohttp.ClientSession, router: Router, reqs: list[FuzzRequest]
-    ) -> list[int]:
-        """Send `reqs` concurrently on the loop, and park it again; returns their statuses."""
-
-        async def send_all() -> list[int]:
-            return list(await asyncio.gather(*(send(http, router, r) for r in reqs)))
-
-        self.resume()
-        try:
-            return asyncio.run_coroutine_threadsafe(send_all(), self.loop).result(timeout=120)
-        finally:
-            self.park()
+    def call(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` on the loop from hypothesis's thread; returns its result."""
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout=120)
 
     async def run(self, fuzz: Callable[[], None]) -> None:
-        """Run a hypothesis test (`fuzz`) in a thread, the loop parked while it draws."""
-
-        def parked_fuzz() -> None:
-            self.park()
-            try:
-                fuzz()
-            finally:
-                self.resume()
-
-        await asyncio.to_thread(parked_fuzz)
+        """Run a hypothesis test (`fuzz`) in a thread."""
+        await asyncio.to_thread(fuzz)
 
 
 async def test_the_router_survives_fuzzed_http(stack: Stack) -> None:
     conductor, engines, router = await stack.up(2)
-    loop = ParkedLoop(asyncio.get_running_loop())
+    loop = LoopBridge(asyncio.get_running_loop())
     statuses: list[int] = []
 
     def run_batch(batch: list[FuzzRequest]) -> list[int]:
-        return loop.batch(stack.http, router, batch)
+        """Send a batch concurrently; returns the statuses."""
+
+        async def send_all() -> list[int]:
+            return list(await asyncio.gather(*(send(stack.http, router, r) for r in batch)))
+
+        return loop.call(send_all())
 
     @fuzz_settings(REFUSED_EXAMPLES)
     @given(st.lists(refused_requests, min_size=BATCH, max_size=BATCH))
