@@ -12,6 +12,7 @@ from tests.messenger.conftest import start_messenger
 from tests.router.conftest import (
     etcd,
     http,
+    keys_file,
     registry,
     stack,
     start_conductor,
@@ -22,6 +23,7 @@ from tests.router.conftest import (
 __all__ = [  # fixtures re-exported for the tests here
     "etcd",
     "http",
+    "keys_file",
     "registry",
     "stack",
     "start_conductor",

@@ -1,7 +1,8 @@
-"""Fuzzes a running Router over HTTP: a Conductor, two simulated engines and a Router, sent
-thousands of hypothesis-drawn requests (fuzzed OpenAI bodies, raw garbage, odd paths, methods
-and headers) on a keep-alive client. No answer is a 500 (a bug's) or past 599, every error on
-`/v1/...` is OpenAI's JSON error, the servers are still up at the end, and a phase of requests
+"""Fuzzes running Routers over HTTP: a Conductor, two simulated engines and two Routers (one
+asking for API keys), sent thousands of hypothesis-drawn requests (fuzzed OpenAI bodies, raw
+garbage, odd paths, methods and headers) on a keep-alive client. No answer is a 500 (a bug's)
+or past 599, every error on `/v1/...` is OpenAI's JSON error, no request without a key gets an
+answer from the keyed Router, the servers are still up at the end, and a phase of requests
 that must all be refused leaves the Conductor's state as it was."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -41,12 +43,18 @@ MIN_REQUESTS = 10_000
 
 @dataclass(frozen=True)
 class FuzzRequest:
-    """One request as the fuzzer sends it."""
+    """One request as the fuzzer sends it: `keyed` ones to a Router that asks for API keys
+    (the fuzzer has none), the others to one that does not."""
 
     method: str
     path: str
     body: bytes | None
     headers: dict[str, str] = field(default_factory=dict)
+    keyed: bool = False
+
+
+def to_either_router(requests: st.SearchStrategy[FuzzRequest]) -> st.SearchStrategy[FuzzRequest]:
+    return st.builds(lambda r, keyed: replace(r, keyed=keyed), requests, st.booleans())
 
 
 # -- strategies ---------------------------------------------------------------------------
@@ -203,8 +211,17 @@ refused_requests = st.one_of(
 # -- the checks ---------------------------------------------------------------------------
 
 
-async def send(http: aiohttp.ClientSession, router: Router, req: FuzzRequest) -> int:
+@dataclass(frozen=True)
+class Routers:
+    """The two Routers fuzzed: one open, one asking for API keys."""
+
+    open: Router
+    keyed: Router
+
+
+async def send(http: aiohttp.ClientSession, routers: Routers, req: FuzzRequest) -> int:
     """Send `req` and check its answer; returns the status."""
+    router = routers.keyed if req.keyed else routers.open
     async with http.request(
         req.method,
         router.url + req.path,
@@ -219,6 +236,8 @@ async def send(http: aiohttp.ClientSession, router: Router, req: FuzzRequest) ->
         if req.path.startswith("/v1/") and status >= 400 and req.method != "HEAD":
             assert resp.content_type == "application/json", (req, status, body[:500])
             openai_error(body)
+        if req.keyed and req.path.startswith("/v1/"):
+            assert status >= 400, (req, status, body[:500])  # no key, no answer
         return status
 
 
@@ -234,8 +253,10 @@ def conductor_state(conductor: Conductor) -> dict[str, Any]:
     }
 
 
-async def alive(http: aiohttp.ClientSession, router: Router, engines: list[EngineProcess]) -> None:
-    for url in [router.url, *(e.url for e in engines)]:
+async def alive(
+    http: aiohttp.ClientSession, routers: Routers, engines: list[EngineProcess]
+) -> None:
+    for url in [routers.open.url, routers.keyed.url, *(e.url for e in engines)]:
         async with http.get(url + "/health") as resp:
             assert resp.status == 200, url
     assert all(e.process.poll() is None for e in engines)
@@ -257,8 +278,14 @@ class LoopBridge:
         await asyncio.to_thread(fuzz)
 
 
-async def test_the_router_survives_fuzzed_http(stack: Stack) -> None:
+async def test_the_router_survives_fuzzed_http(
+    stack: Stack, keys_file: tuple[Path, dict[str, str]]
+) -> None:
     conductor, engines, router = await stack.up(2)
+    keyed = await stack.start_router(
+        conductor.url, router_id="r2", no_auth=False, api_keys=str(keys_file[0])
+    )
+    routers = Routers(router, keyed)
     loop = LoopBridge(asyncio.get_running_loop())
     statuses: list[int] = []
 
@@ -266,19 +293,19 @@ async def test_the_router_survives_fuzzed_http(stack: Stack) -> None:
         """Send a batch concurrently; returns the statuses."""
 
         async def send_all() -> list[int]:
-            return list(await asyncio.gather(*(send(stack.http, router, r) for r in batch)))
+            return list(await asyncio.gather(*(send(stack.http, routers, r) for r in batch)))
 
         return loop.call(send_all())
 
     @fuzz_settings(REFUSED_EXAMPLES)
-    @given(st.lists(refused_requests, min_size=BATCH, max_size=BATCH))
+    @given(st.lists(to_either_router(refused_requests), min_size=BATCH, max_size=BATCH))
     def fuzz_refused(batch: list[FuzzRequest]) -> None:
         got = run_batch(batch)
         assert all(400 <= s < 500 for s in got), list(zip(batch, got, strict=True))
         statuses.extend(got)
 
     @fuzz_settings(MIXED_EXAMPLES)
-    @given(st.lists(fuzz_requests(), min_size=BATCH, max_size=BATCH))
+    @given(st.lists(to_either_router(fuzz_requests()), min_size=BATCH, max_size=BATCH))
     def fuzz_mixed(batch: list[FuzzRequest]) -> None:
         statuses.extend(run_batch(batch))
 
@@ -286,7 +313,7 @@ async def test_the_router_survives_fuzzed_http(stack: Stack) -> None:
     await loop.run(fuzz_refused)
     assert conductor_state(conductor) == before  # refused requests changed nothing
     await loop.run(fuzz_mixed)
-    await alive(stack.http, router, engines)
+    await alive(stack.http, routers, engines)
     assert conductor.serving
     assert len(statuses) >= MIN_REQUESTS, len(statuses)
     print(f"{len(statuses)} requests; statuses {sorted(set(statuses))}")
