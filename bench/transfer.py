@@ -147,6 +147,7 @@ async def throughput(backend: str, geometry: Geometry, repeat: int) -> dict[str,
         model_config=geometry.model_config,
         transfer_backend=backend,
         engine_flags=("--capacity-blocks", str(geometry.capacity_blocks)),
+        insecure=True,  # the bench orders transfers itself, as the Conductor: plaintext
     )
     async with cluster(opts) as (ep, _, run_dir):
         engines = {e["id"]: e["url"] for e in ep["engines"]}
@@ -235,6 +236,7 @@ async def downtime(migrations: int) -> dict[str, Any]:
         policy=f"ear:t_hot_tokens={t_hot},t_cool_s=0.001",
         block_size=64,
         time_scale=0.1,
+        insecure=True,  # it reads the Conductor's admin HTTP API without a token
     )
     async with cluster(opts) as (ep, key, _):
         router = ep["routers"][0]["url"]

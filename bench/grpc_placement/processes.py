@@ -39,6 +39,7 @@ class ConductorProcess:
             "--max-instances", str(n),
             "--policy", policy,
             "--persist-blocks", "false",
+            "--insecure",
             *extra,
         ]  # fmt: skip
         env = dict(os.environ, KVSCHED_ETCD_ENDPOINTS=etcd.url)

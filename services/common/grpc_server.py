@@ -1,7 +1,8 @@
 """The gRPC server every service runs: its one API traced by the server interceptor, the
 standard health service and server reflection beside it, listening with or without (mutual)
-TLS. Each service still owns its servicer, its health servicer (it flips the statuses as it
-leads, drains or stops) and the server's stop."""
+TLS; with mutual TLS, each call authorised by the caller's certificate (`authz`). Each
+service still owns its servicer, its health servicer (it flips the statuses as it leads,
+drains or stops) and the server's stop."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Tracer
 
+from services.common.authz import authz_interceptor
 from services.common.telemetry import server_interceptor
 from services.common.tls import ServerTls, add_port
 
@@ -60,7 +62,8 @@ async def start_grpc_server(
     max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a server for `api` on `listen` (TLS when `tls` is given, mutual when it names a
-    client CA) and return it with the port it bound. Sets `health_servicer`'s statuses: the
+    client CA: then every call is authorised by its caller's identity, `authz`) and return
+    it with the port it bound. Sets `health_servicer`'s statuses: the
     server's ("") serving, the API's as `serving` says. `reuse_port` lets other processes
     bind the same port (grpc's own default); without it a taken port fails the start.
     Raises OSError when it cannot listen."""
@@ -69,7 +72,10 @@ async def start_grpc_server(
         options.append(("grpc.so_reuseport", 0))
     if max_receive_bytes is not None:
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    server = grpc.aio.server(interceptors=[server_interceptor(tracer)], options=options)
+    interceptors = [server_interceptor(tracer)]
+    if tls is not None and tls.client_ca_file:  # callers have identities: authorise each call
+        interceptors.append(authz_interceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     api.add_to(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,10 +1,12 @@
 """The command-line flags naming a service's TLS files, one group per connection it secures:
 as a client (the CA it trusts, and its certificate and key where servers ask for mutual TLS)
-or as a server (its certificate and key, and the CA clients' certificates must chain to)."""
+or as a server (its certificate and key, and the CA clients' certificates must chain to);
+and `--insecure`, without which a service refuses to start unless every group is given."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.flags import Flag
@@ -66,3 +68,42 @@ class ServerTlsFlags:
 
 def _dest(prefix: str, name: str) -> str:
     return f"{prefix}{name}".replace("-", "_")
+
+
+def add_insecure(flag: Flag, parser: argparse.ArgumentParser) -> None:
+    """`--insecure`: serve and call plaintext, no identities, nothing authorised."""
+    flag(
+        parser,
+        "insecure",
+        False,
+        "plaintext gRPC, no client identities, every RPC open (behind a mesh's mTLS, or tests)",
+    )
+
+
+def require_secure(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    server: tuple[ServerTlsFlags, ServerTls | None],
+    clients: Sequence[tuple[ClientTlsFlags, ClientTls | None]],
+) -> None:
+    """Secure by default: unless `--insecure`, the service's server must serve mutual TLS and
+    it must present a certificate to each of its peers; with `--insecure`, no TLS flag may
+    be given. A usage error (exit 2) naming the missing flags otherwise."""
+    server_flags, server_tls = server
+    if args.insecure:
+        if server_tls is not None or any(tls is not None for _, tls in clients):
+            parser.error("--insecure excludes the TLS flags: give one or the other")
+        return
+    missing = []
+    if server_tls is None or server_tls.client_ca_file is None:
+        p = server_flags.prefix
+        missing.append(f"--{p}cert, --{p}key and --{p}client-ca")
+    for client_flags, client_tls in clients:
+        if client_tls is None or client_tls.cert_file is None:
+            p = client_flags.prefix
+            missing.append(f"--{p}ca, --{p}cert and --{p}key")
+    if missing:
+        parser.error(
+            f"mutual TLS needs {'; '.join(missing)} (`kvsched up` makes them: see "
+            "docs/security.md), or --insecure to run plaintext and unauthenticated"
+        )

@@ -110,7 +110,9 @@ class Conductor:
         )
         hasher = settings.block_hashes.hasher(settings.block_size)  # explains token ids
         explainer = Explainer(current, hasher, self.clock)
-        self.http = AdminHttp(current, self.leadership, explainer, self.metrics.registry)
+        self.http = AdminHttp(
+            current, self.leadership, explainer, self.metrics.registry, settings.admin_token
+        )
         self.streams = OpenStreams()
         registrar = Registrar(self.store, current, sync, settings.instance_ttl_s)
         self.rpcs = (

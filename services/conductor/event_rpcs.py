@@ -11,12 +11,14 @@ from kvsched.core.requests import RequestError
 from services.conductor import convert
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics
+from services.conductor.node_access import require_instance_node
 from services.conductor.rpc_status import Context, abort, require_leader
 from services.conductor.term import CurrentTerm
 
 
 class KvEventRpcs:
-    """Handlers of the KV event RPCs; only the serving leader applies batches."""
+    """Handlers of the KV event RPCs; only the serving leader applies batches, and a
+    Messenger's only for its own node's instances (`node_access`)."""
 
     def __init__(
         self, current: CurrentTerm, leadership: Leadership, metrics: ConductorMetrics
@@ -47,6 +49,7 @@ class KvEventRpcs:
         self, request: pb.PublishKvEventsRequest, context: Context
     ) -> pb.PublishKvEventsResponse:
         await require_leader(self.leadership, context)
+        await require_instance_node(context, self.current().state, request.batch.instance_id)
         try:
             return pb.PublishKvEventsResponse(next_sequence=self._apply(request.batch))
         except RequestError as exc:
@@ -59,6 +62,7 @@ class KvEventRpcs:
         applied = 0
         async for item in request_iterator:
             await require_leader(self.leadership, context)
+            await require_instance_node(context, self.current().state, item.batch.instance_id)
             try:
                 self._apply(item.batch)
             except RequestError as exc:

@@ -1,4 +1,5 @@
-"""The Conductor's HTTP admin endpoint: JSON views for people and dashboards, and /metrics."""
+"""The Conductor's HTTP admin endpoint: JSON views for people and dashboards, and /metrics.
+With an admin token, every path but /metrics and /api/leader (readiness) asks for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
+from services.common.admin_token import bearer_required
 from services.common.api_errors import unavailable_headers
 from services.common.http_site import start_site
 from services.conductor import convert
@@ -18,6 +20,8 @@ from services.conductor.explain import Explainer
 from services.conductor.leadership import Leadership
 from services.conductor.term import CurrentTerm
 
+# What anyone may read: the metrics and who leads (`kvsched up`'s readiness check).
+OPEN_PATHS = frozenset({"/metrics", "/api/leader"})
 _STATUS = {"invalid": 400, "not_found": 404, "out_of_range": 400, "unavailable": 503}
 
 
@@ -37,12 +41,14 @@ class AdminHttp:
         leadership: Leadership,
         explainer: Explainer,
         registry: CollectorRegistry,
+        admin_token: str | None = None,
     ) -> None:
         self.current = current
         self.leadership = leadership
         self.explainer = explainer
         self.registry = registry  # the Conductor's metrics
-        self.app = web.Application(client_max_size=4 << 20)
+        middlewares = [] if admin_token is None else [bearer_required(admin_token, OPEN_PATHS)]
+        self.app = web.Application(client_max_size=4 << 20, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.get("/api/nodes/stats", self.nodes),

@@ -9,13 +9,15 @@ from services.common import durations
 from services.common.store import StoreError
 from services.conductor import convert
 from services.conductor.leadership import Leadership
+from services.conductor.node_access import require_instance_node, require_node
 from services.conductor.registration import Registrar
 from services.conductor.rpc_status import Context, abort, etcd_away, require_leader
 from services.conductor.term import CurrentTerm
 
 
 class InstanceRpcs:
-    """Handlers of the instance RPCs; writes only on the serving leader."""
+    """Handlers of the instance RPCs; writes only on the serving leader, and a Messenger's
+    only for its own node's instances (`node_access`)."""
 
     def __init__(self, registrar: Registrar, current: CurrentTerm, leadership: Leadership) -> None:
         self.registrar = registrar
@@ -26,6 +28,9 @@ class InstanceRpcs:
         self, request: pb.RegisterInstanceRequest, context: Context
     ) -> pb.RegisterInstanceResponse:
         await require_leader(self.leadership, context)
+        # The node it claims, and the one it is registered on (no taking over another's).
+        await require_node(context, request.spec.node, f"instance {request.spec.instance_id!r}")
+        await require_instance_node(context, self.current().state, request.spec.instance_id)
         try:
             spec = convert.instance_spec(request.spec)
             lease = await self.registrar.register(spec, durations.seconds(request.lease_ttl))
@@ -42,6 +47,7 @@ class InstanceRpcs:
         self, request: pb.KeepAliveInstanceRequest, context: Context
     ) -> pb.KeepAliveInstanceResponse:
         await require_leader(self.leadership, context)
+        await require_instance_node(context, self.current().state, request.instance_id)
         try:
             inst, remaining = await self.registrar.keep_alive(request.instance_id)
         except RequestError as exc:
@@ -56,6 +62,7 @@ class InstanceRpcs:
         self, request: pb.DeregisterInstanceRequest, context: Context
     ) -> pb.DeregisterInstanceResponse:
         await require_leader(self.leadership, context)
+        await require_instance_node(context, self.current().state, request.instance_id)
         try:
             unbound = await self.registrar.deregister(request.instance_id)
         except RequestError as exc:

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import DEFAULT_LATENCY
 from services.common import block_hashes
+from services.common.admin_token import read_admin_token
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.store import EtcdSettings
 from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags
+from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
 
 ENV = "KVSCHED_CONDUCTOR_"
 _flag = env_flags(ENV)
@@ -54,6 +55,8 @@ class ConductorSettings:
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
     tls: ServerTls | None = None
     messenger_tls: ClientTls | None = None  # towards the Messengers, when they serve TLS
+    # The admin HTTP API's bearer token (`/api/...` but /api/leader); None: open to all.
+    admin_token: str | None = field(default=None, repr=False)
     otlp_endpoint: str | None = None
 
     @property
@@ -129,6 +132,8 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "transfer-timeout-factor", d.transfer_timeout_factor, "plus this × its estimate")
     SERVER_TLS.add(_flag, p)
     MESSENGER_TLS.add(_flag, p)
+    add_insecure(_flag, p)
+    _flag(p, "admin-token-file", "", "file holding the admin HTTP API's bearer token")
     a = p.parse_args(argv)
     if a.time_scale <= 0:
         p.error("--time-scale must be positive")
@@ -138,6 +143,10 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
     tls = SERVER_TLS.read(p, a)
     messenger_tls = MESSENGER_TLS.read(p, a)
+    require_secure(p, a, (SERVER_TLS, tls), [(MESSENGER_TLS, messenger_tls)])
+    if not a.insecure and not a.admin_token_file:
+        p.error("the admin HTTP API needs --admin-token-file (or --insecure to leave it open)")
+    admin_token = read_admin_token(p, a.admin_token_file) if a.admin_token_file else None
     try:
         hashes = block_hashes.from_args(a)
     except ValueError as exc:
@@ -171,5 +180,6 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         etcd=EtcdSettings.from_env(),
         tls=tls,
         messenger_tls=messenger_tls,
+        admin_token=admin_token,
         otlp_endpoint=otlp_endpoint(),
     )

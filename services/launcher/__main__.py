@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-hash-seed", help="the engines' PYTHONHASHSEED (default: unset)")
     p.add_argument("--run-dir", type=Path, help="logs and etcd data (default: a temp dir)")
     p.add_argument("--endpoints-file", type=Path, help="write the endpoints JSON here")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS, certificates or admin token: plaintext gRPC and etcd, every RPC open",
+    )
     p.add_argument("--quiet", action="store_true", help="print only errors")
     return p
 
@@ -117,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             kv_pool_bytes=args.kv_pool_bytes,
             block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
+            insecure=args.insecure,
         )
     except ValueError as exc:
         print(f"kvsched up: {exc}", file=sys.stderr)
@@ -189,6 +195,14 @@ def _describe(plan: ClusterPlan, run_dir: Path, file: Path | None) -> str:
         extra = child.endpoint.get("http_url", "")
         lines.append(f"  {child.name:<22} {url:<28} {extra}")
     lines.append(f"  logs: {run_dir / 'logs'}")
+    creds = plan.credentials
+    if creds is None:
+        lines.append("  --insecure: plaintext gRPC and etcd, no identities, admin HTTP open")
+    else:
+        admin = creds.admin
+        lines.append(f"  mutual TLS; CA {admin.ca}")
+        lines.append(f"  admin certificate {admin.cert}, key {admin.key}")
+        lines.append(f"  admin HTTP token file {creds.admin_token_file}")
     if file is not None:
         lines.append(f"  endpoints (and the demo API key): {file}")
     elif plan.api_key:

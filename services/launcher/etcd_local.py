@@ -7,6 +7,8 @@ import os
 import uuid
 from pathlib import Path
 
+from services.common.pki import CertFiles
+
 # Fast raft timing also lowers etcd's minimum lease TTL to 1 s (the defaults grant 2 s).
 FAST_FLAGS = ("--heartbeat-interval=10", "--election-timeout=100")
 
@@ -24,8 +26,18 @@ def etcd_binary() -> Path:
     return path
 
 
-def etcd_argv(name: str, data_dir: Path, client_url: str, peer_url: str) -> list[str]:
-    """Command line of a fresh single-member cluster serving `client_url`."""
+def etcd_argv(
+    name: str, data_dir: Path, client_url: str, peer_url: str, tls: CertFiles | None = None
+) -> list[str]:
+    """Command line of a fresh single-member cluster serving `client_url`; with `tls`, both
+    its listeners (`https://` URLs) serve mutual TLS: clients and peers need a certificate
+    the CA signed."""
+    secure: list[str] = []
+    if tls is not None:
+        files = (f"--cert-file={tls.cert}", f"--key-file={tls.key}")
+        secure += [*files, "--client-cert-auth", f"--trusted-ca-file={tls.ca}"]
+        peer_files = (f"--peer-cert-file={tls.cert}", f"--peer-key-file={tls.key}")
+        secure += [*peer_files, "--peer-client-cert-auth", f"--peer-trusted-ca-file={tls.ca}"]
     return [
         str(etcd_binary()),
         f"--name={name}",
@@ -44,6 +56,7 @@ def etcd_argv(name: str, data_dir: Path, client_url: str, peer_url: str) -> list
         "--auto-compaction-mode=periodic",
         "--auto-compaction-retention=5m",
         "--log-level=warn",
+        *secure,
     ]
 
 

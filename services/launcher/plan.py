@@ -14,7 +14,10 @@ from typing import Any
 from kvsched.core.models import MINI_MODEL, model_config
 from kvsched.core.policies import POLICIES, parse_spec
 from services.common.block_hashes import BlockHashes
+from services.common.identity import Identity, Role
 from services.common.openai_api import DEFAULT_MODEL
+from services.common.tls import ClientTls
+from services.launcher.credentials import ETCD, ClusterCredentials
 from services.launcher.etcd_local import etcd_argv, etcd_env
 from services.launcher.ports import Ports
 from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
@@ -60,6 +63,8 @@ class ClusterOptions:
     api_keys: Path | None = None  # None: `up` makes one demo tenant and key
     engine_flags: tuple[str, ...] = ()  # passed to every engine as given
     messenger_flags: tuple[str, ...] = ()  # passed to every Messenger as given
+    # Plaintext gRPC and etcd, no identities, admin HTTP open: as before mutual TLS.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         for name in ("conductors", "routers", "nodes", "engines_per_node"):
@@ -96,6 +101,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
     clean_env: bool = False  # start from `etcd_env()` rather than os.environ
     ready_timeout_s: float = READY_TIMEOUT_S
+    ready_tls: ClientTls | None = None  # the readiness check's client certificate (etcd's)
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class ClusterPlan:
     options: ClusterOptions
     children: tuple[Child, ...]
     api_key: str  # the demo tenant's key ("" when the caller gave --api-keys)
+    credentials: ClusterCredentials | None = None  # None: --insecure
 
     def stage(self, stage: str) -> list[Child]:
         return [c for c in self.children if c.stage == stage]
@@ -120,6 +127,8 @@ class ClusterPlan:
             else:
                 out.setdefault(groups[child.stage], []).append(entry)
         out["api_key"] = self.api_key
+        if self.credentials is not None:
+            out["admin"] = self.credentials.endpoint()
         out["model_config"] = self.options.model_config
         out["policy"] = self.options.policy
         out["block_size"] = self.options.block_size
@@ -135,18 +144,39 @@ def hash_flags(hashes: BlockHashes) -> list[str]:
 
 
 def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: str) -> ClusterPlan:
-    """Ports, ids and flags for every process; `api_keys` is the Routers' key file."""
+    """Ports, ids and flags for every process; `api_keys` is the Routers' key file. Unless
+    `opts.insecure`, every process gets its certificate (`ClusterCredentials`, minted when
+    the supervisor starts the cluster) and serves and calls mutual TLS."""
     py = (sys.executable, "-m")
     free_port = Ports()
     children: list[Child] = []
+    creds = None if opts.insecure else ClusterCredentials.for_run(run_dir, identities(opts))
+
+    def server_tls(prefix: str, identity: Identity) -> list[str]:
+        return ["--insecure"] if creds is None else creds.server_flags(prefix, identity)
+
+    def client_tls(prefix: str, identity: Identity) -> list[str]:
+        return [] if creds is None else creds.client_flags(prefix, identity)
 
     etcd_port, peer_port = free_port(), free_port()
-    etcd_url = f"http://127.0.0.1:{etcd_port}"
-    argv = etcd_argv("kvsched-up", run_dir / "etcd", etcd_url, f"http://127.0.0.1:{peer_port}")
+    scheme = "http" if creds is None else "https"
+    etcd_url = f"{scheme}://127.0.0.1:{etcd_port}"
+    etcd_tls = None if creds is None else creds.files(ETCD)
+    peer_url = f"{scheme}://127.0.0.1:{peer_port}"
+    argv = etcd_argv("kvsched-up", run_dir / "etcd", etcd_url, peer_url, etcd_tls)
+    ready_tls = None if creds is None else creds.admin.client()
+    etcd_entry: dict[str, Any] = {"url": etcd_url}
     children.append(
-        Child("etcd", "etcd", tuple(argv), f"{etcd_url}/health", {"url": etcd_url}, clean_env=True)
+        Child(
+            "etcd",
+            "etcd",
+            tuple(argv),
+            f"{etcd_url}/health",
+            etcd_entry,
+            clean_env=True,
+            ready_tls=ready_tls,
+        )
     )
-    etcd_env_vars = {"KVSCHED_ETCD_ENDPOINTS": etcd_url}
     scale = repr(opts.time_scale)
     hashing = hash_flags(opts.block_hashes)
 
@@ -155,11 +185,18 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         port, http_port = free_port(), free_port()
         url, http_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
         conductor_urls.append(url)
-        argv = [*py, "services.conductor", "--id", f"conductor-{i}", "--listen", url]
+        me = Identity(Role.CONDUCTOR, f"conductor-{i}")
+        etcd_env_vars = {"KVSCHED_ETCD_ENDPOINTS": etcd_url}
+        if creds is not None:
+            etcd_env_vars.update(creds.etcd_env(me))
+        argv = [*py, "services.conductor", "--id", me.name, "--listen", url]
         argv += ["--http-listen", http_url.removeprefix("http://"), "--policy", opts.policy]
         argv += ["--block-size", str(opts.block_size), "--seed", str(opts.seed)]
         argv += ["--leader-ttl", str(opts.leader_ttl_s), "--instance-ttl", str(opts.instance_ttl_s)]
         argv += ["--time-scale", scale, "--model", opts.model_config, *hashing]
+        argv += server_tls("tls-", me) + client_tls("messenger-tls-", me)
+        if creds is not None:
+            argv += ["--admin-token-file", str(creds.admin_token_file)]
         ready = f"{http_url}/api/leader"
         entry = {"url": url, "http_url": http_url}
         children.append(
@@ -194,6 +231,8 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
             argv += ["--engine", engine]
         argv += ["--instance-ttl", str(opts.instance_ttl_s), *hashing]
         argv += ["--transfer-backend", opts.transfer_backend]
+        me = Identity(Role.MESSENGER, node)
+        argv += server_tls("serve-tls-", me) + client_tls("tls-", me)
         if socket:
             argv += ["--kv-pool-bytes", str(opts.kv_pool_bytes), "--kv-pool-socket", socket]
         argv += opts.messenger_flags
@@ -208,13 +247,23 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += ["--grpc-listen", f"127.0.0.1:{grpc_port}", "--conductor", conductors]
         argv += ["--api-keys", str(api_keys), "--block-size", str(opts.block_size)]
         argv += ["--model", opts.model, *hashing]
+        me = Identity(Role.ROUTER, f"router-{r}")
+        argv += server_tls("grpc-tls-", me) + client_tls("conductor-", me)
         if opts.model_dir is not None:  # the served model's own tokenizer and chat template
             argv += ["--tokenizer", str(opts.model_dir)]
         if opts.max_model_len:
             argv += ["--max-model-len", str(opts.max_model_len)]
         entry = {"url": url, "grpc_url": f"127.0.0.1:{grpc_port}"}
         children.append(Child(f"router-{r}", "router", tuple(argv), f"{url}/health", entry))
-    return ClusterPlan(opts, tuple(children), api_key)
+    return ClusterPlan(opts, tuple(children), api_key, creds)
+
+
+def identities(opts: ClusterOptions) -> tuple[Identity, ...]:
+    """Every component's identity: the Conductors, one Messenger a node, the Routers."""
+    ids = [Identity(Role.CONDUCTOR, f"conductor-{i}") for i in range(opts.conductors)]
+    ids += [Identity(Role.MESSENGER, f"node-{n}") for n in range(opts.nodes)]
+    ids += [Identity(Role.ROUTER, f"router-{r}") for r in range(opts.routers)]
+    return tuple(ids)
 
 
 def pool_socket(run_dir: Path, node: str) -> str:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Callable
@@ -64,14 +66,22 @@ class Supervisor:
     log_dir: Path
     say: Callable[[str], None] = print
     running: dict[str, Running] = field(default_factory=dict)
+    # What the Conductors' admin HTTP API asks for (the plan's admin token), once minted.
+    _admin_headers: dict[str, str] = field(default_factory=dict)
 
     def pids(self) -> dict[str, int]:
         return {name: r.process.pid for name, r in self.running.items()}
 
     async def start(self) -> None:
-        """Start stage by stage; each stage must serve before the next starts."""
+        """Mint the cluster's credentials (unless it is insecure), then start stage by stage;
+        each stage must serve before the next starts."""
         make_log_dir(self.log_dir)
         base = dict(os.environ)
+        creds = self.plan.credentials
+        if creds is not None:
+            creds.write(datetime.datetime.now(datetime.UTC))
+            token = creds.admin_token_file.read_text().strip()
+            self._admin_headers = {"Authorization": f"Bearer {token}"}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as http:
             for stage in STAGES:
                 children = self.plan.stage(stage)
@@ -117,7 +127,8 @@ class Supervisor:
         while time.monotonic() < deadline:
             for url in conductors:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                    async with http.get(f"{url}/api/nodes/stats") as resp:
+                    stats = f"{url}/api/nodes/stats"
+                    async with http.get(stats, headers=self._admin_headers) as resp:
                         body = await resp.json()
                         rows = body.get("instances", body) if isinstance(body, dict) else body
                         have = {row.get("instance_id") for row in rows if isinstance(row, dict)}
@@ -151,9 +162,20 @@ class Supervisor:
                     run.process.wait()
 
 
+def _ssl_context(child: Child) -> ssl.SSLContext | bool:
+    """The readiness check's TLS: the child's CA and a client certificate, or the default."""
+    tls = child.ready_tls
+    if tls is None:
+        return True
+    context = ssl.create_default_context(cafile=tls.ca_file)
+    if tls.cert_file and tls.key_file:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context
+
+
 async def _serves(http: aiohttp.ClientSession, child: Child) -> bool:
     try:
-        async with http.get(child.ready_url) as resp:
+        async with http.get(child.ready_url, ssl=_ssl_context(child)) as resp:
             if resp.status != 200:
                 return False
             if child.stage == "etcd":

@@ -13,7 +13,7 @@ from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint
 from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags
+from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
 from services.messenger.engines import EngineTarget, parse_engines
 from services.messenger.transfer.factory import BACKENDS
 
@@ -160,9 +160,11 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "kv-pool-dir", d.kv_pool_dir, "shared-memory filesystem holding the pool")
     CLIENT_TLS.add(_flag, p)
     SERVER_TLS.add(_flag, p)
+    add_insecure(_flag, p)
     a = p.parse_args(argv)
     tls = CLIENT_TLS.read(p, a)
     server_tls = SERVER_TLS.read(p, a)
+    require_secure(p, a, (SERVER_TLS, server_tls), [(CLIENT_TLS, tls)])
     try:
         engines = parse_engines(a.engine or [os.environ.get(engine_env, "")])
         return MessengerSettings(

@@ -189,9 +189,15 @@ class Router:
             SERVICE_NAME,
             partial(rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(self)),
         )
-        # A plaintext admin port, shareable with other processes: as the Router always had it.
+        # Shareable with other processes (grpc's default), as the Router always had it;
+        # mutual TLS (operators' calls only) unless --insecure.
         self._grpc, port = await start_grpc_server(
-            listen, api, self.health, tracer=self.tracer, reuse_port=True
+            listen,
+            api,
+            self.health,
+            tracer=self.tracer,
+            reuse_port=True,
+            tls=self.settings.grpc_tls,
         )
         await self._set_health()  # not serving while draining
         return f"{listen.rpartition(':')[0]}:{port}"

@@ -15,12 +15,13 @@ from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.openai_api import DEFAULT_MODEL
-from services.common.tls import ClientTls
-from services.common.tls_flags import ClientTlsFlags
+from services.common.tls import ClientTls, ServerTls
+from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
 
 ENV = "KVSCHED_ROUTER_"
 _flag = env_flags(ENV)
 CONDUCTOR_TLS = ClientTlsFlags("conductor-", "the Conductors")
+GRPC_TLS = ServerTlsFlags("grpc-tls-")  # its admin gRPC server (RouterService, health)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class RouterSettings:
     grpc_listen: str = "127.0.0.1:50061"
     conductors: tuple[str, ...] = ("127.0.0.1:50051",)
     conductor_tls: ClientTls | None = None
+    grpc_tls: ServerTls | None = None  # its admin gRPC server's
     api_keys: str | None = None  # path of the tenants file; None needs `no_auth`
     no_auth: bool = False
     tokenizer: str | None = None  # tokenizer directory or tokenizer.json; None: the demo one
@@ -91,6 +93,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "grpc-listen", d.grpc_listen, "gRPC admin (RouterService, health) listen address")
     _flag(p, "conductor", ",".join(d.conductors), "Conductor gRPC addresses, comma-separated")
     CONDUCTOR_TLS.add(_flag, p)
+    GRPC_TLS.add(_flag, p)
+    add_insecure(_flag, p)
     _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.api_keys)")
     _flag(p, "no-auth", False, "serve without API keys (one anonymous tenant, no salt)")
     _flag(p, "tokenizer", "", "tokenizer directory or tokenizer.json (default: the demo one)")
@@ -110,6 +114,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "max-session-id-bytes", d.max_session_id_bytes, "longest session id, UTF-8 bytes")
     a = p.parse_args(argv)
     tls = CONDUCTOR_TLS.read(p, a)
+    grpc_tls = GRPC_TLS.read(p, a)
+    require_secure(p, a, (GRPC_TLS, grpc_tls), [(CONDUCTOR_TLS, tls)])
     try:
         return RouterSettings(
             router_id=a.id or process_id(),
@@ -117,6 +123,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             grpc_listen=a.grpc_listen,
             conductors=tuple(c.strip() for c in a.conductor.split(",") if c.strip()),
             conductor_tls=tls,
+            grpc_tls=grpc_tls,
             api_keys=a.api_keys or None,
             no_auth=a.no_auth,
             tokenizer=a.tokenizer or None,

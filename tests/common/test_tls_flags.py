@@ -8,7 +8,7 @@ import pytest
 
 from services.common.flags import env_flags
 from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags
+from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
 
 CLIENT = ClientTlsFlags("conductor-", "the Conductors")
 SERVER = ServerTlsFlags("serve-tls-")
@@ -53,3 +53,44 @@ def test_incomplete_groups_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         _parse(argv)
     assert stopped.value.code == 2
+
+
+def _secure(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    flag = env_flags("KVSCHED_TEST_")
+    CLIENT.add(flag, parser)
+    SERVER.add(flag, parser)
+    add_insecure(flag, parser)
+    args = parser.parse_args(argv)
+    require_secure(
+        parser, args, (SERVER, SERVER.read(parser, args)), [(CLIENT, CLIENT.read(parser, args))]
+    )
+
+
+MUTUAL = ["--serve-tls-cert", "s.pem", "--serve-tls-key", "s.key", "--serve-tls-client-ca", "ca"]
+CALLS = ["--conductor-ca", "ca", "--conductor-cert", "me.pem", "--conductor-key", "me.key"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "--serve-tls-cert, --serve-tls-key and --serve-tls-client-ca"),
+        (MUTUAL, "--conductor-ca, --conductor-cert and --conductor-key"),
+        (MUTUAL[:4] + CALLS, "--serve-tls-client-ca"),  # TLS without client certificates
+        (MUTUAL + CALLS[:2], "--conductor-cert"),  # no certificate to present
+        (["--insecure", *MUTUAL], "--insecure excludes"),
+    ],
+)
+def test_a_service_is_secure_unless_told_insecure(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        _secure(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and ("--insecure" in err)
+
+
+def test_mutual_tls_or_insecure_starts() -> None:
+    _secure(MUTUAL + CALLS)
+    _secure(["--insecure"])

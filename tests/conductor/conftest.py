@@ -120,6 +120,8 @@ class ConductorProcess(ServiceProcess):
         ]  # fmt: skip
         for key, value in flags.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
+        if not any(key.startswith("tls_") for key in flags):  # plaintext unless TLS is asked
+            args.append("--insecure")
         super().__init__(args, log, dict(os.environ, KVSCHED_ETCD_ENDPOINTS=etcd.url))
 
     @property

@@ -128,13 +128,13 @@ async def test_an_unreadable_session_record_is_logged_without_its_id(
 def test_session_lifetime_flags_and_the_sweep_period(
     flags: list[str], ttl: float, cap: int, sweep: float
 ) -> None:
-    s = settings.parse(flags)
+    s = settings.parse([*flags, "--insecure"])
     assert (s.session_ttl_s, s.max_sessions, s.session_sweep_s) == (ttl, cap, sweep)
 
 
 def test_a_negative_session_ttl_is_refused() -> None:
     with pytest.raises(SystemExit):
-        settings.parse(["--session-ttl", "-1"])
+        settings.parse(["--session-ttl", "-1", "--insecure"])
 
 
 def test_the_leaders_deleted_session_record_is_forgotten_by_a_follower() -> None:

@@ -12,21 +12,26 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
 from services.common.etcd import EtcdStore
+from services.common.identity import Identity, Role
+from services.common.pki import cert_files
 from services.common.store import EtcdSettings
+from services.common.tls import ClientTls, channel_credentials
 from tests.conftest import REPO
 from tests.fixtures.otlp import OtlpReceiver
 
 START_TIMEOUT_S = 120.0
 TIME_SCALE = 0.1  # engines run ten times faster than the modelled GPU
 INSTANCE_TTL_S = 2
+ADMIN = Identity(Role.ADMIN, "operator")  # the operator's identity `kvsched up` mints
 
 
 @dataclass
@@ -50,6 +55,36 @@ class LocalCluster:
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.endpoints['api_key']}"}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What the Conductors' admin HTTP API asks for (nothing with `--insecure`)."""
+        admin = self.endpoints.get("admin")
+        if admin is None:
+            return {}
+        token = Path(admin["token_file"]).read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
+
+    def tls(self, identity: Identity = ADMIN) -> ClientTls | None:
+        """`identity`'s mTLS files (`kvsched up` minted one per component, and the operator's:
+        the default), None for an `--insecure` cluster."""
+        if "admin" not in self.endpoints:
+            return None
+        return cert_files(self.run_dir / "tls", identity).client()
+
+    def credentials(self, identity: Identity = ADMIN) -> grpc.ChannelCredentials | None:
+        """gRPC channel credentials calling as `identity` (None: plaintext)."""
+        return channel_credentials(self.tls(identity))
+
+    def etcd_settings(self) -> EtcdSettings:
+        """How a test reaches the cluster's etcd (mTLS, as the operator, unless insecure)."""
+        settings = EtcdSettings(endpoints=(self.endpoints["etcd"]["url"],))
+        tls = self.tls()
+        if tls is None:
+            return settings
+        return replace(
+            settings, ca_file=tls.ca_file, cert_file=tls.cert_file, key_file=tls.key_file
+        )
 
     def engine(self, instance_id: str) -> dict[str, Any]:
         return next(e for e in self.endpoints["engines"] if e["id"] == instance_id)
@@ -117,7 +152,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest.fixture
 async def etcd_client(cluster: LocalCluster) -> AsyncIterator[EtcdStore]:
     """A client of the cluster's etcd (each module's `cluster`)."""
-    store = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
+    store = EtcdStore(cluster.etcd_settings())
     await store.connect()
     yield store
     await store.close()

@@ -32,7 +32,8 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 async def _nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, Any]:
-    async with http.get(f"{cluster.conductor_http}/api/nodes/stats") as resp:
+    url = f"{cluster.conductor_http}/api/nodes/stats"
+    async with http.get(url, headers=cluster.admin_headers) as resp:
         body: dict[str, Any] = await resp.json()
     return {row["instance_id"]: row for row in body["instances"]}
 

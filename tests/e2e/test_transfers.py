@@ -100,18 +100,22 @@ async def flood(http: aiohttp.ClientSession, cluster: LocalCluster, instance: st
 
 
 async def set_policy(cluster: LocalCluster, spec: str) -> None:
-    async with ConductorClient([c["url"] for c in cluster.endpoints["conductors"]]) as client:
+    conductors = [c["url"] for c in cluster.endpoints["conductors"]]
+    async with ConductorClient(conductors, credentials=cluster.credentials()) as client:
         assert (await client.set_policy(spec)).spec == spec
 
 
 async def nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, Any]:
-    async with http.get(f"{cluster.conductor_http}/api/nodes/stats") as resp:
+    async with http.get(
+        f"{cluster.conductor_http}/api/nodes/stats", headers=cluster.admin_headers
+    ) as resp:
         body: dict[str, Any] = await resp.json()
     return {row["instance_id"]: row for row in body["instances"]}
 
 
 async def session_view(http: aiohttp.ClientSession, cluster: LocalCluster, sid: str) -> Any:
-    async with http.get(f"{cluster.conductor_http}/api/sessions/demo%2F{sid}") as resp:
+    url = f"{cluster.conductor_http}/api/sessions/demo%2F{sid}"
+    async with http.get(url, headers=cluster.admin_headers) as resp:
         return await resp.json()
 
 
@@ -263,7 +267,9 @@ async def held_tokens(
     by the Conductor's index."""
     hashes = VllmBlockHasher(16).hash_prompt(prompt, cluster.salt)
     async with http.post(
-        f"{cluster.conductor_http}/api/explain", json={"block_hashes": hashes}
+        f"{cluster.conductor_http}/api/explain",
+        json={"block_hashes": hashes},
+        headers=cluster.admin_headers,
     ) as resp:
         body = await resp.json()
         assert resp.status == 200, body

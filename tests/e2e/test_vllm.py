@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 
 from kvsched.api.common.v1 import common_pb2 as common
@@ -28,7 +27,9 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.durations import duration
+from services.common.identity import Identity, Role
 from services.common.openai_api import PromptTokenizer, parse_request
+from services.common.tls import aio_channel
 from services.launcher.vllm import DEFAULT_PYTHON
 from services.router.api_keys import new_key
 from tests.conftest import REPO
@@ -115,12 +116,14 @@ async def held_tokens(
     http: aiohttp.ClientSession, cluster: LocalCluster, hashes: list[int]
 ) -> dict[str, int]:
     """Each instance's cached tokens of the chain `hashes`, by the Conductor's index."""
-    body, _ = await post(http, cluster.conductor_http + "/api/explain", {"block_hashes": hashes})
+    url, body = cluster.conductor_http + "/api/explain", {"block_hashes": hashes}
+    body, _ = await post(http, url, body, **cluster.admin_headers)
     return {row["instance"]: row["hit_tokens"] for row in body["candidates"]}
 
 
 async def instances(http: aiohttp.ClientSession, cluster: LocalCluster) -> set[str]:
-    async with http.get(cluster.conductor_http + "/api/nodes/stats") as resp:
+    url = cluster.conductor_http + "/api/nodes/stats"
+    async with http.get(url, headers=cluster.admin_headers) as resp:
         body = await resp.json()
     rows = body.get("instances", body) if isinstance(body, dict) else body
     return {row["instance_id"] for row in rows}
@@ -339,7 +342,10 @@ async def move(
         source_messenger_url=messenger_of(cluster, source)["url"],
         timeout=duration(60.0),
     )
-    async with grpc.aio.insecure_channel(messenger_of(cluster, target)["url"]) as channel:
+    # Ordering a transfer is the Conductor's right: the test calls with its certificate.
+    conductor = Identity(Role.CONDUCTOR, "conductor-0")
+    target_url = messenger_of(cluster, target)["url"]
+    async with aio_channel(target_url, cluster.tls(conductor)) as channel:
         stub = pb_grpc.MessengerServiceStub(channel)
         await stub.StartTransfer(request, timeout=10.0)
         updates = stub.WatchTransfer(

@@ -165,3 +165,45 @@ def test_refuses_unknown_models_and_policies() -> None:
         ClusterOptions(model_config="nope/none")
     with pytest.raises(ValueError, match="unknown policy"):
         ClusterOptions(policy="nope")
+
+
+def _value(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_by_default_every_process_has_its_own_identity_and_serves_mutual_tls(
+    tmp_path: Path,
+) -> None:
+    plan = plan_cluster(ClusterOptions(conductors=2), tmp_path, tmp_path / "k", "")
+    creds = plan.credentials
+    assert creds is not None and creds.folder == tmp_path / "tls"
+    expected = {
+        "conductor": ("--tls-cert", "--messenger-tls-cert"),
+        "messenger": ("--serve-tls-cert", "--tls-cert"),
+        "router": ("--grpc-tls-cert", "--conductor-cert"),
+    }
+    names = {"conductor": "conductor-0", "messenger": "node-0", "router": "router-0"}
+    for stage, (serves, calls) in expected.items():
+        for child in plan.stage(stage):
+            assert "--insecure" not in child.argv
+            assert _value(child.argv, serves) == _value(child.argv, calls)  # one identity
+        first = plan.stage(stage)[0]
+        assert _value(first.argv, serves).endswith(f"{stage}-{names[stage]}.pem")
+    conductor = plan.stage("conductor")[1]
+    assert _value(conductor.argv, "--admin-token-file") == str(creds.admin_token_file)
+    assert conductor.env["KVSCHED_ETCD_CERT_FILE"].endswith("conductor-conductor-1.pem")
+    etcd = plan.stage("etcd")[0]
+    assert etcd.endpoint["url"].startswith("https://") and "--client-cert-auth" in etcd.argv
+    assert conductor.env["KVSCHED_ETCD_ENDPOINTS"] == etcd.endpoint["url"]
+    admin = plan.endpoints({})["admin"]
+    assert admin["cert"].endswith("admin-operator.pem") and admin["token_file"]
+
+
+def test_insecure_runs_plaintext_without_credentials(tmp_path: Path) -> None:
+    plan = plan_cluster(ClusterOptions(insecure=True), tmp_path, tmp_path / "k", "")
+    assert plan.credentials is None and "admin" not in plan.endpoints({})
+    for child in plan.children:
+        assert not any("tls" in arg or "cert" in arg for arg in child.argv)
+        if child.stage in ("conductor", "messenger", "router"):
+            assert "--insecure" in child.argv
+    assert plan.stage("etcd")[0].endpoint["url"].startswith("http://")

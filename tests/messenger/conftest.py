@@ -117,6 +117,8 @@ class MessengerProcess(ServiceProcess):
             "--instance-ttl", "10",
             *flags,
         ]  # fmt: skip
+        if not any(flag.startswith(("--tls-", "--serve-tls-")) for flag in flags):
+            argv.append("--insecure")  # plaintext unless TLS is asked
         super().__init__(argv, log)
 
     @property

@@ -118,6 +118,7 @@ async def test_the_messenger_process_serves_and_deregisters_on_sigterm(
                 "--conductor", conductor.url,
                 "--node", "node-0",
                 "--instance-ttl", "10",
+                "--insecure",
             ],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -17,6 +17,7 @@ import zmq.asyncio
 from clients.python import ConductorClient
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.etcd import EtcdStore
+from services.common.identity import Identity, Role
 from services.common.tls import ClientTls, ServerTls
 from services.conductor import keys
 from services.conductor.app import Conductor
@@ -251,7 +252,7 @@ async def test_registers_and_relays_over_mutual_tls(
     http: aiohttp.ClientSession,
     tmp_path: Path,
 ) -> None:
-    tls = make_tls(tmp_path)
+    tls = make_tls(tmp_path, Identity(Role.MESSENGER, "node-0"))  # the Messenger's node
     files = ServerTls(str(tls.server_cert), str(tls.server_key), str(tls.ca_file))
     conductor: Conductor = await start_conductor(tls=files)
     engine = start_engine(IID)

@@ -18,6 +18,8 @@ def test_flags_and_lists() -> None:
             "--node", "node-7",
             "--instance-ttl", "6",
             "--tls-ca", "ca.pem", "--tls-cert", "me.pem", "--tls-key", "me.key",
+            "--serve-tls-cert", "me.pem", "--serve-tls-key", "me.key",
+            "--serve-tls-client-ca", "ca.pem",
         ]
     )  # fmt: skip
     assert s.conductors == ("10.0.0.1:50051", "10.0.0.2:50051")
@@ -29,6 +31,7 @@ def test_flags_and_lists() -> None:
 
 
 def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCHED_MESSENGER_INSECURE", "true")
     monkeypatch.setenv("KVSCHED_MESSENGER_ENGINE", "http://a:1,http://b:2")
     monkeypatch.setenv("KVSCHED_MESSENGER_CONDUCTOR", "c:1")
     monkeypatch.setenv("KVSCHED_MESSENGER_ENGINE_DEAD_AFTER", "2.5")
@@ -44,7 +47,7 @@ def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_an_engine_takes_options_after_its_url() -> None:
     s = parse(
         ["--engine", "http://h:8000,kind=vllm,id=n-a,role=decode,events=tcp://h:5557,replay=tcp://h:5558",
-         "--engine", "http://h:8001/,http://h:8002,kind=sim"]
+         "--engine", "http://h:8001/,http://h:8002,kind=sim", "--insecure"]
     )  # fmt: skip
     assert s.engines == (
         EngineTarget("http://h:8000", "vllm", "n-a", "decode", "tcp://h:5557", "tcp://h:5558"),
@@ -70,4 +73,4 @@ def test_an_engine_takes_options_after_its_url() -> None:
 )
 def test_bad_values_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
-        parse(argv)
+        parse([*argv, "--insecure"])  # refused for the value, not for plaintext

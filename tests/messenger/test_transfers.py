@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import json
 import mmap
@@ -29,12 +30,15 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
+from services.common.admin_token import new_admin_token
+from services.common.identity import Identity, Role
 from services.common.kv_layout import KvLayout, expected_chunk
+from services.common.pki import make_cluster_pki
 from services.common.tls import ClientTls, aio_channel, channel_credentials
 from services.vllm_connector.pool_client import PoolClient, PoolUnavailable
 from tests.conductor.conftest import ConductorProcess
 from tests.conftest import MOONCAKE
-from tests.fixtures.etcd import make_tls, start_etcd
+from tests.fixtures.etcd import start_etcd
 from tests.fixtures.poll import wait_for
 from tests.messenger.conftest import (
     BLOCK,
@@ -492,21 +496,37 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
     present a client certificate to the Conductor and to each other."""
     if nodes.backend != "tcp":
         pytest.skip("the secured hops are gRPC's: one backend shows them")
-    tls = make_tls(tmp_path)
-    ca, cert, key = str(tls.ca_file), str(tls.client_cert), str(tls.client_key)
-    flags = [
-        "--transfer-backend", nodes.backend, "--tls-ca", ca, "--tls-cert", cert, "--tls-key", key,
-        "--serve-tls-cert", str(tls.server_cert), "--serve-tls-key", str(tls.server_key),
-        "--serve-tls-client-ca", ca,
-    ]  # fmt: skip
-    source_flags = [*flags, *nodes.pool_flags(nodes.source)]
-    target_flags = [*flags, *nodes.pool_flags(nodes.target)]
+    # One identity each (a Messenger speaks for its own node only), minted as `kvsched up`
+    # mints them; the test calls as the Conductor (transfers) and as an operator (reads).
+    conductor_id = Identity(Role.CONDUCTOR, "c-tls")
+    admin = Identity(Role.ADMIN, "test-operator")
+    node_ids = {node: Identity(Role.MESSENGER, node) for node in ("node-0", "node-1")}
+    now = datetime.datetime.now(datetime.UTC)
+    pki = make_cluster_pki(tmp_path / "pki", (conductor_id, admin, *node_ids.values()), now)
+    ca = str(pki[admin].ca)
+
+    def messenger_flags(node: str) -> list[str]:
+        mine = pki[node_ids[node]]
+        cert, key = str(mine.cert), str(mine.key)
+        return [
+            "--transfer-backend", nodes.backend, "--tls-ca", ca, "--tls-cert", cert,
+            "--tls-key", key, "--serve-tls-cert", cert, "--serve-tls-key", key,
+            "--serve-tls-client-ca", ca,
+        ]  # fmt: skip
+
+    source_flags = [*messenger_flags("node-0"), *nodes.pool_flags(nodes.source)]
+    target_flags = [*messenger_flags("node-1"), *nodes.pool_flags(nodes.target)]
     await nodes.source.ready(http)
     await nodes.target.ready(http)
+    token_file = tmp_path / "admin-token"
+    new_admin_token(token_file)
+    me = pki[conductor_id]
     with start_etcd(tmp_path / "etcd") as etcd:
         conductor = ConductorProcess(
             etcd, "c-tls", tmp_path / "c-tls.log", max_instances=4,
-            tls_cert=tls.server_cert, tls_key=tls.server_key, tls_client_ca=ca,
+            tls_cert=me.cert, tls_key=me.key, tls_client_ca=ca,
+            messenger_tls_ca=ca, messenger_tls_cert=me.cert, messenger_tls_key=me.key,
+            admin_token_file=token_file,
         )  # fmt: skip
         try:
             source_m = start_messenger_process(
@@ -515,7 +535,7 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
             target_m = start_messenger_process(
                 conductor.url, "node-1", [nodes.target.url], *target_flags
             )
-            credentials = channel_credentials(ClientTls(ca, cert, key))
+            credentials = channel_credentials(pki[admin].client())
             async with ConductorClient(
                 [conductor.url], credentials=credentials, deadline_s=2.0, retries=30
             ) as client:
@@ -526,7 +546,7 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
                         message=f"{engine.instance_id} registered over TLS (log: {m.log})",
                     )
                     await wait_for(functools.partial(_ready, http, m), 20.0, message="ready")
-            async with aio_channel(target_m.url, ClientTls(ca, cert, key)) as channel:
+            async with aio_channel(target_m.url, me.client()) as channel:
                 stub = mpb_grpc.MessengerServiceStub(channel)
                 pair = Pair(nodes, client, source_m, target_m, http, stub)
                 hashes = await pair.computed(prompt(9))
@@ -537,5 +557,10 @@ async def test_messengers_serving_mutual_tls_move_kv_and_refuse_anonymous_client
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id="x"), timeout=2)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            async with aio_channel(target_m.url, pki[admin].client()) as channel:  # not its role
+                stub = mpb_grpc.MessengerServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.CancelTransfer(mpb.CancelTransferRequest(transfer_id="x"), timeout=2)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         finally:
             conductor.stop()

@@ -80,7 +80,7 @@ async def test_the_router_process_drains_on_sigterm_and_exits_0(
     log = tmp_path / "router.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCHED_", "OTEL_"))}
     args = [
-        sys.executable, "-m", "services.router", "--no-auth",
+        sys.executable, "-m", "services.router", "--no-auth", "--insecure",
         "--listen", f"127.0.0.1:{port}", "--grpc-listen", f"127.0.0.1:{free_port()}",
         "--conductor", c.url, "--instances-refresh", "0.2",
     ]  # fmt: skip
@@ -121,13 +121,13 @@ async def test_the_router_process_drains_on_sigterm_and_exits_0(
 def test_a_router_without_keys_or_no_auth_does_not_start(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCHED_")}
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "router", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "services.cli", "router", "--listen", "127.0.0.1:0", "--insecure"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--no-auth" in done.stderr
     missing = tmp_path / "missing.json"
     done = subprocess.run(
-        [sys.executable, "-m", "services.router", "--api-keys", str(missing),
+        [sys.executable, "-m", "services.router", "--api-keys", str(missing), "--insecure",
          "--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

@@ -155,10 +155,13 @@ async def test_an_over_long_session_id_is_refused_and_binds_nothing(stack: Stack
 
 
 def test_the_session_id_limit_is_a_flag() -> None:
-    assert parse(["--no-auth"]).max_session_id_bytes == 256
-    assert parse(["--no-auth", "--max-session-id-bytes", "64"]).max_session_id_bytes == 64
+    assert parse(["--no-auth", "--insecure"]).max_session_id_bytes == 256
+    assert (
+        parse(["--no-auth", "--insecure", "--max-session-id-bytes", "64"]).max_session_id_bytes
+        == 64
+    )
     with pytest.raises(SystemExit):
-        parse(["--no-auth", "--max-session-id-bytes", "0"])
+        parse(["--no-auth", "--insecure", "--max-session-id-bytes", "0"])
 
 
 async def test_a_body_over_the_limit_is_refused(stack: Stack) -> None:

@@ -158,6 +158,7 @@ class _NoClient:
 def test_settings_need_keys_or_an_explicit_no_auth(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KVSCHED_ROUTER_INSECURE", "1")  # plaintext: what this test is not about
     with pytest.raises(SystemExit) as exited:
         parse([])
     assert exited.value.code == 2
