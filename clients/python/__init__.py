@@ -1,6 +1,6 @@
 """Typed asyncio client for the kvsched Conductor that follows the leader (see `conductor`)."""
 
-from clients.python.channels import Interceptor
+from clients.python.channels import Interceptor, tls_credentials
 from clients.python.conductor import ConductorClient
 from clients.python.errors import ConductorError, InvalidRequest, NotFound, Rejected, Unavailable
 from clients.python.placement_stream import PlacementStream
@@ -14,4 +14,5 @@ __all__ = [
     "PlacementStream",
     "Rejected",
     "Unavailable",
+    "tls_credentials",
 ]

@@ -4,6 +4,7 @@ credentials, interceptors and options, each with its ConductorService stub."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeAlias, cast
 
 import grpc
@@ -16,6 +17,19 @@ Interceptor: TypeAlias = (  # any grpc.aio client interceptor
     "aio.UnaryUnaryClientInterceptor[Any, Any] | aio.UnaryStreamClientInterceptor[Any, Any]"
     " | aio.StreamUnaryClientInterceptor[Any, Any] | aio.StreamStreamClientInterceptor[Any, Any]"
 )
+
+
+def tls_credentials(
+    ca_file: str | Path, cert_file: str | Path | None = None, key_file: str | Path | None = None
+) -> grpc.ChannelCredentials:
+    """Credentials for Conductors serving (mutual) TLS: the CA their certificates chain to,
+    and this client's certificate and key (its identity: an operator's `admin/...` one for
+    SetPolicy; `kvsched up` writes its paths to the endpoints file's `admin` entry)."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("cert_file and key_file go together")
+    key = Path(key_file).read_bytes() if key_file is not None else None
+    cert = Path(cert_file).read_bytes() if cert_file is not None else None
+    return grpc.ssl_channel_credentials(Path(ca_file).read_bytes(), key, cert)
 
 
 def normalize_address(address: str) -> str:

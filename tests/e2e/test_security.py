@@ -5,7 +5,10 @@ admin token (docs/security.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,6 +23,7 @@ from kvsched.api.router.v1 import router_service_pb2 as rpb
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from services.common.identity import Identity, Role
 from services.common.tls import ClientTls, aio_channel
+from tests.conftest import REPO
 from tests.e2e.conftest import ADMIN, LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -185,3 +189,31 @@ async def test_etcd_takes_only_clients_with_a_certificate(cluster: LocalCluster)
                 await resp.read()
         async with http.get(health, ssl=mutual) as resp:
             assert resp.status == 200
+
+
+def _admin_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    endpoints = cluster.run_dir.parent / "endpoints.json"  # where local_cluster has it written
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "admin", "--endpoints", str(endpoints), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+async def test_kvsched_admin_calls_as_the_operator(cluster: LocalCluster) -> None:
+    shown = await asyncio.to_thread(_admin_cli, cluster, "policy")
+    assert shown.returncode == 0, shown.stderr
+    policy = shown.stdout.strip()
+    assert policy == cluster.endpoints["policy"]
+    node_0 = cluster.tls(NODE_0)
+    assert node_0 is not None and node_0.cert_file and node_0.key_file
+    as_messenger = ("--cert", node_0.cert_file, "--key", node_0.key_file)
+    refused = await asyncio.to_thread(_admin_cli, cluster, *as_messenger, "policy", policy)
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+    router_grpc = cluster.endpoints["routers"][0]["grpc_url"]
+    async with aio_channel(router_grpc, cluster.tls(ADMIN)) as channel:
+        stub = rpb_grpc.RouterServiceStub(channel)
+        for state, draining in (("on", True), ("off", False)):
+            done = await asyncio.to_thread(_admin_cli, cluster, "drain", state)
+            assert done.returncode == 0, done.stderr
+            status = await stub.GetRouterStatus(rpb.GetRouterStatusRequest(), timeout=TIMEOUT_S)
+            assert status.draining is draining
