@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,3 +146,24 @@ def test_the_leaders_deleted_session_record_is_forgotten_by_a_follower() -> None
     deleted = WatchEvent("delete", keys.session_key("s").encode(), b"", 7)
     replica.apply_change(state, election, deleted)
     assert state.cluster.sessions.get("s") is None
+
+
+def test_without_mutual_tls_or_insecure_it_refuses_to_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings.parse([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tls-client-ca" in err and "--messenger-tls-cert" in err and "--insecure" in err
+    mutual = ["--tls-cert", "c.pem", "--tls-key", "c.key", "--tls-client-ca", "ca.pem"]
+    mutual += ["--messenger-tls-ca", "ca.pem", "--messenger-tls-cert", "c.pem"]
+    mutual += ["--messenger-tls-key", "c.key"]
+    with pytest.raises(SystemExit):
+        settings.parse(mutual)  # no admin token
+    assert "--admin-token-file" in capsys.readouterr().err
+    (tmp_path / "token").write_text("s3cret\n")
+    s = settings.parse([*mutual, "--admin-token-file", str(tmp_path / "token")])
+    assert s.tls is not None and s.tls.client_ca_file == "ca.pem" and s.admin_token == "s3cret"
+    assert "s3cret" not in repr(s)
+    assert settings.parse(["--insecure"]).admin_token is None

@@ -74,3 +74,12 @@ def test_an_engine_takes_options_after_its_url() -> None:
 def test_bad_values_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse([*argv, "--insecure"])  # refused for the value, not for plaintext
+
+
+def test_mutual_tls_or_insecure(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse(["--engine", "http://h:1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--serve-tls-client-ca" in err and "--tls-cert" in err and "--insecure" in err
+    assert parse(["--engine", "http://h:1", "--insecure"]).server_tls is None

@@ -194,3 +194,16 @@ def test_a_hand_offs_prefill_asks_one_token_and_no_stream() -> None:
     assert prefill_body({"prompt": "x"}) == {"prompt": "x", "max_tokens": 1}
     with pytest.raises(ValueError, match="not a JSON object"):
         prefill_body(["not", "an", "object"])
+
+
+def test_settings_need_mutual_tls_or_insecure(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse(["--no-auth"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--grpc-tls-client-ca" in err and "--conductor-cert" in err and "--insecure" in err
+    mutual = ["--grpc-tls-cert", "r.pem", "--grpc-tls-key", "r.key", "--grpc-tls-client-ca", "ca"]
+    mutual += ["--conductor-ca", "ca", "--conductor-cert", "r.pem", "--conductor-key", "r.key"]
+    s = parse(["--no-auth", *mutual])
+    assert s.grpc_tls is not None and s.conductor_tls is not None
+    assert s.conductor_tls.cert_file == "r.pem"
