@@ -205,6 +205,8 @@ def _describe(plan: ClusterPlan, run_dir: Path, file: Path | None) -> str:
         lines.append(f"  admin HTTP token file {creds.admin_token_file}")
     if file is not None:
         lines.append(f"  endpoints (and the demo API key): {file}")
+        if creds is not None:
+            lines.append(f"  as the operator: kvsched admin --endpoints {file} policy [SPEC]")
     elif plan.api_key:
         lines.append("  the demo API key is in the endpoints file: pass --endpoints-file PATH")
     lines.append("Ctrl-C stops everything.")
