@@ -78,3 +78,16 @@ def rate_limited(message: str, retry_after_s: float) -> ApiError:
         code="rate_limit_exceeded",
         retry_after_s=retry_after_s,
     )
+
+
+def overloaded(message: str, retry_after_s: float) -> ApiError:
+    """A 429 for load shed before it could be admitted (a bounded queue was full, or the
+    scheduler did not answer in time): OpenAI's rate-limit shape, with the code saying it is
+    the server's load, not the client's quota."""
+    return ApiError(
+        429,
+        message,
+        type_="rate_limit_error",
+        code="server_overloaded",
+        retry_after_s=retry_after_s,
+    )

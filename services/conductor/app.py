@@ -42,6 +42,7 @@ from services.common.telemetry import (
 )
 from services.conductor import keys, replica
 from services.conductor.admin_rpcs import AdminRpcs
+from services.conductor.backpressure import PendingPlacements
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.event_rpcs import KvEventRpcs
 from services.conductor.explain import Explainer
@@ -90,6 +91,7 @@ class Conductor:
             self.store, lambda: current().outbox, settings.persist_interval_s
         )
         self.metrics = ConductorMetrics()
+        self.pending = PendingPlacements(settings.placement_bounds)
         self.tracer_provider = tracer_provider or setup_tracing(
             TelemetrySettings("kvsched-conductor", settings.otlp_endpoint)
         )
@@ -106,7 +108,7 @@ class Conductor:
             tracer=get_tracer(self.tracer_provider),
         )
         self.metrics.registry.register(
-            StateGauges(current, self.leadership, lambda: transfers.running)
+            StateGauges(current, self.leadership, lambda: transfers.running, self.pending)
         )
         hasher = settings.block_hashes.hasher(settings.block_size)  # explains token ids
         explainer = Explainer(current, hasher, self.clock)
@@ -126,6 +128,7 @@ class Conductor:
                 transfers=transfers,
                 sync=sync,
                 streams=self.streams,
+                pending=self.pending,
             ),
             TransferRpcs(
                 current,

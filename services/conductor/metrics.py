@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.conductor.backpressure import PendingPlacements
 from services.conductor.leadership import Leadership
 from services.conductor.term import CurrentTerm
 
@@ -30,7 +31,11 @@ class ConductorMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.decisions = Counter(
-            "kvsched_conductor_decisions", "Placement requests by outcome.", ["outcome"], registry=r
+            "kvsched_conductor_decisions",
+            "Placement requests by outcome (placed, rejected by SLO admission, overloaded: "
+            "refused by a bound before deciding, error).",
+            ["outcome"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "kvsched_conductor_prompt_tokens", "Prompt tokens placed.", registry=r
@@ -90,10 +95,12 @@ class StateGauges(Collector):
         current: CurrentTerm,
         leadership: Leadership,
         transfers_running: Callable[[], int],
+        pending: PendingPlacements | None = None,
     ) -> None:
         self.current = current
         self.leadership = leadership
         self.transfers_running = transfers_running
+        self.pending = pending
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         term = self.current()
@@ -132,6 +139,30 @@ class StateGauges(Collector):
         yield GaugeMetricFamily(
             "kvsched_conductor_persist_pending", "Writes waiting for etcd.", value=len(term.outbox)
         )
+        if self.pending is not None:
+            bounds = self.pending.bounds
+            yield GaugeMetricFamily(
+                "kvsched_conductor_persist_pending_limit",
+                "Writes waiting for etcd beyond which placements are refused "
+                "(--max-persist-pending).",
+                value=bounds.max_outbox,
+            )
+            yield GaugeMetricFamily(
+                "kvsched_conductor_placements_pending",
+                "Placements accepted on the streams and not yet answered.",
+                value=self.pending.depth,
+            )
+            yield GaugeMetricFamily(
+                "kvsched_conductor_placements_pending_limit",
+                "Placements pending beyond which new ones are refused (--max-pending-placements).",
+                value=bounds.max_pending,
+            )
+            yield GaugeMetricFamily(
+                "kvsched_conductor_placement_wait_limit_seconds",
+                "Longest a placement may wait to be decided before it is refused "
+                "(--max-placement-wait).",
+                value=bounds.max_wait_s,
+            )
         per = {
             "pending_prefill_tokens": load.pending_prefill_tokens,
             "in_flight": load.in_flight,

@@ -3,13 +3,21 @@
 A placement is counted, its transfers start at once, and it names the transfers under way
 that it must wait for. A placement that rebound a session is answered only once the binding
 is in etcd, so a new leader places the session's next turn where this one did.
+
+Under overload (see `backpressure`) a placement is refused with RESOURCE_EXHAUSTED before it
+is decided: when too many wait for an answer, when one waited too long to be decided, or
+when the etcd write-behind is too far behind. A stream reads its items into a queue of its
+own as they come and decides them in turn, so a refusal at the door is answered without
+waiting behind the decisions queued before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
 
 import grpc
 from opentelemetry import trace
@@ -19,6 +27,11 @@ from kvsched.core.decision import Decision, TransferPlan
 from kvsched.core.requests import RequestError
 from services.common.store import StoreError
 from services.conductor import convert
+from services.conductor.backpressure import (
+    OVERLOAD_RETRY_MS,
+    PendingPlacements,
+    overloaded_answer,
+)
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.rpc_status import CODES, Context, abort, require_leader
@@ -42,6 +55,7 @@ class PlacementRpcs:
         transfers: TransferRunner,
         sync: Callable[[], Awaitable[None]],
         streams: OpenStreams,
+        pending: PendingPlacements,
     ) -> None:
         self.current = current
         self.leadership = leadership
@@ -50,6 +64,7 @@ class PlacementRpcs:
         self.transfers = transfers
         self.sync = sync  # waits for the term's queued writes to reach etcd
         self.streams = streams
+        self.pending = pending
 
     # ---- one placement, one completion ---------------------------------------------------
 
@@ -114,10 +129,23 @@ class PlacementRpcs:
                 grpc.StatusCode.UNAVAILABLE, f"etcd did not take the session binding: {exc}"
             )
 
+    def _outbox_full(self) -> bool:
+        full = self.pending.outbox_full(len(self.current().outbox))
+        if full:
+            self.metrics.decisions.labels("overloaded").inc()
+        return full
+
     # ---- unary ---------------------------------------------------------------------------
 
     async def Schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
         await require_leader(self.leadership, context)
+        if self._outbox_full():
+            context.set_trailing_metadata((("retry-after-ms", str(OVERLOAD_RETRY_MS)),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the Conductor is overloaded (etcd writes are behind); "
+                f"retry after {OVERLOAD_RETRY_MS} ms",
+            )
         try:
             decision, rebound, landing = self._place(request)
         except RequestError as exc:
@@ -181,43 +209,116 @@ class PlacementRpcs:
         self, request_iterator: AsyncIterator[pb.ScheduleStreamRequest], context: Context
     ) -> AsyncIterator[pb.ScheduleStreamResponse]:
         await require_leader(self.leadership, context)
-        answers: asyncio.Queue[pb.ScheduleStreamResponse | None] = asyncio.Queue(STREAM_WINDOW)
-        waiting: set[asyncio.Task[None]] = set()
-
-        async def after_sync(answer: pb.ScheduleStreamResponse) -> None:
-            try:
-                await self._durable(None)
-            except StoreError as exc:
-                error = pb.StreamError(code=grpc.StatusCode.UNAVAILABLE.value[0], message=str(exc))
-                answer = pb.ScheduleStreamResponse(request_id=answer.request_id, error=error)
-            await answers.put(answer)
-
-        async def read() -> None:
-            try:
-                async for item in request_iterator:
-                    if not self.leadership.serving:
-                        break
-                    answer, durable = self._stream_answer(item)
-                    if durable:
-                        task = asyncio.create_task(after_sync(answer))
-                        waiting.add(task)
-                        task.add_done_callback(waiting.discard)
-                    else:
-                        await answers.put(answer)
-                if waiting:
-                    await asyncio.gather(*waiting)
-            finally:
-                await answers.put(None)
-
-        reader = asyncio.create_task(read())
-        self.streams.add(answers)  # a lost term ends the stream (a None) at once
+        stream = StreamQueues(self, asyncio.get_running_loop().time)
+        reader = asyncio.create_task(stream.read(request_iterator))
+        decider = asyncio.create_task(stream.decide())
+        self.streams.add(stream.answers)  # a lost term ends the stream (a None) at once
         try:
-            while (answer := await answers.get()) is not None:
+            while (answer := await stream.answers.get()) is not None:
                 yield answer
             await require_leader(self.leadership, context)  # ended by a lost term: who leads
         finally:
-            self.streams.discard(answers)
+            self.streams.discard(stream.answers)
             reader.cancel()
+            decider.cancel()
+            for task in stream.waiting:
+                task.cancel()
+
+
+# Queued after a stream's last item: the decider ends there.
+_END: Final = pb.ScheduleStreamRequest()
+
+
+class StreamQueues:
+    """One placement stream's queues: the items read and not yet decided (with when they
+    were read, by `clock`, wall seconds), the answers not yet sent, and the answers waiting
+    for etcd. Placements among them count in the Conductor's `PendingPlacements` until
+    answered."""
+
+    def __init__(self, rpcs: PlacementRpcs, clock: Callable[[], float]) -> None:
+        self.rpcs = rpcs
+        self.clock = clock
+        self.pending = rpcs.pending
+        self.answers: asyncio.Queue[pb.ScheduleStreamResponse | None] = asyncio.Queue(STREAM_WINDOW)
+        self.queued: deque[tuple[float, pb.ScheduleStreamRequest]] = deque()
+        self.arrived = asyncio.Event()
+        self.waiting: set[asyncio.Task[None]] = set()
+
+    async def read(self, request_iterator: AsyncIterator[pb.ScheduleStreamRequest]) -> None:
+        """Queue the items as they come; refuse a placement at once when too many wait."""
+        try:
+            async for item in request_iterator:
+                if not self.rpcs.leadership.serving:
+                    break
+                if item.WhichOneof("kind") == "schedule" and not self.pending.admit():
+                    self.rpcs.metrics.decisions.labels("overloaded").inc()
+                    why = "too many placements pending"
+                    await self.answers.put(overloaded_answer(item.schedule.request_id, why))
+                    continue
+                self.queued.append((self.clock(), item))
+                self.arrived.set()
+        finally:
+            self.queued.append((self.clock(), _END))
+            self.arrived.set()
+
+    async def decide(self) -> None:
+        """Decide the queued items in turn, yielding between them so the reader can refuse
+        what it must meanwhile; ends the stream after the last item's answer."""
+        try:
+            while True:
+                await self.arrived.wait()
+                self.arrived.clear()
+                while self.queued:
+                    read_at, item = self.queued.popleft()
+                    if item is _END:
+                        if self.waiting:
+                            await asyncio.gather(*self.waiting)
+                        return
+                    await self._decide_one(item, self.clock() - read_at)
+                    await asyncio.sleep(0)
+        finally:
+            for _, item in self.queued:  # left undecided (a lost term): no longer pending
+                if item is not _END and item.WhichOneof("kind") == "schedule":
+                    self.pending.done()
+            self.queued.clear()
+            await self.answers.put(None)
+
+    async def _decide_one(self, item: pb.ScheduleStreamRequest, waited_s: float) -> None:
+        """Decide one queued item and queue its answer (a rebound session's after etcd)."""
+        rpcs = self.rpcs
+        if item.WhichOneof("kind") != "schedule":
+            answer, _ = rpcs._stream_answer(item)
+            await self.answers.put(answer)
+            return
+        rid = item.schedule.request_id
+        if self.pending.overdue(waited_s):
+            rpcs.metrics.decisions.labels("overloaded").inc()
+            await self._answer(overloaded_answer(rid, "it waited too long to be decided"))
+            return
+        if rpcs._outbox_full():
+            await self._answer(overloaded_answer(rid, "etcd writes are behind"))
+            return
+        answer, durable = rpcs._stream_answer(item)
+        if durable:
+            task = asyncio.create_task(self._after_sync(answer))
+            self.waiting.add(task)
+            task.add_done_callback(self.waiting.discard)
+        else:
+            await self._answer(answer)
+
+    async def _answer(self, answer: pb.ScheduleStreamResponse) -> None:
+        self.pending.done()
+        await self.answers.put(answer)
+
+    async def _after_sync(self, answer: pb.ScheduleStreamResponse) -> None:
+        try:
+            await self.rpcs._durable(None)
+        except StoreError as exc:
+            error = pb.StreamError(code=grpc.StatusCode.UNAVAILABLE.value[0], message=str(exc))
+            answer = pb.ScheduleStreamResponse(request_id=answer.request_id, error=error)
+        finally:
+            self.pending.done()  # answered, or the stream ended under it
+        await self.answers.put(answer)
 
 
 def _stream_error(request_id: str, exc: RequestError) -> pb.ScheduleStreamResponse:

@@ -16,6 +16,7 @@ from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.store import EtcdSettings
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
+from services.conductor.backpressure import PlacementBounds
 
 ENV = "KVSCHED_CONDUCTOR_"
 _flag = env_flags(ENV)
@@ -52,6 +53,8 @@ class ConductorSettings:
     execute_transfers: bool = True  # order planned transfers from the Messengers
     transfer_timeout_s: float = 5.0  # a transfer's deadline: this many wall seconds ...
     transfer_timeout_factor: float = 10.0  # ... plus this multiple of its estimated time
+    # Overload bounds (see `backpressure`): beyond each a placement is refused at once.
+    placement_bounds: PlacementBounds = field(default_factory=PlacementBounds)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
     tls: ServerTls | None = None
     messenger_tls: ClientTls | None = None  # towards the Messengers, when they serve TLS
@@ -130,6 +133,25 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     )
     _flag(p, "transfer-timeout", d.transfer_timeout_s, "KV transfer deadline floor, seconds")
     _flag(p, "transfer-timeout-factor", d.transfer_timeout_factor, "plus this × its estimate")
+    bounds = d.placement_bounds
+    _flag(
+        p,
+        "max-pending-placements",
+        bounds.max_pending,
+        "placements waiting for an answer, all streams; more are refused",
+    )
+    _flag(
+        p,
+        "max-placement-wait",
+        bounds.max_wait_s,
+        "wall seconds a placement may wait to be decided before it is refused",
+    )
+    _flag(
+        p,
+        "max-persist-pending",
+        bounds.max_outbox,
+        "writes waiting for etcd beyond which new placements are refused",
+    )
     SERVER_TLS.add(_flag, p)
     MESSENGER_TLS.add(_flag, p)
     add_insecure(_flag, p)
@@ -149,6 +171,9 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     admin_token = read_admin_token(p, a.admin_token_file) if a.admin_token_file else None
     try:
         hashes = block_hashes.from_args(a)
+        placement_bounds = PlacementBounds(
+            a.max_pending_placements, a.max_placement_wait, a.max_persist_pending
+        )
     except ValueError as exc:
         p.error(str(exc))
     return ConductorSettings(
@@ -177,6 +202,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         execute_transfers=a.execute_transfers,
         transfer_timeout_s=a.transfer_timeout,
         transfer_timeout_factor=a.transfer_timeout_factor,
+        placement_bounds=placement_bounds,
         etcd=EtcdSettings.from_env(),
         tls=tls,
         messenger_tls=messenger_tls,

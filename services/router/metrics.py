@@ -81,6 +81,40 @@ class RouterMetrics:
             ["kind", "outcome"],
             registry=r,
         )
+        self.shed = Counter(
+            "kvsched_router_shed",
+            "Requests refused with 429 before admission because a bound was reached, by reason "
+            "(in_flight, placing, timeout: the Conductor did not answer in time, deadline: its "
+            "stream gave up on it, fallback_bound: the fallback's per-instance bound).",
+            ["reason"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvsched_router_in_flight",
+            "Completions open at this Router (authenticated, not yet answered).",
+            registry=r,
+        )
+        self.in_flight_limit = Gauge(
+            "kvsched_router_in_flight_limit",
+            "Most completions open at once (--max-in-flight); more get 429.",
+            registry=r,
+        )
+        self.placing = Gauge(
+            "kvsched_router_placing",
+            "Requests waiting for the Conductor's placement answer.",
+            registry=r,
+        )
+        self.placing_limit = Gauge(
+            "kvsched_router_placing_limit",
+            "Most requests waiting for a placement at once (--max-placing); more get 429.",
+            registry=r,
+        )
+        self.fallback_instance_limit = Gauge(
+            "kvsched_router_fallback_instance_limit",
+            "Most requests this Router sends one instance while the fallback decides "
+            "(--fallback-max-in-flight); more get 429.",
+            registry=r,
+        )
         self.instances_known = Gauge(
             "kvsched_router_instances_known",
             "Instances in the last list from the Conductor (the fallback's candidates).",

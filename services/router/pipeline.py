@@ -137,7 +137,9 @@ class Pipeline:
                         attempt = self._placer.fallback(
                             query, "refused", exclude=(attempt.instance_id,)
                         )
-                    except ApiError:
+                    except ApiError as err:
+                        if err.status == 429:  # the others are at the fallback's bound
+                            raise
                         raise bad_gateway(
                             "The inference engine refused the connection and no other is up."
                         ) from None

@@ -9,17 +9,25 @@ placed with the unary `Schedule` call instead, inside the caller's `placement` s
 Conductor's server span is its child. Sampling (`OTEL_TRACES_SAMPLER_ARG`) thus also bounds
 how many placements leave the stream; with no trace export nothing is sampled.
 
-Fallback. The Router keeps the last instance list (`ListInstances` every `refresh_s` seconds)
-and decides locally when the placement does not answer within `timeout_s`, when the client
-reports the Conductor unavailable, or at once while the Conductor is known to be down (the
-refresh failed, or placements kept timing out): a session goes to its rendezvous-hash
-instance (highest `xxh3_64(instance_id ‖ session)`; every Router computes the same from the
-same list, so a session stays together across Routers), anything else to the instance with the
-fewest requests in flight from this Router. An instance that refused a connection is skipped
-for `suspect_s` seconds.
+Overload. A placement the Conductor does not answer within `timeout_s` is shed: the client
+gets 429 + Retry-After, and the late decision is released (Finish with ok=False on its
+instance) so the Conductor does not count it in flight forever. A busy Conductor is not a
+down one: deciding alone there would admit without the SLO estimate, and the queues it was
+protecting would fill at the engines instead (see `overload`). At most `max_placing`
+requests wait for an answer at once; more are shed without asking.
 
-A placement the Conductor answers after the fallback already decided is released at once
-(Finish with ok=False on its instance), so the Conductor does not count it in flight forever.
+Fallback. The Router keeps the last instance list (`ListInstances` every `refresh_s` seconds)
+and decides locally only when the Conductor is unreachable: the refresh or a placement got
+UNAVAILABLE (connection refused, no leader), not merely no answer in time. A session goes to
+its rendezvous-hash instance (highest `xxh3_64(instance_id ‖ session)`; every Router computes
+the same from the same list, so a session stays together across Routers), anything else to
+the instance with the fewest requests in flight from this Router. Its admission rule is a
+per-instance bound (`fallback_max_in_flight`) on the requests this Router has open there: a
+session whose instance is full, or a request when every instance is, gets 429. It is coarser
+than the Conductor's TTFT estimate (the Router sees neither the other Routers' load nor the
+engines' caches), which is why it serves only while the Conductor cannot. An instance that
+refused a connection is skipped for `suspect_s` seconds.
+
 Completions of fallback placements are not reported: the Conductor never placed them.
 """
 
@@ -35,6 +43,7 @@ from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import grpc
 import xxhash
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -46,12 +55,12 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.openai_api import bad_request, rate_limited, unavailable
 from services.router.metrics import RouterMetrics
+from services.router.overload import BoundedCount, fits_instance, shed
 
 log = logging.getLogger(__name__)
 
-# Placements that time out in a row before the Conductor counts as down (the refresh loop
-# brings it back as soon as `ListInstances` answers again).
-DOWN_AFTER_TIMEOUTS: Final = 3
+# What says the Conductor is unreachable rather than slow: nothing listens, or no leader.
+UNREACHABLE: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION})
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +131,8 @@ class Placer:
         timeout_s: float,
         refresh_s: float,
         suspect_s: float = 5.0,
+        max_placing: int = 256,
+        fallback_max_in_flight: int = 32,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
@@ -135,7 +146,9 @@ class Placer:
         self._suspects: dict[str, float] = {}  # instance id -> skipped until (clock)
         self._in_flight: dict[str, int] = {}
         self._rr = 0
-        self._timeouts = 0
+        self._placing = BoundedCount(max_placing, metrics.placing, metrics.placing_limit)
+        self._per_instance = fallback_max_in_flight
+        metrics.fallback_instance_limit.set(fallback_max_in_flight)
         self._up = True  # optimistic until the first refresh says otherwise
         self.fallback_decisions = 0
         self._refresher: asyncio.Task[None] | None = None
@@ -188,8 +201,6 @@ class Placer:
         if up != self._up:
             log.warning("Conductor %s", "reachable again" if up else "unreachable: fallback on")
         self._up = up
-        if up:
-            self._timeouts = 0
         self._metrics.conductor_up.set(1 if up else 0)
 
     async def refresh(self) -> None:
@@ -198,8 +209,9 @@ class Placer:
             statuses = await self._client.list_instances()
         except ConductorError as exc:
             log.debug("instance list refresh failed: %s", exc.code.name)
-            self._set_up(False)
-            return
+            if exc.code in UNREACHABLE:
+                self._set_up(False)
+            return  # slow, not gone: placements keep going to it (and are shed when late)
         self._instances = tuple(
             KnownInstance(s.spec.instance_id, s.spec.url.rstrip("/"))
             for s in statuses
@@ -212,10 +224,8 @@ class Placer:
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self._refresh_s)
-            try:
+            with contextlib.suppress(TimeoutError):  # slow: the next round asks again
                 await asyncio.wait_for(self.refresh(), max(2.0, 2 * self._refresh_s))
-            except TimeoutError:
-                self._set_up(False)
 
     # ---- in-flight and suspects (fed by the relay) -----------------------------------
 
@@ -240,12 +250,24 @@ class Placer:
     # ---- placement -------------------------------------------------------------------
 
     async def place(self, query: PlacementQuery, *, traced: bool = False) -> Placement:
-        """The Conductor's decision, or the fallback's. Raises `ApiError`: 429 (rejected, with
-        the Conductor's retry delay), 400 (the Conductor refuses the request as malformed),
-        503 (no instance is known)."""
+        """The Conductor's decision, or the fallback's while the Conductor is unreachable.
+        Raises `ApiError`: 429 (rejected by admission with the Conductor's retry delay, or
+        shed: too many waiting, no answer in time, or the fallback's bound), 400 (the
+        Conductor refuses the request as malformed), 503 (no instance is known)."""
         if not self._up:
             return self.fallback(query, "conductor_down")
         assert self._stream is not None, "start() first"
+        if not self._placing.enter():
+            self._metrics.shed.labels("placing").inc()
+            raise shed("too many requests are waiting for a placement")
+        try:
+            return await self._ask(query, self._stream, traced=traced)
+        finally:
+            self._placing.leave()
+
+    async def _ask(
+        self, query: PlacementQuery, stream: PlacementStream, *, traced: bool
+    ) -> Placement:
         message = pb.ScheduleRequest(
             request_id=query.request_id,
             prompt_tokens=query.prompt_tokens,
@@ -258,18 +280,15 @@ class Placer:
         if traced:  # in this context: the gRPC client span nests under the caller's span
             task = loop.create_task(self._client.schedule(message))
         else:
-            task = loop.create_task(self._stream.schedule(message), context=contextvars.Context())
+            task = loop.create_task(stream.schedule(message), context=contextvars.Context())
         done, _ = await asyncio.wait((task,), timeout=self._timeout_s)
         if not done:
             task.add_done_callback(lambda t: self._release_late(t, query))
-            self._timeouts += 1
-            if self._timeouts >= DOWN_AFTER_TIMEOUTS:
-                self._set_up(False)
-            return self.fallback(query, "timeout")
+            self._metrics.shed.labels("timeout").inc()
+            raise shed("the scheduler did not answer in time")
         try:
             decision = task.result()
         except Rejected as exc:
-            self._timeouts = 0
             raise rate_limited(
                 f"No instance can serve this request within its latency objective now: "
                 f"{exc.message}",
@@ -277,12 +296,14 @@ class Placer:
             ) from None
         except InvalidRequest as exc:
             raise bad_request(f"The request cannot be placed: {exc.message}") from None
-        except Unavailable:
+        except Unavailable as exc:
+            if exc.code not in UNREACHABLE:  # the stream gave up waiting: slow, not gone
+                self._metrics.shed.labels("deadline").inc()
+                raise shed("the scheduler did not answer in time") from None
             return self.fallback(query, "unavailable")
         except ConductorError as exc:  # cancelled at shutdown, internal errors
             log.debug("placement failed (%s); falling back", exc.code.name)
             return self.fallback(query, "error")
-        self._timeouts = 0
         decode = decision.decode_instance_id
         return Placement(
             request_id=query.request_id,
@@ -302,7 +323,8 @@ class Placer:
     def fallback(
         self, query: PlacementQuery, reason: str, exclude: Collection[str] = ()
     ) -> Placement:
-        """Decide locally (see the module docstring); raises `ApiError` 503 with no candidate."""
+        """Decide locally (see the module docstring); raises `ApiError` 503 with no candidate,
+        429 when the chosen instance is at the per-instance bound."""
         now = self._clock()
         if self._suspects:
             for iid in [i for i, until in self._suspects.items() if until <= now]:
@@ -320,6 +342,9 @@ class Placer:
         else:
             chosen = self._least_in_flight(candidates)
             rule = "fallback_least_in_flight"
+        if not fits_instance(self._in_flight.get(chosen.instance_id, 0), self._per_instance):
+            self._metrics.shed.labels("fallback_bound").inc()
+            raise shed("the scheduler is unreachable and the instance is at its local bound")
         self.fallback_decisions += 1
         self._metrics.fallback.labels(reason).inc()
         return Placement(

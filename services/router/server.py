@@ -16,7 +16,8 @@ relay to the engine → report to the Conductor in the background. Every respons
 `x-kvsched-request-id`, and once placed `x-kvsched-instance` plus `x-kvsched-policy` (the
 Conductor decided) or `x-kvsched-fallback: 1` (the local fallback did).
 
-Errors are OpenAI error JSON: 400, 401, 429 with Retry-After, 502 (the engine failed before
+Errors are OpenAI error JSON: 400, 401, 429 with Retry-After (refused by admission, or shed
+under overload: see `overload`), 502 (the engine failed before
 answering), 503 with Retry-After (no instance, or draining), and aiohttp's own (404, 405, a
 request it cannot parse: `http_errors`); an engine's own error status passes through.
 """
@@ -65,6 +66,7 @@ from services.router.auth import Authenticator
 from services.router.grpc_service import SERVICE_NAME, RouterServicer
 from services.router.kv_moves import KvMoves
 from services.router.metrics import RouterMetrics
+from services.router.overload import BoundedCount, shed
 from services.router.pipeline import Pipeline
 from services.router.placement import Placer
 from services.router.prepare import Preparer
@@ -120,6 +122,11 @@ class Router:
             timeout_s=s.placement_timeout_s,
             refresh_s=s.instances_refresh_s,
             suspect_s=s.suspect_s,
+            max_placing=s.max_placing,
+            fallback_max_in_flight=s.fallback_max_in_flight,
+        )
+        self.in_flight = BoundedCount(
+            s.max_in_flight, self.metrics.in_flight, self.metrics.in_flight_limit
         )
         self.upstream = Upstream(
             self.metrics, timeout_s=s.upstream_timeout_s, max_connections=s.max_connections
@@ -287,11 +294,16 @@ class Router:
         if self.draining:
             raise unavailable("This router is draining; send the request to another one.")
         tenant = self.auth.tenant(request.headers.get("Authorization"))
+        # Before the body is read: a Router over its bound spends nothing more on a request.
+        if not self.in_flight.enter():
+            self.metrics.shed.labels("in_flight").inc()
+            raise shed("too many requests in flight at this router")
         self._opened()
         try:
             return await self.pipeline.run(request, kind, tenant, arrived, reply)
         finally:
             self._closed()
+            self.in_flight.leave()
 
     def _opened(self) -> None:
         self.streams_open += 1

@@ -52,6 +52,10 @@ class RouterSettings:
     suspect_s: float = 5.0  # how long an instance that refused a connection is skipped
     drain_timeout_s: float = 30.0  # SIGTERM: how long open streams may take to finish
     tokenizer_threads: int = 4
+    # Overload bounds (see `overload`): beyond each a request gets 429 + Retry-After at once.
+    max_in_flight: int = 2048  # completions open at once
+    max_placing: int = 256  # requests waiting for the Conductor's placement
+    fallback_max_in_flight: int = 32  # per instance, while the Conductor is unreachable
     # Longest session id a client may give (UTF-8 bytes): the engine gets it in a header,
     # percent-encoded (up to three times as long), which HTTP parsers cap at a few KB.
     max_session_id_bytes: int = 256
@@ -73,6 +77,9 @@ class RouterSettings:
             "--upstream-timeout": self.upstream_timeout_s,
             "--tokenizer-threads": self.tokenizer_threads,
             "--max-session-id-bytes": self.max_session_id_bytes,
+            "--max-in-flight": self.max_in_flight,
+            "--max-placing": self.max_placing,
+            "--fallback-max-in-flight": self.fallback_max_in_flight,
         }
         for flag, value in positive.items():
             if value <= 0:
@@ -103,7 +110,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
     _flag(p, "model-alias", "", "ALIAS=NAME[,...]: names clients may use for a served model")
     _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
-    _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before the local fallback")
+    _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before a placement is shed")
     _flag(p, "transfer-wait", d.transfer_wait_s, "longest wait for KV a request needs, seconds")
     _flag(p, "instances-refresh", d.instances_refresh_s, "instance list refresh period, seconds")
     _flag(p, "upstream-timeout", d.upstream_timeout_s, "longest engine silence, seconds")
@@ -112,6 +119,14 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "drain-timeout", d.drain_timeout_s, "on SIGTERM, seconds open streams may take")
     _flag(p, "tokenizer-threads", d.tokenizer_threads, "threads that tokenize and hash")
     _flag(p, "max-session-id-bytes", d.max_session_id_bytes, "longest session id, UTF-8 bytes")
+    _flag(p, "max-in-flight", d.max_in_flight, "completions open at once; more get 429")
+    _flag(p, "max-placing", d.max_placing, "requests waiting for a placement; more get 429")
+    _flag(
+        p,
+        "fallback-max-in-flight",
+        d.fallback_max_in_flight,
+        "per instance, while the Conductor is unreachable; more get 429",
+    )
     a = p.parse_args(argv)
     tls = CONDUCTOR_TLS.read(p, a)
     grpc_tls = GRPC_TLS.read(p, a)
@@ -141,6 +156,9 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             drain_timeout_s=a.drain_timeout,
             tokenizer_threads=a.tokenizer_threads,
             max_session_id_bytes=a.max_session_id_bytes,
+            max_in_flight=a.max_in_flight,
+            max_placing=a.max_placing,
+            fallback_max_in_flight=a.fallback_max_in_flight,
             otlp_endpoint=otlp_endpoint(),
         )
     except ValueError as exc:

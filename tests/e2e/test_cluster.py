@@ -38,6 +38,13 @@ async def _nodes(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str
     return {row["instance_id"]: row for row in body["instances"]}
 
 
+async def _conductor_seen(http: aiohttp.ClientSession, router: str, state: str) -> bool:
+    """Whether `router`'s /health says the Conductor is `state` ("up" or "down")."""
+    async with http.get(f"{router}/health") as resp:
+        body: dict[str, Any] = await resp.json()
+    return bool(body["conductor"] == state)
+
+
 async def test_stream_is_the_engines_own_chunk_by_chunk(cluster: LocalCluster) -> None:
     body = {"model": cluster.endpoints["model"], "prompt": "The KV cache of a long prompt",
             "max_tokens": 12, "stream": True, "some_engine_option": {"kept": True}}  # fmt: skip
@@ -189,6 +196,9 @@ async def test_routers_keep_serving_with_the_conductor_down(cluster: LocalCluste
         os.kill(conductor["pid"], signal.SIGKILL)
     body = {"model": cluster.endpoints["model"], "prompt": "Still here?", "max_tokens": 3}
     async with aiohttp.ClientSession() as http:
+        for router in cluster.routers:  # each sees it unreachable (until then it sheds)
+            seen_down = partial(_conductor_seen, http, router, "down")
+            await wait_for(seen_down, 10.0, message="the Conductor seen down")
         for router in cluster.routers:
             for i in range(3):
                 async with http.post(

@@ -1,11 +1,14 @@
-"""The Router keeps serving when the Conductor is gone or slow: the local fallback decides
-(sessions by rendezvous hash, the same on every Router), says so, and hands placement back
-when the Conductor answers again."""
+"""The Router keeps serving when the Conductor is gone: the local fallback decides (sessions
+by rendezvous hash, the same on every Router), under its per-instance bound, says so, and hands
+placement back when the Conductor answers again. A Conductor that is slow, not gone, gets no
+fallback: a placement it does not answer in time is shed with 429 + Retry-After."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from clients.python import ConductorClient
@@ -21,6 +24,12 @@ async def test_with_the_conductor_gone_requests_are_still_served(stack: Stack) -
     second = await stack.start_router(c.url, router_id="r2", placement_timeout_s=0.2)
     await wait_for(lambda: len(second.placer.instances) == 3, 5.0, message="all known")
     await c.stop(0)
+    # The refresh finds it gone (connection refused); until then placements are shed.
+    await wait_for(
+        lambda: not (first.placer.conductor_up or second.placer.conductor_up),
+        5.0,
+        message="both Routers see it down",
+    )
     routers = (first, second)
     for session in ("s-a", "s-b", "s-c", "s-d"):
         hosts = set()
@@ -40,7 +49,6 @@ async def test_with_the_conductor_gone_requests_are_still_served(stack: Stack) -
         assert status == 200
         spread.add(headers["x-kvsched-instance"])
     assert spread == {e.instance_id for e in engines}
-    await wait_for(lambda: not first.placer.conductor_up, 5.0, message="the Conductor is down")
     text = await stack.metrics(first)
     assert "kvsched_router_conductor_up 0.0" in text
     assert 'kvsched_router_fallback_total{reason="conductor_down"}' in text
@@ -54,7 +62,7 @@ async def test_with_the_conductor_gone_requests_are_still_served(stack: Stack) -
     assert "x-kvsched-fallback" not in headers
 
 
-async def test_a_conductor_that_does_not_answer_in_time_is_overtaken(
+async def test_a_conductor_that_does_not_answer_in_time_gets_the_request_shed(
     stack: Stack, etcd: EtcdServer, tmp_path: Path
 ) -> None:
     conductor = ConductorProcess(etcd, "c0", tmp_path / "c0.log", policy="sticky")
@@ -77,11 +85,25 @@ async def test_a_conductor_that_does_not_answer_in_time_is_overtaken(
         assert status == 200 and headers["x-kvsched-policy"] == "sticky"
         os.kill(conductor.process.pid, signal.SIGSTOP)  # alive, connected, silent
         try:
-            status, headers, _ = await stack.post(router.url + "/v1/completions", completion())
+            started = time.monotonic()
+            status, headers, data = await stack.post(router.url + "/v1/completions", completion())
+            took = time.monotonic() - started
+            # Slow is not gone: the Router keeps counting it up and sheds, never decides alone.
+            up_while_stopped = router.placer.conductor_up
         finally:
             os.kill(conductor.process.pid, signal.SIGCONT)
-        assert status == 200 and headers["x-kvsched-fallback"] == "1"
-        assert 'kvsched_router_fallback_total{reason="timeout"} 1.0' in await stack.metrics(router)
+        assert status == 429, data
+        assert headers["Retry-After"] == "1"
+        assert json.loads(data)["error"]["code"] == "server_overloaded"
+        # Placed nowhere: no instance named, nothing relayed, no fallback decision.
+        assert "x-kvsched-instance" not in headers and "x-kvsched-fallback" not in headers
+        assert router.placer.fallback_decisions == 0 and up_while_stopped
+        # Answered at its placement deadline (0.2 s), not after the stream's retry budget
+        # (3 × 1 s): the bound leaves room for a loaded machine.
+        assert took < 2.0, took
+        text = await stack.metrics(router)
+        assert 'kvsched_router_shed_total{reason="timeout"} 1.0' in text
+        assert "kvsched_router_fallback_total{" not in text
         # Its late decision is released at once, so the Conductor does not count it in flight.
         late = headers["x-kvsched-request-id"]
         await wait_for(
