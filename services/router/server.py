@@ -108,8 +108,8 @@ class Router:
         self.preparer = Preparer(s, self.tracer)
         self.client = ConductorClient(
             s.conductors,
-            # Short: a placement past `placement_timeout_s` is served by the fallback anyway,
-            # and a dead Conductor should be noticed within a refresh or two.
+            # Short: a placement past `placement_timeout_s` is shed anyway, and a dead
+            # Conductor should be noticed within a refresh or two.
             deadline_s=1.0,
             retries=2,
             credentials=channel_credentials(s.conductor_tls),

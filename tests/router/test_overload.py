@@ -1,6 +1,6 @@
-"""The Router under overload, piece by piece: the bounded counts, the fallback's per-instance
-rule, and the Placer's choice between the Conductor, the fallback and a 429 (with a fake
-Conductor: no cluster)."""
+"""The Router under overload: the bounded counts, the fallback's per-instance rule, the
+Placer's choice between the Conductor, the fallback and a 429 (with a fake Conductor), and
+a Router over its in-flight bound refusing before it reads a body."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from services.router.overload import BoundedCount, fits_instance, shed
 from services.router.placement import KnownInstance, PlacementQuery, Placer
 from services.router.settings import parse
 from tests.fixtures.poll import wait_for
+from tests.router.conftest import Stack, completion
 
 
 def test_a_bounded_count_admits_up_to_its_limit_and_no_more() -> None:
@@ -209,3 +210,26 @@ def test_the_overload_flags() -> None:
 
 def test_known_instances_are_what_the_fallback_picks_from() -> None:
     assert KnownInstance("i0", "http://h0").url == "http://h0"
+
+
+async def test_over_max_in_flight_a_request_is_refused_before_its_body_is_read(
+    stack: Stack,
+) -> None:
+    # One engine slow enough (the modelled GPU's own speed) that a long answer stays open.
+    _, _, router = await stack.up(1, engine_flags={"time_scale": 1.0}, max_in_flight=1)
+    body = completion(max_tokens=2000, stream=True, ignore_eos=True)
+    async with stack.http.post(router.url + "/v1/completions", json=body) as held:
+        assert held.status == 200
+        await held.content.readline()  # streaming: it is open at the Router
+        # Not even JSON: a 429 (not a 400) says the body was never read.
+        status, headers, data = await stack.post(router.url + "/v1/completions", b"{not json")
+        assert status == 429, data
+        assert headers["Retry-After"] == "1"
+        assert json.loads(data)["error"]["code"] == "server_overloaded"
+        assert "x-kvsched-instance" not in headers
+    await wait_for(lambda: router.in_flight.depth == 0, 10.0, message="the held one closed")
+    status, _, data = await stack.post(router.url + "/v1/completions", completion())
+    assert status == 200, data
+    text = await stack.metrics(router)
+    assert 'kvsched_router_shed_total{reason="in_flight"} 1.0' in text
+    assert "kvsched_router_in_flight_limit 1.0" in text
