@@ -177,6 +177,31 @@ def minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
+def bucket_quantile(buckets: dict[str, float], name: str, q: float) -> float:
+    """The upper bound of the histogram bucket holding quantile `q` (from scraped samples)."""
+    pattern = re.compile(rf'^{name}_bucket\{{le="([^"]+)"\}}$')
+    cumulative = sorted(
+        (float(m.group(1)), count) for key, count in buckets.items() if (m := pattern.match(key))
+    )
+    if not cumulative or cumulative[-1][1] <= 0:
+        return 0.0
+    total = cumulative[-1][1]
+    return next(le for le, count in cumulative if count >= q * total)
+
+
+def cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """User plus system CPU seconds each process has used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in sorted(pids.items()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def rss(pids: dict[str, int]) -> dict[str, float]:
     return {name: round(rss_mb(pid), 1) for name, pid in sorted(pids.items())}
 
@@ -240,11 +265,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with aiohttp.ClientSession(connector=connector) as http:
                 load = Load(http, routers, key, args.client_timeout)
                 await load.run(Phase("warm-up", 2.0, 3.0), seed=1)
-                print(f"capacity ramp ({args.step_seconds:g} s a step):", flush=True)
-                rates = [args.start_rate * 1.25**k for k in range(args.steps)]
-                cap, ramp = await capacity(
-                    load, rates, args.step_seconds, args.ttft_slo, args.client_timeout
-                )
+                ramp: list[dict[str, Any]] = []
+                if args.capacity > 0:  # given: no ramp
+                    cap = args.capacity
+                else:
+                    print(f"capacity ramp ({args.step_seconds:g} s a step):", flush=True)
+                    rates = [args.start_rate * 1.25**k for k in range(args.steps)]
+                    cap, ramp = await capacity(
+                        load, rates, args.step_seconds, args.ttft_slo, args.client_timeout
+                    )
                 print(f"capacity: {cap:.1f} requests/s", flush=True)
                 out: dict[str, Any] = {
                     "time_scale": scale,
@@ -257,20 +286,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "phases": [],
                 }
                 names = ("kvsched_router_shed", "kvsched_router_fallback")
+                overhead = ("kvsched_router_overhead_seconds_bucket",)
                 for k, factor in enumerate(args.factors):
                     pids = sup.pids()
                     before = rss(pids)
+                    cpu0 = cpu_s(pids) | {"bench client": time.process_time()}
                     shed0 = await scrape(http, routers, names)
                     refused0 = await scrape(http, conductors, ("kvsched_conductor_decisions",))
+                    overhead0 = await scrape(http, routers, overhead)
                     phase = Phase(f"{factor:g}x", cap * factor, args.seconds)
                     print(f"{phase.name}: {phase.rate:.1f} requests/s for {args.seconds:g} s")
                     await load.run(phase, seed=1000 + k)
                     s = phase.summary(args.ttft_slo, args.client_timeout)
                     s["rss_mb_before"] = before
                     s["rss_mb_after"] = rss(pids)
+                    cpu1 = cpu_s(pids) | {"bench client": time.process_time()}
+                    s["cpu_cores"] = {
+                        k: round((v - cpu0.get(k, 0.0)) / phase.seconds, 2) for k, v in cpu1.items()
+                    }
                     s["router_counters"] = minus(await scrape(http, routers, names), shed0)
                     refused1 = await scrape(http, conductors, ("kvsched_conductor_decisions",))
                     s["conductor_decisions"] = minus(refused1, refused0)
+                    spent = minus(await scrape(http, routers, overhead), overhead0)
+                    for q in (50, 99):  # request in to upstream sent, admitted requests
+                        key = f"router_overhead_p{q}_s"
+                        s[key] = bucket_quantile(spent, "kvsched_router_overhead_seconds", q / 100)
                     out["phases"].append(s)
                 if args.stall > 0:
                     out["phases"].append(
@@ -333,6 +373,7 @@ def table(out: dict[str, Any]) -> str:
         ("429 latency p50 (ms)", "refused_429_p50_ms", "{:.1f}"),
         ("429 latency p99 (ms)", "refused_429_p99_ms", "{:.1f}"),
         ("client timeouts", "client_timeouts", "{}"),
+        ("Router overhead p99 (s, bucket)", "router_overhead_p99_s", "{:g}"),
         ("other errors", "other_errors", "{}"),
     ]
     phases = out["phases"]
@@ -343,10 +384,12 @@ def table(out: dict[str, Any]) -> str:
         "|---|" + "---|" * len(phases),
     ]
     for label, k, fmt in rows:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(p[k]) for p in phases) + " |")
+        lines.append(f"| {label} | " + " | ".join(fmt.format(p.get(k, 0)) for p in phases) + " |")
     for p in phases:
         lines.append(f"\n{p['phase']}: Router counters {p['router_counters']}")
         lines.append(f"{p['phase']}: Conductor decisions {p['conductor_decisions']}")
+        if "cpu_cores" in p:
+            lines.append(f"{p['phase']}: CPU cores used (phase average) {p['cpu_cores']}")
         lines.append(f"{p['phase']}: RSS MB before → after:")
         for name, mb in p["rss_mb_before"].items():
             lines.append(f"  {name:24s} {mb:7.1f} → {p['rss_mb_after'].get(name, 0.0):7.1f}")
@@ -364,6 +407,7 @@ def main() -> None:
     p.add_argument("--client-timeout", type=float, default=30.0, help="per request, seconds")
     p.add_argument("--start-rate", type=float, default=6.0, help="first rate of the ramp")
     p.add_argument("--steps", type=int, default=8, help="rates in the ramp (×1.25 each)")
+    p.add_argument("--capacity", type=float, default=0.0, help="req/s; skips the ramp")
     p.add_argument("--step-seconds", type=float, default=8.0, help="seconds per ramp rate")
     p.add_argument(
         "--stall", type=float, default=1.5, help="seconds the Conductor is stopped (0: skip)"
