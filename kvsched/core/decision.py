@@ -32,6 +32,9 @@ class RequestInfo:
     output_tokens: int
     block_hashes: tuple[int, ...]  # our chained hashes of the prompt's full blocks
     session_id: str | None = None
+    # Policy seconds the request already waited before this placement (at the router):
+    # SLO admission counts them against the TTFT objective.
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,7 @@ class Conductor:
                 sync=sync,
                 streams=self.streams,
                 pending=self.pending,
+                time_scale=settings.time_scale,
             ),
             TransferRpcs(
                 current,

@@ -214,24 +214,42 @@ def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatu
 
 
 def _request_info(
-    request_id: str, prompt_tokens: int, output_tokens: int, hashes: Sequence[int], session_id: str
+    request_id: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    hashes: Sequence[int],
+    session_id: str,
+    *,
+    waited_s: float = 0.0,
 ) -> RequestInfo:
     if not request_id:
         raise RequestError("invalid", "request_id is required (it is the idempotency key)")
     return RequestInfo(
-        request_id, prompt_tokens, max(output_tokens, 1), tuple(hashes), session_id or None
+        request_id,
+        prompt_tokens,
+        max(output_tokens, 1),
+        tuple(hashes),
+        session_id or None,
+        waited_s,
     )
 
 
-def request_info(request: pb.ScheduleRequest) -> RequestInfo:
+def request_info(request: pb.ScheduleRequest, time_scale: float = 1.0) -> RequestInfo:
     """A placement request as the core takes it (the core checks its limits when it places
-    it); raises RequestError without an id."""
+    it), its `queued` wall time in policy seconds (over `time_scale`); raises RequestError
+    without an id, or with a negative or non-finite `queued`."""
+    waited_s = 0.0
+    if request.HasField("queued"):
+        waited_s = request.queued.seconds + request.queued.nanos / 1e9
+        if not math.isfinite(waited_s) or waited_s < 0:
+            raise RequestError("invalid", "queued must be a non-negative duration")
     return _request_info(
         request.request_id,
         request.prompt_tokens,
         request.output_tokens,
         request.block_hashes[:],  # a list copy: the fastest way out of the message
         request.session_id,
+        waited_s=waited_s / time_scale,
     )
 
 

@@ -56,6 +56,7 @@ class PlacementRpcs:
         sync: Callable[[], Awaitable[None]],
         streams: OpenStreams,
         pending: PendingPlacements,
+        time_scale: float = 1.0,
     ) -> None:
         self.current = current
         self.leadership = leadership
@@ -65,6 +66,7 @@ class PlacementRpcs:
         self.sync = sync  # waits for the term's queued writes to reach etcd
         self.streams = streams
         self.pending = pending
+        self.time_scale = time_scale  # wall seconds per policy second (a request's `queued`)
 
     # ---- one placement, one completion ---------------------------------------------------
 
@@ -75,7 +77,7 @@ class PlacementRpcs:
         metrics = self.metrics
         started = time.perf_counter()
         try:
-            info = convert.request_info(request)
+            info = convert.request_info(request, self.time_scale)
             decision = self.current().state.scheduler.place(info, self.clock())
         except RequestError:
             metrics.decisions.labels("error").inc()

@@ -73,15 +73,17 @@ class Pipeline:
         """Serve one completion request of `tenant`; fills `reply` with our headers for the
         client's response as it goes. Raises `ApiError` for what the client gets as one."""
         call = await self._preparer.prepare(request, kind, tenant, arrived, reply)
-        placement = await self.place(call.query)
+        placement = await self.place(call.query, call.arrived)
         headers = engine_headers(call.query)
         forward = await self.settle(request.path, call, placement, headers)
         return await self.relay(request, call, forward, headers)
 
-    async def place(self, query: PlacementQuery) -> Placement:
+    async def place(self, query: PlacementQuery, arrived: float | None = None) -> Placement:
+        """Where the request goes; `arrived` (perf_counter) lets admission count the time it
+        already spent here against its TTFT objective."""
         with self._tracer.start_as_current_span("placement") as span:
             started = time.perf_counter()
-            placement = await self._placer.place(query, traced=span.is_recording())
+            placement = await self._placer.place(query, traced=span.is_recording(), arrived=arrived)
             self._metrics.placement.observe(time.perf_counter() - started)
             if span.is_recording():
                 _annotate(span, placement)

@@ -249,8 +249,12 @@ class Placer:
 
     # ---- placement -------------------------------------------------------------------
 
-    async def place(self, query: PlacementQuery, *, traced: bool = False) -> Placement:
+    async def place(
+        self, query: PlacementQuery, *, traced: bool = False, arrived: float | None = None
+    ) -> Placement:
         """The Conductor's decision, or the fallback's while the Conductor is unreachable.
+        `arrived` (a `time.perf_counter()` reading) is when the request reached the Router:
+        the Conductor's admission counts the time since against the TTFT objective.
         Raises `ApiError`: 429 (rejected by admission with the Conductor's retry delay, or
         shed: too many waiting, no answer in time, or the fallback's bound), 400 (the
         Conductor refuses the request as malformed), 503 (no instance is known)."""
@@ -261,12 +265,12 @@ class Placer:
             self._metrics.shed.labels("placing").inc()
             raise shed("too many requests are waiting for a placement")
         try:
-            return await self._ask(query, self._stream, traced=traced)
+            return await self._ask(query, self._stream, traced=traced, arrived=arrived)
         finally:
             self._placing.leave()
 
     async def _ask(
-        self, query: PlacementQuery, stream: PlacementStream, *, traced: bool
+        self, query: PlacementQuery, stream: PlacementStream, *, traced: bool, arrived: float | None
     ) -> Placement:
         message = pb.ScheduleRequest(
             request_id=query.request_id,
@@ -275,6 +279,8 @@ class Placer:
             block_hashes=query.block_hashes,
             session_id=query.session_id,
         )
+        if arrived is not None:
+            message.queued.FromNanoseconds(max(0, round((time.perf_counter() - arrived) * 1e9)))
         loop = asyncio.get_running_loop()
         task: asyncio.Task[pb.Decision]
         if traced:  # in this context: the gRPC client span nests under the caller's span

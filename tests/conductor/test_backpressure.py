@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.requests import RequestError
+from services.conductor import convert
 from services.conductor.backpressure import PendingPlacements, PlacementBounds, overloaded_answer
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement_rpcs import StreamQueues
@@ -157,3 +159,13 @@ async def test_a_full_write_behind_refuses_placements_but_not_completions() -> N
     assert _outcomes(answers) == {"a": "refused", "z finish": "finished"}
     assert "etcd" in answers[0].error.message and rpcs.decided == ["finish z"]
     assert rpcs.pending.depth == 0
+
+
+def test_the_time_a_request_queued_at_the_router_reaches_admission_in_policy_seconds() -> None:
+    request = pb.ScheduleRequest(request_id="r1", prompt_tokens=32, output_tokens=4)
+    assert convert.request_info(request).waited_s == 0.0  # unset: none
+    request.queued.FromMilliseconds(300)
+    assert convert.request_info(request, time_scale=2.0).waited_s == pytest.approx(0.15)
+    request.queued.FromSeconds(-1)
+    with pytest.raises(RequestError):
+        convert.request_info(request)

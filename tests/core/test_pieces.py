@@ -29,6 +29,14 @@ def test_admission_refuses_queueing_misses_not_hopeless_requests() -> None:
     assert tbt is not None and "inter-token" in tbt.rule
 
 
+def test_admission_counts_the_time_a_request_already_waited() -> None:
+    assert admission.check(1.5, 0.5, SLO, waited_s=0.4) is None
+    late = admission.check(1.5, 0.5, SLO, waited_s=0.6)  # 2.1 s as the client sees it
+    assert late is not None and late.retry_after_s == 0.0  # a retry starts afresh: now
+    # The floor is taken alone: a retry (nothing waited) could still meet the SLO.
+    assert admission.check(1.5, 1.9, SLO, waited_s=0.6) is not None
+
+
 def test_prefix_heat_is_hits_over_root_age() -> None:
     heat = PrefixHeat()
     assert heat.hit(7, 10.0) == (1, 1.0)

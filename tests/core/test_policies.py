@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from random import Random
 
 import numpy as np
@@ -312,6 +313,15 @@ def test_elastic_admission_rejects_queueing_misses_only() -> None:
     assert not place(policy, request(2, chain(2, 3000)), 0.0).rejected
     lenient = make_policy("elastic:admission=0", cluster)
     assert not place(lenient, request(3, chain(3, 10)), 0.0).rejected
+
+
+def test_elastic_admission_counts_the_time_already_waited() -> None:
+    cluster = make_cluster(2, slo=SloConfig(ttft_s=0.5))
+    policy = make_policy("elastic", cluster)
+    fresh = place(policy, request(1, chain(1, 10)), 0.0)
+    assert not fresh.rejected and fresh.estimated_ttft_s < 0.5
+    waited = replace(request(2, chain(2, 10)), waited_s=0.5 - fresh.estimated_ttft_s / 2)
+    assert place(policy, waited, 0.0).rejected  # its wait plus its TTFT miss the SLO
 
 
 def test_elastic_cold_start_uses_the_global_index_and_fetches_shared_prefixes() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import grpc
@@ -116,6 +117,18 @@ async def test_a_late_placement_is_shed_and_released_never_placed_alone() -> Non
     stream.answer.set_result(pb.Decision(instance_id="i0", instance_url="http://h0"))
     await wait_for(lambda: released, 5.0, message="the late decision released")
     assert [(r.request_id, r.instance_id, r.ok) for r in released] == [("r1", "i0", False)]
+
+
+async def test_a_placement_tells_the_conductor_how_long_the_request_waited_here() -> None:
+    placer, stream, _, _ = _placer()
+    stream.answer = asyncio.get_running_loop().create_future()
+    stream.answer.set_result(pb.Decision(instance_id="i0", instance_url="http://h0"))
+    arrived = time.perf_counter() - 0.5  # it reached the Router half a second ago
+    await placer.place(_query("r1"), arrived=arrived)
+    await placer.place(_query("r2"))
+    first, second = stream.asked
+    assert first.queued.ToNanoseconds() >= 500_000_000
+    assert not second.HasField("queued")
 
 
 async def test_beyond_max_placing_a_request_is_shed_without_asking() -> None:

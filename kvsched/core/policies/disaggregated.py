@@ -146,6 +146,7 @@ class Mooncake(_Disaggregated):
             cluster.config.slo,
             tbt_s=float(tbt[decode]),
             min_retry_s=1.0,
+            waited_s=view.req.waited_s,
         )
         if refusal is not None:
             return rejection(view, refusal.rule, refusal.retry_after_s, terms)

@@ -188,7 +188,8 @@ class Elastic(Policy):
 
     def _admit(self, view: RequestView, decision: Decision, session: Session | None) -> Decision:
         """(e): refuse only when the cluster as a whole cannot meet the TTFT SLO now."""
-        if not decision.estimated_ttft_s > self.cluster.config.slo.ttft_s:
+        waited = view.req.waited_s
+        if not decision.estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
             return decision
         terms = dict(decision.terms)
         best = float(np.min(terms["ttft_s"][view.eligible]))
@@ -196,7 +197,8 @@ class Elastic(Policy):
             # Moving the KV is an option.
             moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
             best = min(best, float(np.min(moving["ttft_s"][view.eligible])))
-        refusal = admission.check(best, isolated_floor_s(view, terms), self.cluster.config.slo)
+        slo = self.cluster.config.slo
+        refusal = admission.check(best, isolated_floor_s(view, terms), slo, waited_s=waited)
         if refusal is None:
             return decision
         return rejection(view, refusal.rule, refusal.retry_after_s, terms)

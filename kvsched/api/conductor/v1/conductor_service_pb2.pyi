@@ -659,6 +659,7 @@ class ScheduleRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     EXPLAIN_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's identifier; also the idempotency key: a retry with the same id gets the same
     decision without a second placement.
@@ -675,6 +676,13 @@ class ScheduleRequest(_message.Message):
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Chained hashes of the prompt's full blocks (tenant-salted by the Router)."""
 
+    @_builtins.property
+    def queued(self) -> _duration_pb2.Duration:
+        """Wall time the request already spent at the caller before this placement (reading,
+        tokenizing, queueing): SLO admission counts it against the time-to-first-token
+        objective, which the client measures from its own send. Unset: none.
+        """
+
     def __init__(
         self,
         *,
@@ -684,10 +692,11 @@ class ScheduleRequest(_message.Message):
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         session_id: _builtins.str = ...,
         explain: _builtins.bool = ...,
+        queued: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
