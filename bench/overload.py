@@ -300,6 +300,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     s = phase.summary(args.ttft_slo, args.client_timeout)
                     s["rss_mb_before"] = before
                     s["rss_mb_after"] = rss(pids)
+                    s["machine_load_1m"] = os.getloadavg()[0]  # neighbours' work included
                     cpu1 = cpu_s(pids) | {"bench client": time.process_time()}
                     s["cpu_cores"] = {
                         k: round((v - cpu0.get(k, 0.0)) / phase.seconds, 2) for k, v in cpu1.items()
@@ -355,6 +356,7 @@ async def stalled(
     s = phase.summary(args.ttft_slo, args.client_timeout)
     s["rss_mb_before"] = before
     s["rss_mb_after"] = rss(pids)
+    s["machine_load_1m"] = os.getloadavg()[0]
     s["router_counters"] = minus(await scrape(http, routers, names), counters0)
     s["conductor_decisions"] = {}
     return s
@@ -373,6 +375,7 @@ def table(out: dict[str, Any]) -> str:
         ("429 latency p50 (ms)", "refused_429_p50_ms", "{:.1f}"),
         ("429 latency p99 (ms)", "refused_429_p99_ms", "{:.1f}"),
         ("client timeouts", "client_timeouts", "{}"),
+        ("machine load average (1 min, at the end)", "machine_load_1m", "{:.1f}"),
         ("Router overhead p99 (s, bucket)", "router_overhead_p99_s", "{:g}"),
         ("other errors", "other_errors", "{}"),
     ]
