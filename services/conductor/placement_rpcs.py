@@ -14,6 +14,7 @@ waiting behind the decisions queued before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -225,6 +226,7 @@ class PlacementRpcs:
             decider.cancel()
             for task in stream.waiting:
                 task.cancel()
+            stream.drop_undecided()  # also when the decider was cancelled before it ran
 
 
 # Queued after a stream's last item: the decider ends there.
@@ -266,24 +268,34 @@ class StreamQueues:
     async def decide(self) -> None:
         """Decide the queued items in turn, yielding between them so the reader can refuse
         what it must meanwhile; ends the stream after the last item's answer."""
+        ended = False
         try:
-            while True:
+            while not ended:
                 await self.arrived.wait()
                 self.arrived.clear()
-                while self.queued:
+                while self.queued and not ended:
                     read_at, item = self.queued.popleft()
                     if item is _END:
                         if self.waiting:
                             await asyncio.gather(*self.waiting)
-                        return
-                    await self._decide_one(item, self.clock() - read_at)
-                    await asyncio.sleep(0)
+                        await self.answers.put(None)
+                        ended = True
+                    else:
+                        await self._decide_one(item, self.clock() - read_at)
+                        await asyncio.sleep(0)
         finally:
-            for _, item in self.queued:  # left undecided (a lost term): no longer pending
-                if item is not _END and item.WhichOneof("kind") == "schedule":
-                    self.pending.done()
-            self.queued.clear()
-            await self.answers.put(None)
+            self.drop_undecided()
+            if not ended:  # cancelled or failed: end the stream, never wait on its reader
+                with contextlib.suppress(asyncio.QueueFull):
+                    self.answers.put_nowait(None)
+
+    def drop_undecided(self) -> None:
+        """Forget the items read and not decided (the stream ended under them): they are no
+        longer pending. Safe to call more than once."""
+        for _, item in self.queued:
+            if item is not _END and item.WhichOneof("kind") == "schedule":
+                self.pending.done()
+        self.queued.clear()
 
     async def _decide_one(self, item: pb.ScheduleStreamRequest, waited_s: float) -> None:
         """Decide one queued item and queue its answer (a rebound session's after etcd)."""

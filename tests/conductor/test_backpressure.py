@@ -5,6 +5,7 @@ placement handler: no server)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -169,3 +170,30 @@ def test_the_time_a_request_queued_at_the_router_reaches_admission_in_policy_sec
     request.queued.FromSeconds(-1)
     with pytest.raises(RequestError):
         convert.request_info(request)
+
+
+async def test_a_stream_ended_under_its_queue_leaves_nothing_pending() -> None:
+    rpcs = _Rpcs(PlacementBounds(max_pending=8))
+    queues = StreamQueues(rpcs, lambda: 0.0)  # type: ignore[arg-type]
+    await queues.read(_items(_schedule("a"), _schedule("b"), _finish("c")))
+    assert rpcs.pending.depth == 2
+    decider = asyncio.create_task(queues.decide())
+    await asyncio.sleep(0)  # it decides "a", then yields: the stream ends there (a lost term)
+    decider.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await decider
+    first, last = queues.answers.get_nowait(), queues.answers.get_nowait()
+    assert first is not None and first.request_id == "a"
+    assert last is None  # the stream ends instead of hanging
+    assert rpcs.pending.depth == 0 and rpcs.decided == ["a"]
+    # Cancelled before it ever ran: ScheduleStream drops what is left itself.
+    queues = StreamQueues(rpcs, lambda: 0.0)  # type: ignore[arg-type]
+    await queues.read(_items(_schedule("d")))
+    decider = asyncio.create_task(queues.decide())
+    decider.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await decider
+    assert rpcs.pending.depth == 1
+    queues.drop_undecided()
+    queues.drop_undecided()  # safe twice
+    assert rpcs.pending.depth == 0
