@@ -10,7 +10,9 @@ request nobody waits for, and the queue grows without bound while the overload l
 refuse new placements when the outbox is full rather than drop writes: the outbox holds
 committed bindings and block records; dropping any would silently lose state a new leader
 needs, so the back-pressure goes to the cause (new placements) instead. The outbox coalesces
-writes to the same key, so its length counts distinct keys, not calls.
+writes to the same key, so its length counts distinct keys, not calls: what the engines' KV
+events add (never refused: they say what the caches hold) stays within the index's own size,
+one key a block, however long etcd is away.
 """
 
 from __future__ import annotations
