@@ -18,7 +18,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from typing import Final, NoReturn
 
 import grpc
 from opentelemetry import trace
@@ -143,12 +143,16 @@ class PlacementRpcs:
     async def Schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
         await require_leader(self.leadership, context)
         if self._outbox_full():
-            context.set_trailing_metadata((("retry-after-ms", str(OVERLOAD_RETRY_MS)),))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "the Conductor is overloaded (etcd writes are behind); "
-                f"retry after {OVERLOAD_RETRY_MS} ms",
-            )
+            await _overloaded(context, "etcd writes are behind")
+        if not self.pending.admit():  # unary placements count with the streams' ones
+            self.metrics.decisions.labels("overloaded").inc()
+            await _overloaded(context, "too many placements pending")
+        try:
+            return await self._schedule(request, context)
+        finally:
+            self.pending.done()
+
+    async def _schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
         try:
             decision, rebound, landing = self._place(request)
         except RequestError as exc:
@@ -333,6 +337,16 @@ class StreamQueues:
         finally:
             self.pending.done()  # answered, or the stream ended under it
         await self.answers.put(answer)
+
+
+async def _overloaded(context: Context, why: str) -> NoReturn:
+    """End a unary placement as RESOURCE_EXHAUSTED, with the retry delay in the trailer."""
+    context.set_trailing_metadata((("retry-after-ms", str(OVERLOAD_RETRY_MS)),))
+    await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the Conductor is overloaded ({why}); retry after {OVERLOAD_RETRY_MS} ms",
+    )
+    raise AssertionError("unreachable")  # abort raises
 
 
 def _stream_error(request_id: str, exc: RequestError) -> pb.ScheduleStreamResponse:

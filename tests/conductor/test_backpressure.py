@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
@@ -19,6 +20,17 @@ from services.conductor.backpressure import PendingPlacements, PlacementBounds, 
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement_rpcs import StreamQueues
 from services.conductor.settings import parse
+from tests.conductor.conftest import chain, stub
+from tests.conductor.test_conductor import (
+    IID,
+    Start,
+    publish,
+    refused,
+    register,
+    sched,
+    stored,
+    trailer,
+)
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
@@ -197,3 +209,33 @@ async def test_a_stream_ended_under_its_queue_leaves_nothing_pending() -> None:
     queues.drop_undecided()
     queues.drop_undecided()  # safe twice
     assert rpcs.pending.depth == 0
+
+
+async def test_a_conductor_behind_on_etcd_refuses_placements_not_completions(
+    start_conductor: Start,
+) -> None:
+    # Flushes far apart: the blocks a KV event stores stay queued for etcd.
+    c = await start_conductor(
+        persist_interval_s=60.0, placement_bounds=PlacementBounds(max_outbox=4)
+    )
+    async with stub(c.url) as s:
+        await register(s, 0)
+        assert (await s.Schedule(sched("r0", chain(1, 2)))).decision.instance_id == IID[0]
+        await s.PublishKvEvents(publish(IID[0], 0, stored(chain(2, 8))))  # 8 block records
+        err = await refused(
+            s.Schedule(sched("r1", chain(1, 2))), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        assert "etcd writes are behind" in (err.details() or "")
+        assert trailer(err, "retry-after-ms") == "1000"
+        done = pb.FinishRequest(
+            request_id="r0", instance_id=IID[0], prompt_tokens=33, block_hashes=chain(1, 2), ok=True
+        )
+        items = _items(_schedule("r2"), pb.ScheduleStreamRequest(finish=done))
+        answers = [a async for a in s.ScheduleStream(items)]
+        assert _outcomes(list(answers)) == {"r2": "refused", "r0 finish": "finished"}
+        assert c.pending.depth == 0
+        await c.persister.flush()  # etcd caught up: placements are taken again
+        assert (await s.Schedule(sched("r3", chain(1, 2)))).decision.instance_id == IID[0]
+    text = generate_latest(c.metrics.registry).decode()
+    assert 'kvsched_conductor_decisions_total{outcome="overloaded"} 2.0' in text
+    assert "kvsched_conductor_persist_pending_limit 4.0" in text
