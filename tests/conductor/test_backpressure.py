@@ -59,9 +59,10 @@ def test_an_overloaded_answer_is_resource_exhausted() -> None:
 
 
 def test_the_overload_flags() -> None:
-    assert parse([]).placement_bounds == PlacementBounds()
+    assert parse(["--insecure"]).placement_bounds == PlacementBounds()
     s = parse(
         [
+            "--insecure",
             "--max-pending-placements",
             "8",
             "--max-placement-wait",

@@ -212,13 +212,13 @@ async def test_the_fallback_sheds_beyond_its_per_instance_bound() -> None:
 
 
 def test_the_overload_flags() -> None:
-    s = parse(["--no-auth"])
+    s = parse(["--no-auth", "--insecure"])
     assert (s.max_in_flight, s.max_placing, s.fallback_max_in_flight) == (2048, 256, 32)
     flags = ["--max-in-flight", "10", "--max-placing", "5", "--fallback-max-in-flight", "3"]
-    s = parse(["--no-auth", *flags])
+    s = parse(["--no-auth", "--insecure", *flags])
     assert (s.max_in_flight, s.max_placing, s.fallback_max_in_flight) == (10, 5, 3)
     with pytest.raises(SystemExit):
-        parse(["--no-auth", "--max-placing", "0"])
+        parse(["--no-auth", "--insecure", "--max-placing", "0"])
 
 
 def test_known_instances_are_what_the_fallback_picks_from() -> None:
