@@ -237,6 +237,34 @@ class ConductorClient:
         request = pb.KeepAliveInstanceRequest(instance_id=instance_id)
         return await self._call(lambda s: s.KeepAliveInstance, request, write=True, idempotent=True)
 
+    async def renew_lease(self, instance_id: str) -> pb.KeepAliveInstanceResponse:
+        """Refresh an instance's lease at whichever Conductor answers first, the believed
+        leader first, then every address once, with no leader discovery: a standby renews the
+        lease in etcd itself, so the lease outlives a leader change. Raises `NotFound` when
+        the lease lapsed (register again), `Unavailable` when no Conductor renewed it. The
+        answer's `next_event_sequence` is the leader's only when the leader answered: use
+        `keep_alive` to learn where events resume."""
+        request = pb.KeepAliveInstanceRequest(instance_id=instance_id)
+        believed = self._leaders.current
+        order = dict.fromkeys([*([believed] if believed else []), *self.addresses])
+        last = "no Conductor answered"
+        for address in order:
+            self._check_open()
+            try:
+                return await self._channels.stub(address).KeepAliveInstance(
+                    request, timeout=self.deadline_s
+                )
+            except grpc.RpcError as err:
+                failure = from_rpc_error(err)
+            except aio.UsageError as err:  # the channel was closed under the call
+                raise ConductorError(grpc.StatusCode.CANCELLED, str(err)) from None
+            if failure.code == grpc.StatusCode.NOT_FOUND:
+                raise failure
+            if failure.code == grpc.StatusCode.UNAVAILABLE:
+                self._leaders.forget(address)
+            last = f"{address}: {failure.code.name} {failure.message}"
+        raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no Conductor renewed the lease; {last}")
+
     async def deregister(self, instance_id: str) -> pb.DeregisterInstanceResponse:
         """Remove an instance at once (not retried after a timeout: a retry could see NOT_FOUND)."""
         request = pb.DeregisterInstanceRequest(instance_id=instance_id)

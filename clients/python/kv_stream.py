@@ -64,6 +64,7 @@ class StreamCounters:
     failures: int = 0  # calls that broke or were refused (not counting a clean close)
     resume_points: int = 0  # calls the Conductor ended at a batch out of sequence
     resent: int = 0  # batches sent again
+    resent_blocks: int = 0  # blocks named by the batches sent again (stored or removed)
     resyncs_asked: int = 0  # times the owner was told to resync an instance
     dropped: int = 0  # batches dropped while an instance waited for a resync or a register
 
@@ -439,6 +440,7 @@ class KvEventStream:
             log.high = max(log.high, log.cursor)
             if resent:
                 self.counters.resent += 1
+                self.counters.resent_blocks += _blocks(entry.request.batch)
             if self._on_sent is not None:
                 self._on_sent(
                     SentBatch(
@@ -451,6 +453,18 @@ class KvEventStream:
                     )
                 )
             yield entry.request
+
+
+def _blocks(batch: pb.KvEventBatch) -> int:
+    """Blocks a batch names (stored or removed)."""
+    n = 0
+    for event in batch.events:
+        which = event.WhichOneof("event")
+        if which == "blocks_stored":
+            n += len(event.blocks_stored.block_hashes)
+        elif which == "blocks_removed":
+            n += len(event.blocks_removed.block_hashes)
+    return n
 
 
 async def _response(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 
@@ -26,6 +27,8 @@ from services.common.store import (
     CommitResult,
     Delete,
     DeletePrefix,
+    Fenced,
+    Guard,
     KeyValue,
     Lease,
     Op,
@@ -100,13 +103,18 @@ class MemoryStore:
         self.keyspace.apply([DeletePrefix(prefix)])
         return count
 
-    async def commit(self, ops: Sequence[Op]) -> CommitResult:
+    async def commit(self, ops: Sequence[Op], guard: Guard | None = None) -> CommitResult:
         """Apply `ops` in order in the transactions etcd would; puts bound to leases that no
-        longer exist are dropped and counted."""
-        return await commit_planned(ops, self._txn, self.lease_ttl)
+        longer exist are dropped and counted. With `guard`, a transaction whose guard no
+        longer holds raises `Fenced` and applies nothing."""
+        return await commit_planned(ops, functools.partial(self._txn, guard=guard), self.lease_ttl)
 
-    async def _txn(self, ops: Sequence[Op]) -> int:
+    async def _txn(self, ops: Sequence[Op], guard: Guard | None = None) -> int:
         await asyncio.sleep(0)
+        if guard is not None:
+            held = self.keyspace.get(guard.key)
+            if held is None or held.lease != guard.lease:
+                raise Fenced(f"memory store: {guard.key!r} is no longer bound to the guard's lease")
         return self.keyspace.apply(ops)
 
     async def grant_lease(self, ttl_s: int) -> Lease:

@@ -25,6 +25,11 @@ class LeaseNotFound(StoreError):
     """A put or create named a lease that does not exist (never granted, expired or revoked)."""
 
 
+class Fenced(StoreError):
+    """A guarded transaction was refused because its `Guard` no longer holds (another term
+    leads): nothing of it was applied."""
+
+
 class StoreCompacted(StoreError):
     """A watch or snapshot asked for history etcd has already compacted away: reload."""
 
@@ -166,6 +171,16 @@ Op: TypeAlias = Put | Delete | DeletePrefix
 
 
 @dataclass(frozen=True, slots=True)
+class Guard:
+    """The condition a guarded transaction applies under: `key` exists, bound to `lease`. A
+    leader guards its writes with its leader key and the lease it was elected with, so a
+    leader that lost the key (or was elected again under another lease) writes nothing."""
+
+    key: bytes
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
 class CommitResult:
     revision: int
     """Store revision after the last transaction (0 if nothing was written)."""
@@ -191,7 +206,7 @@ class Store(Protocol):
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool: ...
     async def delete(self, key: bytes) -> bool: ...
     async def delete_prefix(self, prefix: bytes) -> int: ...
-    async def commit(self, ops: Sequence[Op]) -> CommitResult: ...
+    async def commit(self, ops: Sequence[Op], guard: Guard | None = None) -> CommitResult: ...
     async def grant_lease(self, ttl_s: int) -> Lease: ...
     async def keep_alive(self, lease_id: int) -> int: ...
     async def revoke_lease(self, lease_id: int) -> bool: ...

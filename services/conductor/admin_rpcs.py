@@ -6,9 +6,10 @@ from __future__ import annotations
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.policies import POLICIES
 from kvsched.core.requests import RequestError
-from services.common.store import Store, StoreError
+from services.common.store import Put, StoreError
 from services.conductor import convert, keys
 from services.conductor.explain import Explainer
+from services.conductor.fencing import TermWriter
 from services.conductor.leadership import Leadership
 from services.conductor.rpc_status import Context, abort, etcd_away, require_leader
 from services.conductor.term import CurrentTerm
@@ -18,11 +19,15 @@ class AdminRpcs:
     """Handlers of the admin RPCs."""
 
     def __init__(
-        self, current: CurrentTerm, leadership: Leadership, store: Store, explainer: Explainer
+        self,
+        current: CurrentTerm,
+        leadership: Leadership,
+        writer: TermWriter,
+        explainer: Explainer,
     ) -> None:
         self.current = current
         self.leadership = leadership
-        self.store = store
+        self.writer = writer
         self.explainer = explainer
 
     async def GetSession(
@@ -55,7 +60,7 @@ class AdminRpcs:
         except RequestError as exc:
             await abort(context, exc)
         try:
-            await self.store.put(keys.POLICY.encode(), spec.encode())
+            await self.writer.commit([Put(keys.POLICY.encode(), spec.encode())])
         except StoreError as exc:
             self.current().state.set_policy(previous)  # not recorded: not changed
             await etcd_away(context, "etcd did not take the policy", exc)

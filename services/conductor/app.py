@@ -4,9 +4,11 @@ its lifecycle.
 
 Lifecycle: `start()` loads the state from etcd (warm), binds the servers, then follows etcd
 and campaigns. Only the elected leader serves writes (`serving`); a standby answers reads and
-stays warm from the watch. Losing the lease makes the process a standby again, rebuilt from
-etcd so nothing it had not persisted survives. `stop()` resigns first so a standby takes over
-at once, flushes, and lets in-flight RPCs finish.
+stays warm from the watch, renews instance leases, and probes the leader (`takeover.py`): a
+leader whose process is gone loses its term at once instead of when its lease lapses. Every
+write of the leader is guarded by its term (`fencing.py`). Losing the lease makes the process
+a standby again, rebuilt from etcd so nothing it had not persisted survives. `stop()` resigns
+first so a standby takes over at once, flushes, and lets in-flight RPCs finish.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from services.common.grpc_server import (
     health_servicer,
     start_grpc_server,
 )
-from services.common.store import Store, StoreError
+from services.common.store import Put, Store, StoreError
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,
@@ -46,6 +48,7 @@ from services.conductor.backpressure import PendingPlacements
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.event_rpcs import KvEventRpcs
 from services.conductor.explain import Explainer
+from services.conductor.fencing import TermWriter
 from services.conductor.http import AdminHttp
 from services.conductor.instance_rpcs import InstanceRpcs
 from services.conductor.keys import InstanceRecord
@@ -58,6 +61,7 @@ from services.conductor.service import conductor_servicer
 from services.conductor.settings import ConductorSettings
 from services.conductor.state import ConductorState
 from services.conductor.streams import OpenStreams
+from services.conductor.takeover import DeadLeaderProbe
 from services.conductor.term import Term, TermHolder
 from services.conductor.transfer_rpcs import TransferRpcs
 from services.conductor.transfer_runner import TransferRunner
@@ -87,8 +91,19 @@ class Conductor:
         self.leadership = Leadership(
             settings.conductor_id, Election(self.store, LeaderInfo("", "", ""), 1)
         )
+        leadership = self.leadership
+        self.writer = TermWriter(
+            self.store,
+            leadership.guard,
+            leadership.fenced,
+        )
         self.persister = Persister(
-            self.store, lambda: current().outbox, settings.persist_interval_s
+            self.writer, lambda: current().outbox, settings.persist_interval_s
+        )
+        self.probe = DeadLeaderProbe(
+            self.store,
+            lambda: leadership.election,
+            interval_s=settings.dead_leader_probe_s,
         )
         self.metrics = ConductorMetrics()
         self.pending = PendingPlacements(settings.placement_bounds)
@@ -116,7 +131,7 @@ class Conductor:
             current, self.leadership, explainer, self.metrics.registry, settings.admin_token
         )
         self.streams = OpenStreams()
-        registrar = Registrar(self.store, current, sync, settings.instance_ttl_s)
+        registrar = Registrar(self.store, self.writer, current, sync, settings.instance_ttl_s)
         self.rpcs = (
             InstanceRpcs(registrar, current, self.leadership),
             KvEventRpcs(current, self.leadership, self.metrics),
@@ -139,7 +154,7 @@ class Conductor:
                 transfers=transfers,
                 sync=sync,
             ),
-            AdminRpcs(current, self.leadership, self.store, explainer),
+            AdminRpcs(current, self.leadership, self.writer, explainer),
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._follow: asyncio.Task[None] | None = None
@@ -183,6 +198,8 @@ class Conductor:
             asyncio.create_task(self.election.run(self._on_elected, self._on_lost)),
             asyncio.create_task(self.persister.run()),
         ]
+        if s.dead_leader_probe_s > 0:
+            self._tasks.append(asyncio.create_task(self.probe.run()))
         if s.session_sweep_s > 0:
             self._tasks.append(asyncio.create_task(self._sweep_sessions(s.session_sweep_s)))
         log.info("Conductor %s listening on %s (http %s)", s.conductor_id, self.url, self.http_url)
@@ -252,10 +269,15 @@ class Conductor:
 
     async def _on_elected(self) -> None:
         """Catch up on what the watch may not have applied yet, then serve."""
+        # What the outbox collected as a standby mirrors etcd, possibly older than etcd by
+        # now: the new term writes only what it changes itself. (No await before this line:
+        # the persister cannot flush the old writes under the new guard.)
+        self.terms.current().outbox.take()
         await self._reconcile()
         recorded = await self.store.get(keys.POLICY.encode())
         if recorded is None:
-            await self.store.put(keys.POLICY.encode(), self.state.scheduler.spec.encode())
+            spec = self.state.scheduler.spec.encode()
+            await self.writer.commit([Put(keys.POLICY.encode(), spec)])
         self.leadership.serving = True
         await self.health.set(SERVICE_NAME, SERVING)
         log.info("Conductor %s leads", self.settings.conductor_id)

@@ -51,7 +51,11 @@ class EventCursors:
         return inst.next_sequence
 
     def save(self, instance_id: str) -> None:
-        """Queue the instance's cursor, bound to its current lease."""
+        """Queue the instance's cursor, bound to its current lease, after every write queued
+        so far: a flush cut into several transactions writes the cursor only after the blocks
+        of the batches it counts, so a leader that dies mid-flush never leaves a cursor past
+        blocks etcd lacks (the next leader asks for those batches again)."""
         inst = self.state.instance(instance_id)
-        lease = inst.record.lease_id
-        self.outbox.put(keys.cursor_key(instance_id), str(inst.next_sequence).encode(), lease)
+        lease, key = inst.record.lease_id, keys.cursor_key(instance_id)
+        self.outbox.put(key, str(inst.next_sequence).encode(), lease)
+        self.outbox.writes.move_to_end(key)

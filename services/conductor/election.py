@@ -1,8 +1,11 @@
 """Leader election through one etcd key bound to the leader's lease.
 
-The leader keeps its lease alive every third of its time to live; if a keep-alive fails it
-steps down at once. Standbys wait for the key to go (the replica's watch wakes them) and
-campaign; whoever creates the key leads.
+The leader keeps its lease alive every third of its time to live; if a keep-alive fails, a
+guarded write is refused (`fenced`), or the watch shows the key gone or another's, it steps
+down at once. Standbys wait for the key to go (the replica's watch wakes them, or
+`services.conductor.takeover` ends a dead leader's term early) and campaign; whoever creates
+the key leads. Every write of a term is guarded by the leader key and the lease it was
+elected with (`guard()`), so a leader that lost its term writes nothing more.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
-from services.common.store import Store, StoreError
+from services.common.store import Guard, Store, StoreError
 from services.conductor import keys
 
 log = logging.getLogger(__name__)
@@ -49,11 +52,31 @@ class Election:
         self.is_leader = False
         self.changed = asyncio.Event()  # set when the leader key may have changed
         self._lease = 0
+        self._elected_at = 0  # revision that created this Conductor's leader key
+        self._lost = asyncio.Event()  # set when this leader's term is over before its lease
 
-    def observe(self, value: bytes | None) -> None:
-        """The leader key was written (or deleted: None); called by the replica's watch."""
+    def observe(self, value: bytes | None, revision: int = 0) -> None:
+        """The leader key was written (or deleted: None) at `revision`; called by the
+        replica's watch. A leader that sees a later change of the key (gone or another's)
+        steps down at once; changes from before its election are old news."""
+        if self.is_leader and revision and revision < self._elected_at:
+            return
         self.leader = LeaderInfo.decode(value) if value else None
+        if self.is_leader and self.leader != self.self_info:
+            log.warning("the leader key is no longer this Conductor's; stepping down")
+            self._lost.set()
         self.changed.set()
+
+    def guard(self) -> Guard | None:
+        """What this term's writes are guarded by: the leader key bound to the lease it was
+        elected with; None when this Conductor does not lead."""
+        return Guard(_LEADER, self._lease) if self.is_leader else None
+
+    def fenced(self) -> None:
+        """A guarded write was refused: the term is over, step down now."""
+        if self.is_leader:
+            log.warning("a write was fenced off: another term leads; stepping down")
+            self._lost.set()
 
     async def run(
         self,
@@ -86,6 +109,9 @@ class Election:
         lease = await self.store.grant_lease(self.ttl_s)
         if await self.store.create(_LEADER, self.self_info.encode(), lease.id):
             self._lease = lease.id
+            self._lost.clear()
+            mine = await self.store.get(_LEADER)
+            self._elected_at = mine.mod_revision if mine and mine.lease == lease.id else 0
             self.leader = self.self_info
             self.is_leader = True
             log.info("elected leader: %s", self.self_info.id)
@@ -96,9 +122,14 @@ class Election:
         return False
 
     async def _lead(self) -> None:
-        """Keep the lease alive until it cannot be."""
+        """Keep the lease alive until it cannot be, or the term is over (`_lost`)."""
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lost.wait(), self.ttl_s / 3)
+            if self._lost.is_set():
+                with contextlib.suppress(StoreError):
+                    await self.store.revoke_lease(self._lease)  # nothing more under it
+                return
             remaining = await self.store.keep_alive(self._lease)
             if remaining <= 0:
                 log.warning("leader lease lapsed; stepping down")

@@ -1,5 +1,6 @@
 """The instance RPCs: RegisterInstance, KeepAliveInstance, DeregisterInstance and
-ListInstances, over the `Registrar`."""
+ListInstances, over the `Registrar`. KeepAliveInstance is answered by a standby too (it
+renews the lease in etcd), so instance leases do not depend on the leader being up."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from services.conductor.term import CurrentTerm
 
 
 class InstanceRpcs:
-    """Handlers of the instance RPCs; writes only on the serving leader, and a Messenger's
-    only for its own node's instances (`node_access`)."""
+    """Handlers of the instance RPCs; writes only on the serving leader, lease renewals
+    anywhere, and a Messenger's only for its own node's instances (`node_access`)."""
 
     def __init__(self, registrar: Registrar, current: CurrentTerm, leadership: Leadership) -> None:
         self.registrar = registrar
@@ -46,11 +47,15 @@ class InstanceRpcs:
     async def KeepAliveInstance(
         self, request: pb.KeepAliveInstanceRequest, context: Context
     ) -> pb.KeepAliveInstanceResponse:
-        await require_leader(self.leadership, context)
         await require_instance_node(context, self.current().state, request.instance_id)
         try:
-            inst, remaining = await self.registrar.keep_alive(request.instance_id)
+            if self.leadership.serving:
+                inst, remaining = await self.registrar.keep_alive(request.instance_id)
+            else:
+                inst, remaining = await self.registrar.renew(request.instance_id)
         except RequestError as exc:
+            if exc.kind == "unavailable":  # a standby that does not know it: ask the leader
+                await require_leader(self.leadership, context)
             await abort(context, exc)
         except StoreError as exc:
             await etcd_away(context, "etcd is unavailable", exc)

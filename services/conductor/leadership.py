@@ -3,6 +3,7 @@ before it changes anything, or tells a caller where to go instead."""
 
 from __future__ import annotations
 
+from services.common.store import Guard
 from services.conductor.election import Election, LeaderInfo
 
 
@@ -24,3 +25,12 @@ class Leadership:
     def is_leader(self) -> bool:
         """Elected (holding the leader key), whether or not serving yet."""
         return self.election.is_leader
+
+    def guard(self) -> Guard | None:
+        """What this term's etcd writes are guarded by; None when this Conductor does not
+        lead (see `Election.guard`)."""
+        return self.election.guard()
+
+    def fenced(self) -> None:
+        """etcd refused a guarded write: the term is over (see `Election.fenced`)."""
+        self.election.fenced()

@@ -1,6 +1,9 @@
 """Write-behind persistence: the current term's outbox goes to etcd in batched transactions, off
 the placement path. A caller that needs a write durable (a session binding) awaits `sync()`,
-which joins the next batch (group commit) instead of writing on its own."""
+which joins the next batch (group commit) instead of writing on its own. Every transaction is
+guarded by the term (`TermWriter`): a Conductor that does not lead drops what its outbox
+collected (a standby's state follows etcd, it is not its to write), and a fenced flush ends
+the term."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from services.common.store import Delete, Op, Put, Store, StoreError
+from services.common.store import Delete, Fenced, Op, Put, StoreError
+from services.conductor.fencing import TermWriter
 from services.conductor.records import Outbox
 
 log = logging.getLogger(__name__)
@@ -21,14 +25,15 @@ class Persister:
     answered by the next flush, of the new term's outbox."""
 
     def __init__(
-        self, store: Store, outbox: Callable[[], Outbox], interval_s: float = 0.05
+        self, writer: TermWriter, outbox: Callable[[], Outbox], interval_s: float = 0.05
     ) -> None:
-        self.store = store
+        self.writer = writer
         self.outbox = outbox
         self.interval_s = interval_s
         self.ops_written = 0
         self.batches = 0
         self.failures = 0
+        self.dropped = 0  # writes dropped because this Conductor did not lead
         self._wake = asyncio.Event()
         self._next: asyncio.Future[None] | None = None  # made on the loop, when first asked
 
@@ -59,12 +64,24 @@ class Persister:
             fut.set_result(None)
             return
         writes = outbox.take()
+        if not self.writer.leading:
+            self.dropped += len(writes)
+            log.debug("dropped %d writes: this Conductor does not lead", len(writes))
+            fut.set_exception(Fenced("this Conductor does not lead"))
+            fut.exception()  # retrieved: waiters may have gone
+            return
         ops: list[Op] = [
             Put(k.encode(), v, lease) if v is not None else Delete(k.encode())
             for k, v, lease in writes
         ]
         try:
-            await self.store.commit(ops)
+            await self.writer.commit(ops)
+        except Fenced as exc:  # the term is over: its writes are not ours to make any more
+            self.dropped += len(writes)
+            log.warning("dropped %d writes: %s", len(writes), exc)
+            fut.set_exception(exc)
+            fut.exception()
+            return
         except StoreError as exc:
             self.failures += 1
             log.warning("persisting %d writes failed (%s); will retry", len(ops), exc)

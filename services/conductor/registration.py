@@ -5,6 +5,10 @@ alive, etcd drops the record and everything bound to it (its cursor, its blocks)
 Conductor's watch removes the instance. Registering writes the record before the registry
 learns of it; a re-registration moves the cursor and blocks to the new lease before it
 revokes the old one, which would take them away.
+
+A lease is renewed in etcd directly, which writes no key and needs no leader state: a standby
+renews the leases of the instances it follows too (`renew`), so they outlive a leader change
+however long the takeover takes.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from collections.abc import Awaitable, Callable
 
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.common.store import Lease, Store, StoreError
+from services.common.store import Lease, Put, Store, StoreError
 from services.conductor import keys
+from services.conductor.fencing import TermWriter
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.state import Instance
 from services.conductor.term import CurrentTerm, Term
@@ -29,11 +34,13 @@ class Registrar:
     def __init__(
         self,
         store: Store,
+        writer: TermWriter,
         current: CurrentTerm,
         sync: Callable[[], Awaitable[None]],
         default_ttl_s: float,
     ) -> None:
         self.store = store
+        self.writer = writer  # the term's guarded writes
         self.current = current
         self.sync = sync  # waits for the term's queued writes to reach etcd
         self.default_ttl_s = default_ttl_s
@@ -54,8 +61,8 @@ class Registrar:
         old_lease = previous.record.lease_id if previous else 0
         lease = await self.store.grant_lease(ttl_s)
         record = InstanceRecord(spec, slot, lease.id)
-        await self.store.put(
-            keys.instance_key(spec.instance_id).encode(), record.encode(), lease.id
+        await self.writer.commit(
+            [Put(keys.instance_key(spec.instance_id).encode(), record.encode(), lease.id)]
         )
         self.current().state.add_instance(record, previous.next_sequence if previous else 0)
         if old_lease:
@@ -73,6 +80,21 @@ class Registrar:
         remaining = await self.store.keep_alive(inst.record.lease_id)
         if remaining <= 0:
             self.current().state.remove_instance(instance_id)
+            raise RequestError(
+                "not_found", f"the lease of instance {instance_id!r} lapsed; register it again"
+            )
+        return inst, remaining
+
+    async def renew(self, instance_id: str) -> tuple[Instance, float]:
+        """Renew the lease of an instance this Conductor follows without leading: etcd only
+        (the watch removes an instance whose lease lapsed). Raises RequestError: not_found
+        when the lease is gone, unavailable when this Conductor does not know the instance
+        (yet: its registration may not have reached the watch)."""
+        inst = self.current().state.instances.get(instance_id)
+        if inst is None:
+            raise RequestError("unavailable", f"this Conductor does not know {instance_id!r} yet")
+        remaining = await self.store.keep_alive(inst.record.lease_id)
+        if remaining <= 0:
             raise RequestError(
                 "not_found", f"the lease of instance {instance_id!r} lapsed; register it again"
             )

@@ -81,7 +81,7 @@ def apply_change(state: ConductorState, election: Election, event: WatchEvent) -
     key = event.key.decode()
     value = event.value if event.kind == "put" else None
     if key == keys.LEADER:
-        election.observe(value)
+        election.observe(value, event.revision)
         return
     if key.startswith(keys.INSTANCES):
         instance_id = keys.tail(key, keys.INSTANCES)

@@ -46,6 +46,7 @@ class ConductorSettings:
     leader_ttl_s: int = 3
     instance_ttl_s: int = 10
     persist_interval_s: float = 0.05
+    dead_leader_probe_s: float = 0.1  # a standby probes the leader's port this often; 0: never
     persist_blocks: bool = True
     session_ttl_s: float = 3600.0  # policy seconds an idle session is kept; 0: forever
     max_sessions: int = 1_000_000  # sessions kept at most (least recently active go); 0: any
@@ -115,6 +116,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "leader-ttl", d.leader_ttl_s, "leader lease, seconds")
     _flag(p, "instance-ttl", d.instance_ttl_s, "default instance lease, seconds")
     _flag(p, "persist-interval", d.persist_interval_s, "write-behind flush period, seconds")
+    _flag(
+        p,
+        "dead-leader-probe",
+        d.dead_leader_probe_s,
+        "a standby probes the leader's HTTP port this often (seconds); two refused "
+        "connections in a row end its term at once (0: wait for its lease)",
+    )
     _flag(p, "persist-blocks", d.persist_blocks, "persist block metadata for warm restarts")
     _flag(p, "session-ttl", d.session_ttl_s, "policy seconds an idle session is kept (0: forever)")
     _flag(
@@ -195,6 +203,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         leader_ttl_s=a.leader_ttl,
         instance_ttl_s=a.instance_ttl,
         persist_interval_s=a.persist_interval,
+        dead_leader_probe_s=a.dead_leader_probe,
         persist_blocks=a.persist_blocks,
         session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions,

@@ -2,6 +2,10 @@
 it), keep its lease alive every third of its TTL, register it again when the lease lapsed or
 the event stream says the Conductor forgot it, and deregister it when its engine is gone.
 
+Keep-alives go to any Conductor that answers (a standby renews the lease in etcd), and a failed
+one is tried again within a tenth of the TTL: the lease never depends on the leader being up,
+so a leader change, however slow, neither unregisters the instance nor costs a resync.
+
 Every registration opens the instance's event sequence at the number the Conductor gives
 and calls `on_registered` (the relay then resyncs: what the Conductor held may be stale)."""
 
@@ -83,20 +87,23 @@ class Membership:
     async def keep_alive(self) -> None:
         """Keep the lease alive until cancelled (start once registered)."""
         self._again.clear()
+        wait_s = self.lease_ttl_s / 3
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._again.wait(), self.lease_ttl_s / 3)
+                await asyncio.wait_for(self._again.wait(), wait_s)
+            wait_s = self.lease_ttl_s / 3
             if self._again.is_set():
                 self._again.clear()
                 await self.register()
                 continue
             try:
-                await self._client.keep_alive(self.instance_id)
+                await self._client.renew_lease(self.instance_id)
             except NotFound:
                 log.warning("the lease of %s lapsed; registering again", self.instance_id)
                 await self.register()
             except ConductorError as exc:
                 log.warning("keep-alive of %s failed: %s", self.instance_id, exc)
+                wait_s = self.lease_ttl_s / 10  # soon again: the lease is running out
 
     async def leave(self) -> bool:
         """Stop the instance's events and take it out of the Conductor at once; returns

@@ -242,6 +242,12 @@ class _Collector(Collector):
                 c.resume_points,
             ),
             ("resent_batches", "Batches sent again after a reconnect or resume point.", c.resent),
+            (
+                "resent_blocks",
+                "Blocks named by the batches sent again (the Conductor had not made them "
+                "durable: a leader that died before its flush, or a resume point).",
+                c.resent_blocks,
+            ),
             ("dropped_batches", "Batches dropped while waiting for a resync.", c.dropped),
         ):
             yield CounterMetricFamily(PREFIX + name, text, value=max(value, 0))

@@ -16,6 +16,8 @@ from services.common.memory_store import MemoryStore
 from services.common.store import (
     Delete,
     DeletePrefix,
+    Fenced,
+    Guard,
     KeyValue,
     LeaseNotFound,
     Op,
@@ -163,6 +165,35 @@ async def test_commit_drops_only_puts_on_a_missing_lease(store: Store, prefix: b
     # Everything in a chunk bound to dead leases: the chunk is skipped, nothing fails.
     assert await store.commit([Put(p + b"y", b"v", dead.id)]) == type(result)(0, 0, 1)
     await store.revoke_lease(live.id)
+
+
+async def test_a_guarded_commit_applies_only_while_its_key_holds_its_lease(
+    store: Store, prefix: bytes
+) -> None:
+    p = prefix
+    leader = p + b"leader"
+    old_term, new_term = await store.grant_lease(30), await store.grant_lease(30)
+    assert await store.create(leader, b"old", old_term.id)
+    await store.commit([Put(p + b"a", b"1")], Guard(leader, old_term.id))
+    assert (await store.get(p + b"a")) is not None
+    # The old term ends (its key taken away, a new leader elected): its writes are refused.
+    await store.commit([Delete(leader)], Guard(leader, old_term.id))
+    assert await store.create(leader, b"new", new_term.id)
+    before = await store.revision()
+    ops: list[Op] = [Put(p + b"b%03d" % i, b"v") for i in range(130)]
+    ops.append(Delete(p + b"a"))
+    with pytest.raises(Fenced, match="no longer bound"):
+        await store.commit(ops, Guard(leader, old_term.id))
+    assert await store.revision() == before  # nothing of it applied
+    assert [kv.key for kv in await store.get_prefix(p)] == [p + b"a", leader]
+    # A missing key fences too; the current term writes.
+    with pytest.raises(Fenced):
+        await store.commit([Put(p + b"c", b"v")], Guard(p + b"missing", new_term.id))
+    result = await store.commit(ops, Guard(leader, new_term.id))
+    assert result.transactions == 2
+    assert await store.get(p + b"a") is None and await store.get(p + b"b129") is not None
+    for lease in (old_term, new_term):
+        await store.revoke_lease(lease.id)
 
 
 # --------------------------------------------------------------------------- leases

@@ -29,6 +29,8 @@ from services.common.store import (
     CommitResult,
     Delete,
     EtcdSettings,
+    Fenced,
+    Guard,
     KeyValue,
     Lease,
     LeaseNotFound,
@@ -227,17 +229,26 @@ class EtcdStore:
         )
         return int(resp.deleted)
 
-    async def commit(self, ops: Sequence[Op]) -> CommitResult:
+    async def commit(self, ops: Sequence[Op], guard: Guard | None = None) -> CommitResult:
         """Apply `ops` in order in transactions of at most `MAX_TXN_OPS` ops (see the package
-        docstring); puts bound to leases that no longer exist are dropped and counted."""
-        return await commit_planned(ops, self._txn, self.lease_ttl)
+        docstring); puts bound to leases that no longer exist are dropped and counted. With
+        `guard`, every transaction also compares the guard's key's lease, and the first
+        refused raises `Fenced` (that transaction applied nothing)."""
+        return await commit_planned(ops, functools.partial(self._txn, guard=guard), self.lease_ttl)
 
-    async def _txn(self, ops: Sequence[Op]) -> int:
-        request = rpc.TxnRequest(success=[_request_op(op) for op in ops])
+    async def _txn(self, ops: Sequence[Op], guard: Guard | None = None) -> int:
+        compare = [] if guard is None else [_guard_compare(guard)]
+        request = rpc.TxnRequest(compare=compare, success=[_request_op(op) for op in ops])
         resp = await self._etcd.call(
             f"commit of {len(ops)} op(s)",
             lambda c: c.kvstub.Txn(request, timeout=self._timeout(), metadata=c.metadata),
         )
+        if not resp.succeeded:
+            assert guard is not None  # an unconditional transaction always succeeds
+            raise Fenced(
+                f"etcd at {self.endpoint} refused a write: {guard.key!r} is no longer bound to "
+                f"lease {guard.lease:x} (another term leads)"
+            )
         return int(resp.header.revision)
 
     # ---- leases
@@ -363,6 +374,14 @@ class EtcdStore:
 
 def _kv(kv: Any) -> KeyValue:
     return KeyValue(bytes(kv.key), bytes(kv.value), int(kv.lease), int(kv.mod_revision))
+
+
+def _guard_compare(guard: Guard) -> Any:
+    """True while the guard's key exists bound to its lease (a missing key compares as lease
+    0, which no granted lease is)."""
+    return rpc.Compare(
+        key=guard.key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=guard.lease
+    )
 
 
 def _request_op(op: Op) -> Any:

@@ -96,7 +96,8 @@ async def commit_planned(
     lease_ttl: Callable[[int], Awaitable[int]],
 ) -> CommitResult:
     """Apply `ops` in order through `txn` (one transaction, returning the store revision
-    after it) in the transactions `plan_transactions` cuts. A transaction refused with
+    after it; a guarded one raises `Fenced`, and so ends the commit, when its guard no longer
+    holds) in the transactions `plan_transactions` cuts. A transaction refused with
     `LeaseNotFound` is tried again without the puts bound to leases `lease_ttl` no longer
     finds (all of the transaction's leases when it finds them all); they are counted."""
     revision = transactions = dropped = 0
