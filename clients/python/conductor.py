@@ -39,6 +39,8 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 __all__ = ["ConductorClient"]
 
+MAX_RECONNECT_BACKOFF_MS = 250  # longest wait between connection attempts to one Conductor
+
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
@@ -88,9 +90,12 @@ class ConductorClient:
             credentials,
             interceptors,
             [
-                # Come back quickly when a restarted Conductor listens again.
+                # Come back quickly when a restarted Conductor listens again: a channel that
+                # failed to connect fails every call at once until its next attempt, so a
+                # standby that was down a while and now leads must not wait a long backoff
+                # out (Conductors are few: a few connection attempts a second cost nothing).
                 ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", max(100, int(max_backoff_s * 1000))),
+                ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
                 *channel_options,
             ],
         )

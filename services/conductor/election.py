@@ -132,7 +132,8 @@ class Election:
                 return
             remaining = await self.store.keep_alive(self._lease)
             if remaining <= 0:
-                log.warning("leader lease lapsed; stepping down")
+                if self.is_leader:  # else it resigned (shutting down)
+                    log.warning("leader lease lapsed; stepping down")
                 return
 
     async def _wait_for_change(self) -> None:

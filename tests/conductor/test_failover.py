@@ -1,16 +1,19 @@
 """Leader failover with Conductors in separate processes: kill -9 the leader while a client
-streams placements; a standby serves within 2 s, no session binding is lost, and the client
-recovers on its own."""
+streams placements and keeps 2 s instance leases alive; a standby serves within 2 s, no
+session binding is lost, no instance lease lapses, and the client recovers on its own. (The
+whole cluster under streaming load: tests/e2e/test_failover.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from clients.python import ConductorClient
+from clients.python import ConductorClient, Unavailable
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from tests.conductor.conftest import ConductorProcess, instance, leader_of
 from tests.fixtures.etcd import EtcdServer
@@ -18,6 +21,19 @@ from tests.fixtures.poll import wait_for
 
 SESSIONS = 16
 BLOCK = 16
+INSTANCES = 4
+INSTANCE_TTL_S = 2  # as short as `kvsched up`'s: it must outlive the takeover
+
+
+async def keep_alive(client: ConductorClient, renewals: list[float]) -> None:
+    """Renew every instance's lease each third of its TTL, as a Messenger does (at any
+    Conductor that answers); `renewals` records when each round of renewals completed."""
+    while True:
+        for i in range(INSTANCES):
+            with contextlib.suppress(Unavailable):
+                await client.renew_lease(instance(i).instance_id)
+        renewals.append(time.monotonic())
+        await asyncio.sleep(INSTANCE_TTL_S / 3)
 
 
 @pytest.fixture
@@ -48,9 +64,21 @@ async def test_standby_takes_over_within_two_seconds_and_keeps_bindings(
     addresses = [p.url for p in conductors]
     async with ConductorClient(addresses, deadline_s=1.0, retries=40, max_backoff_s=0.1) as client:
         leader_url = await wait_for(lambda: leader_of(client), 15.0, message="a leader is elected")
-        for i in range(4):
-            spec = instance(i)
-            await client.register_instance(spec, lease_ttl_s=60)
+        for i in range(INSTANCES):
+            await client.register_instance(instance(i), lease_ttl_s=INSTANCE_TTL_S)
+        renewals: list[float] = []
+        renewing = asyncio.create_task(keep_alive(client, renewals))
+        standby_url = next(p.url for p in conductors if p.url != leader_url)
+        async with ConductorClient([standby_url], deadline_s=1.0, retries=0) as one:
+
+            async def standby_follows() -> bool:
+                try:
+                    answer = await one.get_leader()
+                except Unavailable:  # not listening yet
+                    return False
+                return not answer.is_leader and answer.leader_id != ""
+
+            await wait_for(standby_follows, 30.0, message="the standby follows the leader")
         hosts: dict[int, str] = {}
         async with client.placement_stream() as stream:
             for turn in range(2):
@@ -75,3 +103,16 @@ async def test_standby_takes_over_within_two_seconds_and_keeps_bindings(
         for s in range(SESSIONS):
             session = await client.get_session(f"session-{s}")
             assert session.host_instance_id == hosts[s]
+        # Past a whole TTL after the kill, renewed all along: no instance's lease lapsed.
+        await wait_for(
+            lambda: renewals and renewals[-1] > killed_at + INSTANCE_TTL_S,
+            10.0,
+            message="renewals go on past a TTL after the kill",
+        )
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        listed = await client.list_instances()
+        assert sorted(i.spec.instance_id for i in listed) == sorted(
+            instance(i).instance_id for i in range(INSTANCES)
+        )
