@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
@@ -54,6 +55,9 @@ class Election:
         self._lease = 0
         self._elected_at = 0  # revision that created this Conductor's leader key
         self._lost = asyncio.Event()  # set when this leader's term is over before its lease
+        # When this Conductor last lost a term while it lived (another took the key, or
+        # fenced its writes), on the monotonic clock; None if never.
+        self.deposed_at: float | None = None
 
     def observe(self, value: bytes | None, revision: int = 0) -> None:
         """The leader key was written (or deleted: None) at `revision`; called by the
@@ -64,7 +68,7 @@ class Election:
         self.leader = LeaderInfo.decode(value) if value else None
         if self.is_leader and self.leader != self.self_info:
             log.warning("the leader key is no longer this Conductor's; stepping down")
-            self._lost.set()
+            self._deposed()
         self.changed.set()
 
     def guard(self) -> Guard | None:
@@ -76,7 +80,11 @@ class Election:
         """A guarded write was refused: the term is over, step down now."""
         if self.is_leader:
             log.warning("a write was fenced off: another term leads; stepping down")
-            self._lost.set()
+            self._deposed()
+
+    def _deposed(self) -> None:
+        self.deposed_at = time.monotonic()
+        self._lost.set()
 
     async def run(
         self,

@@ -48,6 +48,7 @@ async def test_a_stale_terms_write_is_refused_and_applies_nothing(start_conducto
     assert c1.writer.fenced == 1
     await wait_for(lambda: c2.serving, 5.0, message="the standby leads, long before 30 s")
     await wait_for(lambda: not c1.serving, 5.0, message="the fenced leader steps down")
+    assert c1.election.deposed_at is not None  # it lived: its probe pauses
     # A second standby taking over the same (ended) term changes nothing.
     assert not await c1.probe.take_over(leader)
     assert c2.serving
@@ -61,7 +62,8 @@ async def test_a_leader_whose_port_refuses_is_replaced_before_its_lease_lapses(
     await wait_for(lambda: c2.election.leader is not None, 5.0, message="c2 sees the leader")
     async with stub(c1.url) as s:
         await s.RegisterInstance(pb.RegisterInstanceRequest(spec=instance(0)))
-    await c1.http.stop()  # its admin port refuses now, as a dead process's would
+    assert c1.server is not None
+    await c1.server.stop(None)  # its gRPC port refuses now, as a dead process's would
     started = time.monotonic()
     await wait_for(lambda: c2.serving, 5.0, message="the standby takes over")
     assert time.monotonic() - started < 2.0
@@ -77,9 +79,10 @@ async def test_a_stalled_but_listening_leader_is_not_taken_for_dead() -> None:
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
+        assert not await refuses_connections(f"127.0.0.1:{port}")
         assert not await refuses_connections(f"http://127.0.0.1:{port}")
-    assert await refuses_connections(f"http://127.0.0.1:{port}")
-    assert not await refuses_connections("http://127.0.0.1")  # no port: proves nothing
+    assert await refuses_connections(f"127.0.0.1:{port}")
+    assert not await refuses_connections("127.0.0.1")  # no port: proves nothing
 
 
 async def test_a_probe_ends_the_term_only_after_refusals_in_a_row() -> None:
@@ -104,10 +107,39 @@ async def test_a_probe_ends_the_term_only_after_refusals_in_a_row() -> None:
     finally:
         task.cancel()
     # Refused, answered (the count starts over), refused, refused: ended once.
-    assert probed == ["http://127.0.0.1:2"] * 4
+    assert probed == ["127.0.0.1:1"] * 4
     assert probe.takeovers == 1
     assert await store.get(keys.LEADER.encode()) is None
     assert await store.lease_ttl(lease.id) < 0  # revoked
+
+
+async def test_a_conductor_deposed_while_alive_pauses_its_probe() -> None:
+    """Its address refused connections from another Conductor while it lived: probing that
+    one back at once would take the lead from each other in turn."""
+    store = MemoryStore()
+    now = [100.0]
+    standby = Election(store, LeaderInfo("c1", "a:1", "http://a:2"), 30)
+    standby.observe(LeaderInfo("c2", "127.0.0.1:1", "http://b:2").encode())
+    standby.deposed_at = now[0] - 1.0
+    probed: list[str] = []
+
+    async def refuses(url: str) -> bool:
+        probed.append(url)
+        return False
+
+    probe = DeadLeaderProbe(
+        store, lambda: standby, interval_s=0.001, pause_s=30.0, refuses=refuses,
+        clock=lambda: now[0],
+    )  # fmt: skip
+    task = asyncio.create_task(probe.run())
+    try:
+        for _ in range(20):
+            await asyncio.sleep(0.002)
+        assert probed == []  # paused
+        now[0] += 30.0
+        await wait_for(lambda: probed, 5.0, message="probing again after the pause")
+    finally:
+        task.cancel()
 
 
 async def test_a_leader_ignores_old_news_of_the_key_and_steps_down_on_new() -> None:
