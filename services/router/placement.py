@@ -19,7 +19,9 @@ requests wait for an answer at once; more are shed without asking.
 Fallback. The Router keeps the last instance list (`ListInstances` every `refresh_s` seconds)
 and decides locally only when the Conductor is unreachable: the refresh or a placement got
 UNAVAILABLE (connection refused, no leader), not merely no answer in time. A session goes to
-its rendezvous-hash instance (highest `xxh3_64(instance_id ‖ session)`; every Router computes
+the instance the Conductor last placed it on, as this Router saw it (`session_hosts.py`:
+during a leader change the session's turns keep finding their KV), else to its
+rendezvous-hash instance (highest `xxh3_64(instance_id ‖ session)`; every Router computes
 the same from the same list, so a session stays together across Routers), anything else to
 the instance with the fewest requests in flight from this Router. Its admission rule is a
 per-instance bound (`fallback_max_in_flight`) on the requests this Router has open there: a
@@ -56,6 +58,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.openai_api import bad_request, rate_limited, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, fits_instance, shed
+from services.router.session_hosts import SessionHosts
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +152,7 @@ class Placer:
         self._placing = BoundedCount(max_placing, metrics.placing, metrics.placing_limit)
         self._per_instance = fallback_max_in_flight
         metrics.fallback_instance_limit.set(fallback_max_in_flight)
+        self._session_hosts = SessionHosts()
         self._up = True  # optimistic until the first refresh says otherwise
         self.fallback_decisions = 0
         self._refresher: asyncio.Task[None] | None = None
@@ -310,6 +314,7 @@ class Placer:
         except ConductorError as exc:  # cancelled at shutdown, internal errors
             log.debug("placement failed (%s); falling back", exc.code.name)
             return self.fallback(query, "error")
+        self._session_hosts.placed(query.session_id, decision.instance_id)
         decode = decision.decode_instance_id
         return Placement(
             request_id=query.request_id,
@@ -342,7 +347,11 @@ class Placer:
         ]
         if not candidates:
             raise unavailable("No inference instance is available; try again shortly.")
-        if query.session_id:
+        last = self._session_hosts.host(query.session_id) if query.session_id else None
+        remembered = [i for i in candidates if i.instance_id == last]
+        if remembered:
+            chosen, rule = remembered[0], "fallback_session_last_host"
+        elif query.session_id:
             chosen = rendezvous(candidates, query.session_id)
             rule = "fallback_session_hash"
         else:

@@ -43,7 +43,8 @@ class Load:
     failures: list[str] = field(default_factory=list)
     fallbacks: int = 0  # answers the Router placed alone (the Conductor did not answer)
     hosts: dict[int, str] = field(default_factory=dict)  # where each client's last turn ran
-    moved: int = 0  # turns served elsewhere than the session's previous turn
+    placed: dict[int, str] = field(default_factory=dict)  # ... the last the Conductor placed
+    moved: int = 0  # turns the Routers placed alone elsewhere than the Conductor's last
 
     def snapshot(self) -> Counter[int]:
         return Counter(self.turns)
@@ -80,9 +81,12 @@ async def _client(
                 else:
                     load.turns[c] += 1
                     host = resp.headers["x-kvsched-instance"]
-                    load.moved += load.hosts.get(c, host) != host
                     load.hosts[c] = host
-                    load.fallbacks += resp.headers.get("x-kvsched-fallback") == "1"
+                    if resp.headers.get("x-kvsched-fallback") == "1":
+                        load.fallbacks += 1
+                        load.moved += load.placed.get(c, host) != host
+                    else:
+                        load.placed[c] = host
         except (aiohttp.ClientError, TimeoutError) as exc:
             load.failures.append(f"client {c} turn {turn}: {exc!r}")
         messages.append({"role": "assistant", "content": "ok"})
@@ -187,7 +191,7 @@ class RoundResult:
     counts: Counter[str]  # the Messengers' counters: what the round added
     failures: list[str]  # client requests that failed during the round
     fallbacks: int  # answers the Routers placed alone during the round
-    moved: int  # turns served elsewhere than their session's previous turn, during the round
+    moved: int  # of those, turns served elsewhere than their session's binding
 
     def line(self, n: int) -> str:
         c = self.counts

@@ -2,7 +2,8 @@
 (`tests/e2e/failover_drill.py`): an engine is killed and leaves, then the leader is SIGKILLed
 twice in a row. Each takeover takes at most 2 s; no session binding changes, in etcd or in the
 new leader; no instance is registered again or resynced and no event cursor goes back (only
-the dead leader's unflushed tail of KV events is sent again); no client request fails.
+the dead leader's unflushed tail of KV events is sent again); no client request fails, and
+turns the Routers place alone while no Conductor answers go to the sessions' hosts.
 Instance leases are the e2e cluster's short ones (`INSTANCE_TTL_S`)."""
 
 from __future__ import annotations
@@ -42,3 +43,4 @@ async def test_leader_killed_twice_under_load_loses_no_binding_and_no_registrati
         for counter in ("resyncs", "registrations", "engine_registered"):
             assert result.counts[counter] == 0, line
         assert not result.failures, result.failures[:5]
+        assert result.moved == 0, line  # the Routers' own placements kept the bindings too

@@ -18,6 +18,7 @@ from services.router.metrics import RouterMetrics
 from services.router.placement import KnownInstance, PlacementQuery, Placer, rendezvous
 from services.router.prepare import session_key
 from services.router.proxy import with_cache_salt
+from services.router.session_hosts import SessionHosts
 from services.router.settings import parse
 from services.router.usage import Usage, from_body, from_sse_tail
 
@@ -148,6 +149,34 @@ def test_least_in_flight_and_suspects() -> None:
         placer.fallback(q, "refused", exclude=("i0", "i1", "i2"))
     assert (err.value.status, err.value.response().headers["Retry-After"]) == (503, "1")
     assert placer.fallback_decisions == 2 + 4
+
+
+def test_the_fallback_keeps_a_session_where_the_conductor_last_placed_it() -> None:
+    client: Any = _NoClient()
+    placer = Placer(client, RouterMetrics(), timeout_s=0.1, refresh_s=1.0)
+    placer._instances = tuple(KnownInstance(f"i{i}", f"http://h{i}") for i in range(4))
+    q = PlacementQuery("r", 10, 1, [], "tenant/s")
+    hashed = placer.fallback(q, "timeout")
+    assert hashed.rule == "fallback_session_hash"
+    bound = next(i.instance_id for i in placer._instances if i.instance_id != hashed.instance_id)
+    placer._session_hosts.placed("tenant/s", bound)  # as a Conductor decision records it
+    kept = placer.fallback(q, "timeout")
+    assert (kept.instance_id, kept.rule) == (bound, "fallback_session_last_host")
+    placer.suspect(bound)  # gone: the hash again
+    assert placer.fallback(q, "timeout").instance_id == hashed.instance_id
+
+
+def test_session_hosts_forget_the_least_recently_placed_first() -> None:
+    hosts = SessionHosts(capacity=2)
+    hosts.placed("a", "i0")
+    hosts.placed("b", "i1")
+    hosts.placed("a", "i2")  # a is now the most recent
+    hosts.placed("c", "i0")
+    assert (hosts.host("a"), hosts.host("b"), hosts.host("c"), len(hosts)) == ("i2", None, "i0", 2)
+    hosts.placed("", "i0")  # no session: nothing to remember
+    assert len(hosts) == 2
+    with pytest.raises(ValueError, match="negative"):
+        SessionHosts(capacity=-1)
 
 
 class _NoClient:
