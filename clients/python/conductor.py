@@ -107,6 +107,7 @@ class ConductorClient:
             backoff=self._backoff,
             check_open=self._check_open,
         )
+        self._renewer: str | None = None  # the address that renewed a lease last
         self._streams: set[PlacementStream] = set()
         self._closing = False  # no new placement streams
         self._closed = False
@@ -242,31 +243,42 @@ class ConductorClient:
         request = pb.KeepAliveInstanceRequest(instance_id=instance_id)
         return await self._call(lambda s: s.KeepAliveInstance, request, write=True, idempotent=True)
 
-    async def renew_lease(self, instance_id: str) -> pb.KeepAliveInstanceResponse:
-        """Refresh an instance's lease at whichever Conductor answers first, the believed
-        leader first, then every address once, with no leader discovery: a standby renews the
-        lease in etcd itself, so the lease outlives a leader change. Raises `NotFound` when
-        the lease lapsed (register again), `Unavailable` when no Conductor renewed it. The
-        answer's `next_event_sequence` is the leader's only when the leader answered: use
+    async def renew_lease(
+        self, instance_id: str, *, deadline_s: float | None = None
+    ) -> pb.KeepAliveInstanceResponse:
+        """Refresh an instance's lease at whichever Conductor answers first (the one that
+        renewed last, the believed leader, then every address once), with no leader search:
+        a standby renews the lease in etcd itself, so the lease outlives a leader change, or a
+        leader that hangs.
+        `deadline_s` bounds each attempt (default: the client's deadline; keep it well under
+        the lease's TTL, so a hung Conductor leaves time to ask the next). Raises `NotFound`
+        when the lease lapsed (register again), `Unavailable` when no Conductor renewed it.
+        The answer's `next_event_sequence` is the leader's only when the leader answered: use
         `keep_alive` to learn where events resume."""
         request = pb.KeepAliveInstanceRequest(instance_id=instance_id)
-        believed = self._leaders.current
-        order = dict.fromkeys([*([believed] if believed else []), *self.addresses])
+        timeout = self.deadline_s if deadline_s is None else deadline_s
+        first = [a for a in (self._renewer, self._leaders.current) if a]
+        order = dict.fromkeys([*first, *self.addresses])
         last = "no Conductor answered"
         for address in order:
             self._check_open()
             try:
-                return await self._channels.stub(address).KeepAliveInstance(
-                    request, timeout=self.deadline_s
+                answer = await self._channels.stub(address).KeepAliveInstance(
+                    request, timeout=timeout
                 )
             except grpc.RpcError as err:
                 failure = from_rpc_error(err)
             except aio.UsageError as err:  # the channel was closed under the call
                 raise ConductorError(grpc.StatusCode.CANCELLED, str(err)) from None
+            else:
+                self._renewer = address  # asked first next time: a hung leader costs once
+                return answer
             if failure.code == grpc.StatusCode.NOT_FOUND:
                 raise failure
-            if failure.code == grpc.StatusCode.UNAVAILABLE:
+            if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._leaders.forget(address)
+                if self._renewer == address:
+                    self._renewer = None
             last = f"{address}: {failure.code.name} {failure.message}"
         raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no Conductor renewed the lease; {last}")
 

@@ -97,7 +97,8 @@ class Membership:
                 await self.register()
                 continue
             try:
-                await self._client.renew_lease(self.instance_id)
+                # A quarter of the TTL per Conductor: a hung one leaves time for the next.
+                await self._client.renew_lease(self.instance_id, deadline_s=self.lease_ttl_s / 4)
             except NotFound:
                 log.warning("the lease of %s lapsed; registering again", self.instance_id)
                 await self.register()

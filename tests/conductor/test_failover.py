@@ -1,12 +1,15 @@
 """Leader failover with Conductors in separate processes: kill -9 the leader while a client
 streams placements and keeps 2 s instance leases alive; a standby serves within 2 s, no
-session binding is lost, no instance lease lapses, and the client recovers on its own. (The
-whole cluster under streaming load: tests/e2e/test_failover.py.)"""
+session binding is lost, no instance lease lapses, and the client recovers on its own. A
+leader that stalls (SIGSTOP) is not taken for dead, and the instance leases live on through
+the standby meanwhile. (The whole cluster under streaming load: tests/e2e/test_failover.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,10 +31,13 @@ INSTANCE_TTL_S = 2  # as short as `kvsched up`'s: it must outlive the takeover
 async def keep_alive(client: ConductorClient, renewals: list[float]) -> None:
     """Renew every instance's lease each third of its TTL, as a Messenger does (at any
     Conductor that answers); `renewals` records when each round of renewals completed."""
+
+    async def renew(i: int) -> None:
+        with contextlib.suppress(Unavailable):
+            await client.renew_lease(instance(i).instance_id, deadline_s=INSTANCE_TTL_S / 4)
+
     while True:
-        for i in range(INSTANCES):
-            with contextlib.suppress(Unavailable):
-                await client.renew_lease(instance(i).instance_id)
+        await asyncio.gather(*(renew(i) for i in range(INSTANCES)))  # a Messenger's are apart
         renewals.append(time.monotonic())
         await asyncio.sleep(INSTANCE_TTL_S / 3)
 
@@ -116,3 +122,51 @@ async def test_standby_takes_over_within_two_seconds_and_keeps_bindings(
         assert sorted(i.spec.instance_id for i in listed) == sorted(
             instance(i).instance_id for i in range(INSTANCES)
         )
+
+
+async def test_a_stalled_leader_keeps_its_term_and_instance_leases_live_on(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    # A 5 s leader lease: the 2.5 s stall below must not end the term by itself.
+    procs = [
+        ConductorProcess(etcd, f"c{i}", tmp_path / f"c{i}.log", policy="sticky", leader_ttl=5)
+        for i in range(2)
+    ]
+    try:
+        async with ConductorClient([p.url for p in procs], deadline_s=1.0, retries=40) as client:
+            leader_url = await wait_for(lambda: leader_of(client), 15.0, message="a leader")
+            for i in range(INSTANCES):
+                await client.register_instance(instance(i), lease_ttl_s=INSTANCE_TTL_S)
+            leader = next(p for p in procs if p.url == leader_url)
+            standby = next(p for p in procs if p is not leader)
+            async with ConductorClient([standby.url], deadline_s=1.0, retries=0) as one:
+
+                async def follows() -> bool:
+                    try:
+                        answer = await one.get_leader()
+                    except Unavailable:
+                        return False
+                    return not answer.is_leader and answer.leader_id != ""
+
+                await wait_for(follows, 30.0, message="the standby follows the leader")
+                renewals: list[float] = []
+                renewing = asyncio.create_task(keep_alive(client, renewals))
+                os.kill(leader.process.pid, signal.SIGSTOP)  # alive, listening, silent
+                try:
+                    # The stall lasts longer than an instance lease: only the standby's
+                    # renewals keep the instances (a scenario's length, not a wait).
+                    await asyncio.sleep(INSTANCE_TTL_S * 1.25)
+                    answer = await one.get_leader()
+                    assert not answer.is_leader, "the stalled leader was taken for dead"
+                finally:
+                    os.kill(leader.process.pid, signal.SIGCONT)
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+            assert len(renewals) >= 3
+            assert await client.leader() == leader.url  # it kept its term
+            listed = await client.list_instances()
+            assert len(listed) == INSTANCES, "an instance lease lapsed during the stall"
+    finally:
+        for p in procs:
+            p.stop()
