@@ -133,7 +133,8 @@ class ConductorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KeepAliveInstance(self, request, context):
-        """Refreshes an instance's lease; an instance whose lease lapses leaves routing.
+        """Refreshes an instance's lease; an instance whose lease lapses leaves routing. A standby
+        answers it too (it renews the lease in etcd), so a lease outlives a leader change.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,7 +39,9 @@ class ConductorServiceStub:
     RegisterInstance: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.RegisterInstanceRequest, _conductor_service_pb2.RegisterInstanceResponse]
     """Registers (or re-registers) an engine instance and binds it to a lease."""
     KeepAliveInstance: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.KeepAliveInstanceRequest, _conductor_service_pb2.KeepAliveInstanceResponse]
-    """Refreshes an instance's lease; an instance whose lease lapses leaves routing."""
+    """Refreshes an instance's lease; an instance whose lease lapses leaves routing. A standby
+    answers it too (it renews the lease in etcd), so a lease outlives a leader change.
+    """
     DeregisterInstance: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.DeregisterInstanceRequest, _conductor_service_pb2.DeregisterInstanceResponse]
     """Removes an instance at once (graceful shutdown of an engine)."""
     ListInstances: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.ListInstancesRequest, _conductor_service_pb2.ListInstancesResponse]
@@ -87,7 +89,9 @@ class ConductorServiceAsyncStub(ConductorServiceStub):
     RegisterInstance: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.RegisterInstanceRequest, _conductor_service_pb2.RegisterInstanceResponse]  # type: ignore[assignment]
     """Registers (or re-registers) an engine instance and binds it to a lease."""
     KeepAliveInstance: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.KeepAliveInstanceRequest, _conductor_service_pb2.KeepAliveInstanceResponse]  # type: ignore[assignment]
-    """Refreshes an instance's lease; an instance whose lease lapses leaves routing."""
+    """Refreshes an instance's lease; an instance whose lease lapses leaves routing. A standby
+    answers it too (it renews the lease in etcd), so a lease outlives a leader change.
+    """
     DeregisterInstance: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.DeregisterInstanceRequest, _conductor_service_pb2.DeregisterInstanceResponse]  # type: ignore[assignment]
     """Removes an instance at once (graceful shutdown of an engine)."""
     ListInstances: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.ListInstancesRequest, _conductor_service_pb2.ListInstancesResponse]  # type: ignore[assignment]
@@ -144,7 +148,9 @@ class ConductorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _conductor_service_pb2.KeepAliveInstanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_conductor_service_pb2.KeepAliveInstanceResponse, _abc.Awaitable[_conductor_service_pb2.KeepAliveInstanceResponse]]:
-        """Refreshes an instance's lease; an instance whose lease lapses leaves routing."""
+        """Refreshes an instance's lease; an instance whose lease lapses leaves routing. A standby
+        answers it too (it renews the lease in etcd), so a lease outlives a leader change.
+        """
 
     @_abc_1.abstractmethod
     def DeregisterInstance(
