@@ -53,7 +53,7 @@ from services.conductor.http import AdminHttp
 from services.conductor.instance_rpcs import InstanceRpcs
 from services.conductor.keys import InstanceRecord
 from services.conductor.leadership import Leadership
-from services.conductor.metrics import ConductorMetrics, StateGauges
+from services.conductor.metrics import ConductorMetrics, FailoverCounters, StateGauges
 from services.conductor.persist import Persister
 from services.conductor.placement_rpcs import PlacementRpcs
 from services.conductor.registration import Registrar
@@ -124,6 +124,10 @@ class Conductor:
         )
         self.metrics.registry.register(
             StateGauges(current, self.leadership, lambda: transfers.running, self.pending)
+        )
+        probe, writer = self.probe, self.writer
+        self.metrics.registry.register(
+            FailoverCounters(lambda: probe.takeovers, lambda: writer.fenced)
         )
         hasher = settings.block_hashes.hasher(settings.block_size)  # explains token ids
         explainer = Explainer(current, hasher, self.clock)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.conductor.backpressure import PendingPlacements
@@ -176,3 +176,25 @@ class StateGauges(Collector):
             for iid, inst in state.instances.items():
                 g.add_metric([iid], float(values[inst.slot]))
             yield g
+
+
+class FailoverCounters(Collector):
+    """What this Conductor did in leader changes, read at scrape time: the dead leaders'
+    terms it ended without waiting for their leases (`takeover.py`), and its own writes
+    refused because its term was over (`fencing.py`)."""
+
+    def __init__(self, takeovers: Callable[[], int], fenced: Callable[[], int]) -> None:
+        self.takeovers = takeovers
+        self.fenced = fenced
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "kvsched_conductor_takeovers",
+            "Terms of a dead leader (its address refusing connections) this standby ended.",
+            value=self.takeovers(),
+        )
+        yield CounterMetricFamily(
+            "kvsched_conductor_fenced_writes",
+            "etcd writes of this Conductor refused because another term leads.",
+            value=self.fenced(),
+        )

@@ -46,6 +46,7 @@ async def test_a_stale_terms_write_is_refused_and_applies_nothing(start_conducto
     assert await c1.store.get(b"/kvsched/v1/test/after") is None
     assert await c1.store.get(b"/kvsched/v1/test/before") is not None
     assert c1.writer.fenced == 1
+    assert c1.metrics.registry.get_sample_value("kvsched_conductor_fenced_writes_total") == 1
     await wait_for(lambda: c2.serving, 5.0, message="the standby leads, long before 30 s")
     await wait_for(lambda: not c1.serving, 5.0, message="the fenced leader steps down")
     assert c1.election.deposed_at is not None  # it lived: its probe pauses
@@ -68,6 +69,7 @@ async def test_a_leader_whose_port_refuses_is_replaced_before_its_lease_lapses(
     await wait_for(lambda: c2.serving, 5.0, message="the standby takes over")
     assert time.monotonic() - started < 2.0
     assert c2.probe.takeovers == 1
+    assert c2.metrics.registry.get_sample_value("kvsched_conductor_takeovers_total") == 1
     await wait_for(lambda: not c1.serving, 5.0, message="the old leader steps down")
     assert "node-0/engine-0" in c2.state.instances  # adopted, not re-registered
 
