@@ -19,9 +19,10 @@ from kvsched.core.cluster import Role
 from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
 from services.common.memory_store import MemoryStore
-from services.common.store import Fenced, Put
+from services.common.store import Fenced, Guard, Put
 from services.conductor import keys
 from services.conductor.election import Election, LeaderInfo
+from services.conductor.fencing import TermWriter
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
 from services.conductor.takeover import DeadLeaderProbe, refuses_connections
@@ -53,6 +54,25 @@ async def test_a_stale_terms_write_is_refused_and_applies_nothing(start_conducto
     # A second standby taking over the same (ended) term changes nothing.
     assert not await c1.probe.take_over(leader)
     assert c2.serving
+
+
+async def test_a_conductor_that_does_not_lead_writes_nothing() -> None:
+    store = MemoryStore()
+    told: list[str] = []
+    writer = TermWriter(store, lambda: None, lambda: told.append("fenced"))
+    before = await store.revision()
+    with pytest.raises(Fenced, match="does not lead"):
+        await writer.commit([Put(b"/kvsched/v1/x", b"1")])
+    assert await store.revision() == before and writer.fenced == 1
+    assert told == []  # nothing to step down from
+    lease = await store.grant_lease(30)
+    assert await store.create(keys.LEADER.encode(), b"other", lease.id)
+    stale = TermWriter(
+        store, lambda: Guard(keys.LEADER.encode(), lease.id + 1), lambda: told.append("fenced")
+    )
+    with pytest.raises(Fenced):
+        await stale.commit([Put(b"/kvsched/v1/x", b"1")])
+    assert told == ["fenced"] and await store.get(b"/kvsched/v1/x") is None
 
 
 async def test_a_leader_whose_port_refuses_is_replaced_before_its_lease_lapses(
