@@ -234,10 +234,12 @@ async def drill(cluster: LocalCluster, rounds: int, workdir: Path) -> list[Round
         await etcd.close()
         for process in restarted:
             process.terminate()
+        for process in restarted:
             try:
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
     return results
 
 
