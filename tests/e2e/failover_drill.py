@@ -25,7 +25,6 @@ import aiohttp
 
 from clients.python import ConductorClient
 from services.common.etcd import EtcdStore
-from services.common.store import EtcdSettings
 from services.conductor import keys
 from tests.e2e.conftest import LocalCluster
 from tests.fixtures.poll import wait_for
@@ -210,7 +209,7 @@ async def drill(cluster: LocalCluster, rounds: int, workdir: Path) -> list[Round
     to `workdir` and are stopped at the end."""
     conductors = [ConductorProc.of(entry) for entry in cluster.endpoints["conductors"]]
     restarted: list[subprocess.Popen[bytes]] = []
-    etcd = EtcdStore(EtcdSettings(endpoints=(cluster.endpoints["etcd"]["url"],)))
+    etcd = EtcdStore(cluster.etcd_settings())
     await etcd.connect()
     results: list[RoundResult] = []
     try:
@@ -257,7 +256,9 @@ async def _kill_an_engine(
     async def victim_gone() -> bool:
         for c in conductors:
             if (await _leader_http(http, c)).get("is_leader"):
-                async with http.get(f"{c.http_url}/api/nodes/stats") as resp:
+                async with http.get(
+                    f"{c.http_url}/api/nodes/stats", headers=cluster.admin_headers
+                ) as resp:
                     rows = (await resp.json())["instances"]
                 return victim not in {row["instance_id"] for row in rows}
         return False
@@ -302,7 +303,9 @@ async def _kill_the_leader(
     takeover_s = time.monotonic() - killed
     await load.each_client_turns(turns, 3, 60.0)
     after, resumed = await _bindings(etcd), await _cursors(etcd)
-    async with ConductorClient([standby.url], deadline_s=2.0) as client:
+    async with ConductorClient(
+        [standby.url], deadline_s=2.0, credentials=cluster.credentials()
+    ) as client:
         held = {sid: (await client.get_session(sid)).host_instance_id for sid in before}
     delta = await _messenger_counts(http, cluster)
     delta.subtract(counts)
