@@ -9,13 +9,16 @@
    text (1 MiB of prose: within the byte bound, so tokenized in full, ~300k tokens, then
    refused by its count, so no engine's own tokenizing is in the way), against alone;
 3. refused: how long a 10 MB prompt takes to be refused (beyond the context by its bytes
-   alone), and a small completion's latency meanwhile, against alone (goal: refused in under
-   50 ms, the small one delayed by under 10 ms).
+   alone; the Router's body worker decodes it, `services.router.bodies`), alone and while
+   small completions run, and the small ones' latency meanwhile, against alone (goal:
+   refused in under 50 ms, the small one delayed by under 10 ms).
 
 The large requests are sent from a thread of their own; each "alone" is measured in the same
-run, just before. Times are milliseconds.
+run, just before. Times are milliseconds; "added" compares a percentile of the small
+requests' latency during the large ones with the same percentile alone.
 
     .venv/bin/python -m bench.router_large_prompt [--text-kib 1024] [--small 40] [--rounds 5]
+        [--refusals 20]
 """
 
 from __future__ import annotations
@@ -59,7 +62,21 @@ def prose(kib: int) -> str:
 
 
 def summary(ms: list[float]) -> dict[str, float]:
-    return {"n": len(ms), "p50_ms": statistics.median(ms), "max_ms": max(ms)}
+    return {"n": len(ms), "p50_ms": statistics.median(ms), "p99_ms": p99(ms), "max_ms": max(ms)}
+
+
+def p99(ms: list[float]) -> float:
+    return statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) > 1 else ms[0]
+
+
+def compared(alone: list[float], during: list[float]) -> dict[str, float]:
+    """How much slower the small requests were during the large ones than alone."""
+    return {
+        "added_p50_ms": statistics.median(during) - statistics.median(alone),
+        "added_p99_ms": p99(during) - p99(alone),
+        "added_max_ms": max(during) - statistics.median(alone),
+        "ratio_p50": statistics.median(during) / statistics.median(alone),
+    }
 
 
 def gil(text: str, rounds: int) -> dict[str, Any]:
@@ -165,6 +182,25 @@ async def small_during(
     return large_ms, large_status, took
 
 
+async def large_runs(
+    http: aiohttp.ClientSession, url: str, key: str, body: bytes, *, rounds: int, alone: list[float]
+) -> dict[str, Any]:
+    """`rounds` large requests, each with small ones sent meanwhile (`small_during`)."""
+    large_ms, status, during = [], [], []
+    for _ in range(rounds):
+        ms, st, took = await small_during(http, url, key, body)
+        large_ms.append(ms)
+        status.append(st)
+        during += took
+    return {
+        "large_ms": summary(large_ms),
+        "large_status": sorted(set(status)),
+        "small_alone": summary(alone),
+        "small_during": summary(during),
+        **compared(alone, during),
+    }
+
+
 async def cluster_runs(args: argparse.Namespace, text: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvsched-bench-") as tmp:
         run_dir = Path(tmp)
@@ -181,24 +217,22 @@ async def cluster_runs(args: argparse.Namespace, text: str) -> dict[str, Any]:
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 await small_alone(http, url, key, 20)  # warm up
                 out: dict[str, Any] = {}
-                for name, prompt in (("tokenized", text), ("refused", "a" * TEN_MB)):
-                    alone = await small_alone(http, url, key, args.small)
-                    large_ms, status, during = [], [], []
-                    body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
-                    for _ in range(args.rounds):
-                        ms, st, took = await small_during(http, url, key, body)
-                        large_ms.append(ms)
-                        status.append(st)
-                        during += took
-                    out[name] = {
-                        "large_ms": summary(large_ms),
-                        "large_status": sorted(set(status)),
-                        "small_alone": summary(alone),
-                        "small_during": summary(during),
-                        "added_p50_ms": statistics.median(during) - statistics.median(alone),
-                        "added_max_ms": max(during) - statistics.median(alone),
-                        "ratio_p50": statistics.median(during) / statistics.median(alone),
-                    }
+                alone = await small_alone(http, url, key, args.small)
+                body = json.dumps({"prompt": text, "max_tokens": 1}).encode()
+                tokenized = await large_runs(http, url, key, body, rounds=args.rounds, alone=alone)
+                out["tokenized"] = tokenized
+                alone = await small_alone(http, url, key, args.small)
+                body = json.dumps({"prompt": "a" * TEN_MB, "max_tokens": 1}).encode()
+                refused_alone = []
+                for _ in range(args.refusals):
+                    status, data, ms = await asyncio.to_thread(post_blocking, url, body, key)
+                    if status != 400:
+                        raise RuntimeError(f"10 MB prompt: HTTP {status}: {data[:300]!r}")
+                    refused_alone.append(ms)
+                out["refused"] = {
+                    "large_alone_ms": summary(refused_alone),
+                    **await large_runs(http, url, key, body, rounds=args.refusals, alone=alone),
+                }
             return out
         finally:
             sup.stop()
@@ -210,7 +244,8 @@ def main() -> None:
     )
     p.add_argument("--text-kib", type=int, default=1024, help="the large text's size, KiB")
     p.add_argument("--small", type=int, default=40, help="small requests measured alone")
-    p.add_argument("--rounds", type=int, default=5, help="large requests per case")
+    p.add_argument("--rounds", type=int, default=5, help="large texts tokenized")
+    p.add_argument("--refusals", type=int, default=20, help="10 MB prompts refused (twice)")
     args = p.parse_args()
     text = prose(args.text_kib)
     out = {"gil": gil(text, args.rounds), **asyncio.run(cluster_runs(args, text))}
@@ -229,13 +264,20 @@ def main() -> None:
         )
     for name in ("tokenized", "refused"):
         c = out[name]
+        if "large_alone_ms" in c:
+            a = c["large_alone_ms"]
+            print(
+                f"{name} alone: p50 {a['p50_ms']:.1f} ms p99 {a['p99_ms']:.1f} ms max "
+                f"{a['max_ms']:.1f} ms (n={a['n']})"
+            )
+        large, alone, during = c["large_ms"], c["small_alone"], c["small_during"]
         print(
-            f"{name}: large p50 {c['large_ms']['p50_ms']:.1f} ms max "
-            f"{c['large_ms']['max_ms']:.1f} ms (HTTP {c['large_status']}); small alone p50 "
-            f"{c['small_alone']['p50_ms']:.2f} ms, during p50 "
-            f"{c['small_during']['p50_ms']:.2f} ms max {c['small_during']['max_ms']:.2f} ms "
-            f"(n={c['small_during']['n']}; added p50 {c['added_p50_ms']:.2f} ms, max "
-            f"{c['added_max_ms']:.2f} ms; {c['ratio_p50']:.2f}x p50)"
+            f"{name} with small ones: p50 {large['p50_ms']:.1f} ms p99 {large['p99_ms']:.1f} ms "
+            f"(HTTP {c['large_status']}); small alone p50 {alone['p50_ms']:.2f} p99 "
+            f"{alone['p99_ms']:.2f} ms, during p50 {during['p50_ms']:.2f} p99 "
+            f"{during['p99_ms']:.2f} max {during['max_ms']:.2f} ms (n={during['n']}): added "
+            f"p50 {c['added_p50_ms']:.2f} ms, p99 {c['added_p99_ms']:.2f} ms ({c['ratio_p50']:.2f}x"
+            " p50)"
         )
     print(json.dumps(out))
 

@@ -24,8 +24,8 @@ from services.common.tokenizer_dir import TokenizerDir
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL", "MAX_BODY_BYTES", "ApiError", "CompletionRequest",
-    "Kind", "PromptTokenizer", "bad_request", "check_length", "parse_request", "rate_limited",
-    "read_json", "unavailable",
+    "Kind", "PromptTokenizer", "bad_request", "body_cut_short", "body_too_large", "check_length",
+    "decode_json", "parse_request", "rate_limited", "read_json", "unavailable",
 ]  # fmt: skip
 
 # The simulated engines model this one (its KV size and step times); only the tokenizer is a
@@ -37,17 +37,32 @@ MAX_BODY_BYTES = 32 << 20
 Kind = Literal["completion", "chat"]
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object; raises `ApiError` 400 (or 413) otherwise, and 400
-    for a body cut short (the client may still read the answer)."""
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+async def read_json(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The request body as a JSON object; raises `ApiError` 400 (or 413 over `max_bytes`)
+    otherwise, and 400 for a body cut short (the client may still read the answer)."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise body_too_large(max_bytes)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes") from None
+        raise body_too_large(max_bytes) from None
     except (ConnectionError, HttpProcessingError):  # the body ended before its Content-Length
-        raise bad_request("the request body ended before its Content-Length") from None
+        raise body_cut_short() from None
+    return decode_json(raw)
+
+
+def body_too_large(max_bytes: int) -> ApiError:
+    """The 413 for a request body over `max_bytes`."""
+    return ApiError(413, f"request body over {max_bytes} bytes")
+
+
+def body_cut_short() -> ApiError:
+    return bad_request("the request body ended before its Content-Length")
+
+
+def decode_json(raw: bytes | bytearray) -> dict[str, Any]:
+    """`raw` as a JSON object; raises `ApiError` 400 for anything else (invalid JSON or
+    UTF-8, NaN or Infinity, nesting too deep, not an object)."""
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as exc:

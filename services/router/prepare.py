@@ -2,7 +2,8 @@
 the request runs.
 
 Every check the Router makes of a request's content is here, in the order a client meets
-them: the body (JSON, at most `MAX_BODY_BYTES`: `read_json`), its fields (`parse_request`),
+them: the body (JSON, at most `max_body_bytes`; a large one decoded and checked by the body
+worker process: `bodies`), its fields (`parse_request`),
 the session id's length (`check_session_id`), a prompt too long for the context by its bytes
 alone (`RouterTokenizer.least_tokens`: refused untokenized), the chat's rendering
 (`PromptTokenizer.prompt_ids`: media parts, a request's own template), then the lengths
@@ -27,18 +28,19 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 
 from services.common.openai_api import (
+    MAX_BODY_BYTES,
     CompletionRequest,
     Kind,
     bad_request,
     check_length,
     parse_request,
-    read_json,
 )
 from services.router.auth import Tenant
+from services.router.bodies import BodyReader, BodyWorker
 from services.router.placement import PlacementQuery
 from services.router.proxy import with_cache_salt
 from services.router.settings import RouterSettings
-from services.router.tokenizer import RouterTokenizer
+from services.router.tokenizer import RouterTokenizer, body_bytes_bound
 
 _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
@@ -69,10 +71,16 @@ class Call:
 
 class Preparer:
     """Turns an HTTP request into a `Call` (see the module docstring); owns the tokenizer and
-    its threads."""
+    its threads, and the body reader and its worker process (`start` starts it)."""
 
     def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
         self.tokenizer = RouterTokenizer(settings.tokenizer)
+        mtb = self.tokenizer.max_token_bytes
+        self.max_body_bytes = settings.max_body_bytes or min(
+            body_bytes_bound(settings.max_model_len, mtb) or MAX_BODY_BYTES, MAX_BODY_BYTES
+        )
+        worker = BodyWorker(mtb, settings.max_model_len) if settings.body_worker_bytes else None
+        self.bodies = BodyReader(self.max_body_bytes, worker, settings.body_worker_bytes)
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)
         self.max_model_len = settings.max_model_len
@@ -82,9 +90,17 @@ class Preparer:
             settings.tokenizer_threads, thread_name_prefix="kvsched-tok"
         )
 
-    def close(self) -> None:
-        """Stop the tokenizer threads (requests still queued for them are cancelled)."""
+    async def start(self) -> None:
+        """Start the body worker process, if there is one."""
+        if self.bodies.worker is not None:
+            await self.bodies.worker.start()
+
+    async def close(self) -> None:
+        """Stop the tokenizer threads (requests still queued for them are cancelled) and the
+        body worker."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.bodies.worker is not None:
+            await self.bodies.worker.close()
 
     async def prepare(
         self,
@@ -96,14 +112,15 @@ class Preparer:
     ) -> Call:
         """Check, tokenize and hash `request`; raises `ApiError` 400 for what the Router
         refuses. Names the request (`x-kvsched-request-id` in `reply`) once it passed."""
-        body = await read_json(request)
-        raw = await request.read()  # the bytes read_json parsed (aiohttp keeps them)
+        read = await self.bodies.read(request, kind)
+        raw, body = read.raw, read.fields
         req = parse_request(kind, body)
         session = request.headers.get("x-session-id") or req.session_id
         if session:
             check_session_id(session, self.max_session_id_bytes, _session_param(request, body))
         scoped = session_key(tenant.name, session) if session else ""
-        self._refuse_beyond_context(req)
+        if not read.checked:  # (the body worker did it)
+            self._refuse_beyond_context(req)
         salt = tenant.cache_salt(req.cache_salt)
         with self._tracer.start_as_current_span("tokenize") as span:
             if _small(req):

@@ -53,7 +53,7 @@ from services.common.grpc_server import (
 )
 from services.common.http_errors import JsonErrorRunner, json_errors
 from services.common.http_site import start_site
-from services.common.openai_api import MAX_BODY_BYTES, ApiError, Kind, unavailable
+from services.common.openai_api import ApiError, Kind, unavailable
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
@@ -153,7 +153,9 @@ class Router:
         self.url = ""  # http://host:port once started
         self.grpc_url = ""  # host:port once started
         # Every error as OpenAI error JSON, aiohttp's own (404, 405, unparsable) included.
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
+        self.app = web.Application(
+            client_max_size=self.preparer.max_body_bytes, middlewares=[json_errors]
+        )
         self.app.add_routes(
             [
                 web.post(COMPLETIONS, self.completions),
@@ -171,6 +173,7 @@ class Router:
         s = self.settings
         self._idle = asyncio.Event()
         self._idle.set()
+        await self.preparer.start()
         await self.upstream.start()
         await self.placer.start()
         self._runner, port = await start_site(
@@ -243,7 +246,7 @@ class Router:
         await self.placer.stop()
         await self.upstream.close()
         await self.client.close()
-        self.preparer.close()
+        await self.preparer.close()
         if self._own_provider:
             await asyncio.to_thread(shutdown_tracing, self.tracer_provider)
 

@@ -59,6 +59,12 @@ class RouterSettings:
     # Longest session id a client may give (UTF-8 bytes): the engine gets it in a header,
     # percent-encoded (up to three times as long), which HTTP parsers cap at a few KB.
     max_session_id_bytes: int = 256
+    # Longest request body, bytes; 0: the longest a prompt within `max_model_len` tokens can
+    # need (`tokenizer.body_bytes_bound`), at most `MAX_BODY_BYTES`.
+    max_body_bytes: int = 0
+    # Bodies of at least this many bytes are decoded by the body worker process, off this
+    # process's GIL (`bodies`); 0: every body on the event loop, no worker.
+    body_worker_bytes: int = 1 << 20
     otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +92,10 @@ class RouterSettings:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.max_connections < 0:
             raise ValueError("--max-connections must be 0 (unlimited) or positive")
+        if self.max_body_bytes < 0:
+            raise ValueError("--max-body-bytes must be 0 (derived) or positive")
+        if self.body_worker_bytes < 0:
+            raise ValueError("--body-worker-bytes must be 0 (no worker) or positive")
 
 
 def parse(argv: Sequence[str] | None = None) -> RouterSettings:
@@ -127,6 +137,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
         d.fallback_max_in_flight,
         "per instance, while the Conductor is unreachable; more get 429",
     )
+    _flag(p, "max-body-bytes", d.max_body_bytes, "longest request body (0: from the context)")
+    _flag(p, "body-worker-bytes", d.body_worker_bytes, "bodies decoded off the GIL from (0: none)")
     a = p.parse_args(argv)
     tls = CONDUCTOR_TLS.read(p, a)
     grpc_tls = GRPC_TLS.read(p, a)
@@ -159,6 +171,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             max_in_flight=a.max_in_flight,
             max_placing=a.max_placing,
             fallback_max_in_flight=a.fallback_max_in_flight,
+            max_body_bytes=a.max_body_bytes,
+            body_worker_bytes=a.body_worker_bytes,
             otlp_endpoint=otlp_endpoint(),
         )
     except ValueError as exc:

@@ -23,6 +23,10 @@ from services.common.openai_api import CompletionRequest, PromptTokenizer
 # Texts at least this long are tokenized without the GIL: under it, `encode` holds the GIL
 # for about half a millisecond (demo tokenizer), a pause the event loop can take.
 GIL_FREE_CHARS = 1024
+# The most JSON bytes one byte of text can take: a control character escaped as \u0001.
+JSON_ESCAPE_BYTES = 6
+# Room in a body for what is not the prompt: sampling fields, stop strings, tools, a schema.
+BODY_OVERHEAD_BYTES = 1 << 20
 # The longest UTF-8 character: what one unknown character costs a BPE without byte fallback.
 _MAX_CHAR_BYTES = 4
 
@@ -47,23 +51,40 @@ class RouterTokenizer(PromptTokenizer):
         return list(batch[0].ids)
 
     def least_tokens(self, request: CompletionRequest) -> int:
-        """A lower bound on the prompt's token count (0: none known): a token-id prompt's
-        length, else its text's (a chat's message contents summed) UTF-8 bytes over
-        `max_token_bytes`. The chat template and special tokens only add to it."""
-        if request.prompt_ids is not None:
-            return len(request.prompt_ids)
-        chat = request.chat
-        if chat is not None and chat.forwarded_ids is not None:
-            return len(chat.forwarded_ids)
-        if self.max_token_bytes is None:
-            return 0
-        if request.prompt_text is not None:
-            size = _utf8_len(request.prompt_text)
-        elif chat is not None:
-            size = sum(_utf8_len(text) for text in _message_texts(chat.messages))
-        else:
-            return 0
-        return math.ceil(size / self.max_token_bytes)
+        """`least_tokens` with this tokenizer's `max_token_bytes`."""
+        return least_tokens(request, self.max_token_bytes)
+
+
+def least_tokens(request: CompletionRequest, max_token_bytes: int | None) -> int:
+    """A lower bound on the prompt's token count (0: none known): a token-id prompt's length,
+    else its text's (a chat's message contents summed) UTF-8 bytes over `max_token_bytes`
+    (`None`: not known). The chat template and special tokens only add to it."""
+    if request.prompt_ids is not None:
+        return len(request.prompt_ids)
+    chat = request.chat
+    if chat is not None and chat.forwarded_ids is not None:
+        return len(chat.forwarded_ids)
+    if max_token_bytes is None:
+        return 0
+    if request.prompt_text is not None:
+        size = _utf8_len(request.prompt_text)
+    elif chat is not None:
+        size = sum(_utf8_len(text) for text in _message_texts(chat.messages))
+    else:
+        return 0
+    return math.ceil(size / max_token_bytes)
+
+
+def body_bytes_bound(max_model_len: int, max_token_bytes: int | None) -> int | None:
+    """The longest request body a prompt within `max_model_len` tokens can need; `None` where
+    `max_token_bytes` is not known. Each token stands for at most `max_token_bytes` bytes of
+    text, each byte spelled in JSON in at most `JSON_ESCAPE_BYTES` (a control character as
+    `\\u0001`), plus `BODY_OVERHEAD_BYTES` for the other fields (sampling, a schema). A chat
+    message's own JSON (role, braces: tens of bytes) is within what one token allows, and a
+    template spends tokens on each message."""
+    if max_token_bytes is None:
+        return None
+    return max_model_len * max_token_bytes * JSON_ESCAPE_BYTES + BODY_OVERHEAD_BYTES
 
 
 def max_token_bytes(spec: dict[str, Any]) -> int | None:

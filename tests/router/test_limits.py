@@ -22,7 +22,12 @@ from services.common.openai_api import (
 )
 from services.router.server import Router
 from services.router.settings import parse
-from services.router.tokenizer import GIL_FREE_CHARS, RouterTokenizer, max_token_bytes
+from services.router.tokenizer import (
+    GIL_FREE_CHARS,
+    RouterTokenizer,
+    body_bytes_bound,
+    max_token_bytes,
+)
 from tests.router.conftest import Stack, chat, completion
 
 JSON = {"Content-Type": "application/json"}
@@ -164,22 +169,38 @@ def test_the_session_id_limit_is_a_flag() -> None:
         parse(["--no-auth", "--insecure", "--max-session-id-bytes", "0"])
 
 
-async def test_a_body_over_the_limit_is_refused(stack: Stack) -> None:
-    _, _, router = await stack.up(0)
+async def test_a_body_over_the_limit_is_refused_unread(stack: Stack) -> None:
+    # The limit follows the context: a 64-token prompt needs a body of about a megabyte.
+    _, _, router = await stack.up(0, max_model_len=64)
+    limit = router.preparer.max_body_bytes
+    bound = body_bytes_bound(64, router.preparer.tokenizer.max_token_bytes)
+    assert bound is not None and limit == bound < 2 << 20
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\n"
     )
     # Announced over the limit: refused from the header, before a byte of the body is sent.
-    announced = head + b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)
+    announced = head + b"Content-Length: %d\r\n\r\n" % (limit + 1)
     assert await status_of(router, announced, b"") == 413
     # Sent in chunks, no length announced: refused once the limit is crossed.
-    chunk = b"x" * (1 << 20)
+    chunk = b"x" * (64 << 10)
     chunks = b"%x\r\n%s\r\n" % (len(chunk), chunk)
-    count = MAX_BODY_BYTES // len(chunk) + 1
+    count = limit // len(chunk) + 1
     assert (
         await status_of(router, head + b"Transfer-Encoding: chunked\r\n\r\n", chunks, count) == 413
     )
+
+
+def test_the_body_limit_is_a_flag_bounded_by_default() -> None:
+    assert parse(["--no-auth"]).max_body_bytes == 0  # derived (at most MAX_BODY_BYTES)
+    assert parse(["--no-auth", "--max-body-bytes", "4096"]).max_body_bytes == 4096
+    assert parse(["--no-auth", "--body-worker-bytes", "0"]).body_worker_bytes == 0
+    for flag in ("--max-body-bytes", "--body-worker-bytes"):
+        with pytest.raises(SystemExit):
+            parse(["--no-auth", flag, "-1"])
+    # The default context's bound (tens of MB) is over the ceiling: the ceiling holds.
+    assert (body_bytes_bound(131_072, 74) or 0) > MAX_BODY_BYTES
+    assert body_bytes_bound(131_072, None) is None
 
 
 async def status_of(router: Router, head: bytes, chunk: bytes, count: int = 0) -> int:
