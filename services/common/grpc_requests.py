@@ -6,7 +6,9 @@ grpc deserializes a request before any handler or interceptor code runs, and an 
 there is treated as a server bug. So the deserializer is wrapped (`tolerant`) to hand the
 handler an `Undecodable` in place of the message, and the handler wrapper (the server
 interceptor) refuses it through its context (`refuse` for one request, `checked` for a
-request stream). A plain (thread-pool) handler's request stream keeps grpc's own decoding."""
+request stream). A plain (thread-pool) handler's request stream keeps grpc's own decoding.
+Each is told which `ClientErrorLog` to warn through: the server's own (its interceptor's), so
+two servers in one process do not share a budget."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ import grpc
 from services.common.client_errors import ClientErrorLog
 
 log = logging.getLogger(__name__)
-_client_errors = ClientErrorLog(log)
 
 Deserializer = Callable[[bytes], Any]
 
@@ -48,25 +49,33 @@ def tolerant(deserializer: Deserializer | None) -> Deserializer | None:
     return deserialize
 
 
-def _message(method: str, request: Undecodable) -> str:
-    _client_errors.warning("undecodable request to %s: %s", method, request.reason)
+def client_error_log() -> ClientErrorLog:
+    """A new rate-limited log for one server's undecodable requests."""
+    return ClientErrorLog(log)
+
+
+def _message(method: str, request: Undecodable, errors: ClientErrorLog) -> str:
+    errors.warning("undecodable request to %s: %s", method, request.reason)
     return f"the request is not a valid {method.rpartition('/')[2]} message"
 
 
-async def refuse(request: Any, context: Any, method: str) -> None:
-    """Abort the call INVALID_ARGUMENT when `request` did not decode (async handlers)."""
+async def refuse(request: Any, context: Any, method: str, errors: ClientErrorLog) -> None:
+    """Abort the call INVALID_ARGUMENT when `request` did not decode (async handlers), with a
+    warning through `errors`."""
     if isinstance(request, Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request, errors))
 
 
-def refuse_sync(request: Any, context: Any, method: str) -> None:
+def refuse_sync(request: Any, context: Any, method: str, errors: ClientErrorLog) -> None:
     """`refuse` for handlers that grpc runs on its thread pool."""
     if isinstance(request, Undecodable):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request, errors))
 
 
-async def checked(requests: AsyncIterator[Any], context: Any, method: str) -> AsyncIterator[Any]:
+async def checked(
+    requests: AsyncIterator[Any], context: Any, method: str, errors: ClientErrorLog
+) -> AsyncIterator[Any]:
     """A request stream that aborts the call at the first message that did not decode."""
     async for request in requests:
-        await refuse(request, context, method)
+        await refuse(request, context, method, errors)
         yield request

@@ -6,12 +6,15 @@ Two places, as aiohttp makes them: `json_errors`, a middleware, turns the `HTTPE
 that routing and handlers raise into `ApiError` responses; `JsonErrorRunner` answers what the
 parser refuses before any middleware runs (aiohttp builds that answer in its connection
 handler, which has no hook but its class). Client mistakes are logged as rate-limited
-warnings without a traceback; a bug (an unexpected exception) is still logged with one."""
+warnings without a traceback, through the application's own `ClientErrorLog` (`CLIENT_ERRORS`;
+`JsonErrorRunner` gives an application without one its own), so two servers in one process
+(or two tests) do not spend each other's burst; a bug (an unexpected exception) is still
+logged with a traceback."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -21,7 +24,10 @@ from services.common.api_errors import ApiError
 from services.common.client_errors import ClientErrorLog
 
 log = logging.getLogger(__name__)
-_client_errors = ClientErrorLog(log)
+
+# The application's rate-limited log of client mistakes (a server may share it with its own
+# handlers, as the Router does).
+CLIENT_ERRORS = web.AppKey("client_errors", ClientErrorLog)
 
 
 def http_error(status: int, message: str) -> ApiError:
@@ -51,7 +57,9 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         if exc.status < 500:
-            _client_errors.warning("%s %s: %d", request.method, request.path, exc.status)
+            _client_errors(request.app).warning(
+                "%s %s: %d", request.method, request.path, exc.status
+            )
         headers = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
         return http_error(exc.status, _message(request, exc)).response(headers)
     except Exception:
@@ -62,9 +70,17 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
 _BODY_HEADERS = frozenset({"content-type", "content-length", "content-encoding"})
 
 
+def _client_errors(app: web.Application) -> ClientErrorLog:
+    found = app.get(CLIENT_ERRORS)
+    # (an application served without `JsonErrorRunner` may have none: a limiter just for now)
+    return found if found is not None else ClientErrorLog(log)
+
+
 class _JsonErrorHandler(RequestHandler):
     """aiohttp's connection handler, answering what it refuses itself (a request it cannot
     parse, a handler's timeout) with OpenAI error JSON."""
+
+    _manager: _JsonErrorServer
 
     def handle_error(
         self,
@@ -79,7 +95,9 @@ class _JsonErrorHandler(RequestHandler):
         else:
             # The parser's reason ("Bad status line ..."), without a traceback.
             text = message or str(exc or "") or "bad request"
-            _client_errors.warning("unparsable request from %s: %s", request.remote, text)
+            self._manager.client_errors.warning(
+                "unparsable request from %s: %s", request.remote, text
+            )
             if request.writer.output_size > 0:  # as aiohttp: nothing more can be sent
                 raise ConnectionError("a response was sent already")
         response = http_error(status, text).response()
@@ -88,17 +106,24 @@ class _JsonErrorHandler(RequestHandler):
 
 
 class _JsonErrorServer(web.Server):
+    client_errors: ClientErrorLog  # the application's (set by `JsonErrorRunner`)
+
     def __call__(self) -> RequestHandler:
         return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
 class JsonErrorRunner(web.AppRunner):
     """`web.AppRunner` whose server answers the requests aiohttp refuses with OpenAI error
-    JSON (see `_JsonErrorHandler`)."""
+    JSON (see `_JsonErrorHandler`); gives the application its own `CLIENT_ERRORS` log if it
+    has none."""
 
     async def _make_server(self) -> web.Server:
+        app = self.app
+        if CLIENT_ERRORS not in app:  # (before aiohttp freezes the application, below)
+            app[CLIENT_ERRORS] = ClientErrorLog(log)
         server = await super()._make_server()
         # The application builds its `Server` itself; only that server's class says which
         # connection handler it makes (its state stays as aiohttp set it).
         server.__class__ = _JsonErrorServer
+        cast(_JsonErrorServer, server).client_errors = app[CLIENT_ERRORS]
         return server

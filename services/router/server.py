@@ -51,7 +51,7 @@ from services.common.grpc_server import (
     health_servicer,
     start_grpc_server,
 )
-from services.common.http_errors import JsonErrorRunner, json_errors
+from services.common.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
 from services.common.http_site import start_site
 from services.common.openai_api import ApiError, Kind, unavailable
 from services.common.telemetry import (
@@ -156,6 +156,7 @@ class Router:
         self.app = web.Application(
             client_max_size=self.preparer.max_body_bytes, middlewares=[json_errors]
         )
+        self.app[CLIENT_ERRORS] = self.client_errors  # one budget for all its client errors
         self.app.add_routes(
             [
                 web.post(COMPLETIONS, self.completions),

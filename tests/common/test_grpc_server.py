@@ -13,8 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common import grpc_requests
-from services.common.client_errors import ClientErrorLog
 from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
 from services.common.tls import ClientTls, ServerTls, aio_channel
 from tests.fixtures.etcd import make_tls
@@ -22,15 +20,6 @@ from tests.fixtures.etcd import make_tls
 API = GrpcApi("kvsched.test.v1.Nothing", lambda server: None)
 TRACER = TracerProvider().get_tracer("test")
 Status = health_pb2.HealthCheckResponse
-
-
-@pytest.fixture(autouse=True)
-def fresh_client_error_log(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts with a full burst of the process-wide client-error log (other tests
-    in this process may have spent it: their lines would be left out here)."""
-    monkeypatch.setattr(
-        grpc_requests, "_client_errors", ClientErrorLog(logging.getLogger(grpc_requests.__name__))
-    )
 
 
 async def _status(channel: grpc.aio.Channel, service: str) -> int:
@@ -153,3 +142,26 @@ async def test_an_undecodable_request_is_invalid_argument_without_a_traceback(
     assert "not a valid" in (refused.value.details() or "")
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert any("undecodable request" in r.getMessage() for r in caplog.records)
+
+
+async def test_each_server_has_its_own_client_error_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Two servers in one process: one's flood of undecodable requests spends its own burst
+    # (10 lines), never the other's.
+    method = "/grpc.health.v1.Health/Check"
+    servers = [
+        await start_grpc_server("127.0.0.1:0", API, health_servicer(), tracer=TRACER)
+        for _ in range(2)
+    ]
+    try:
+        for (_, port), count in zip(servers, (15, 1), strict=True):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for _ in range(count):
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await channel.unary_unary(method, None, None)(b"\xff\x00", timeout=5)
+    finally:
+        for server, _ in servers:
+            await server.stop(None)
+    warned = [r for r in caplog.records if "undecodable request" in r.getMessage()]
+    assert len(warned) == 11  # the first server's burst, then the second's first

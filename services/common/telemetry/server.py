@@ -16,6 +16,7 @@ from opentelemetry.context import Context, attach, detach, get_current
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from services.common import grpc_requests
+from services.common.client_errors import ClientErrorLog
 from services.common.telemetry.propagation import extract
 from services.common.telemetry.spans import MethodInfo, end_with_code, method_info
 
@@ -66,10 +67,11 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
     async generator or plain function, which is how grpc.aio picks the calling convention
     (async vs thread pool; generator vs ``context.write``). Requests are decoded tolerantly
     and one that does not decode is refused (`grpc_requests`; a plain handler's request
-    stream excepted)."""
+    stream excepted), with a warning through this server's own `client_errors`."""
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, client_errors: ClientErrorLog | None = None) -> None:
         self._tracer = tracer
+        self.client_errors = client_errors or grpc_requests.client_error_log()
         self._wrapped: dict[
             str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
         ] = {}
@@ -129,11 +131,12 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
     ) -> _Behavior:
         # Same dispatch order as grpc.aio's server: coroutine functions first (for streaming
         # responses that is the ``context.write`` style), then async generators, else sync.
+        errors = self.client_errors
         if inspect.iscoroutinefunction(behavior):
-            return self._wrap_coroutine(_checking(behavior, info, stream_in), info)
+            return self._wrap_coroutine(_checking(behavior, info, stream_in, errors), info)
         if inspect.isasyncgenfunction(behavior):
-            return self._wrap_async_gen(_checking_gen(behavior, info, stream_in), info)
-        checked = behavior if stream_in else _checking_sync(behavior, info)
+            return self._wrap_async_gen(_checking_gen(behavior, info, stream_in, errors), info)
+        checked = behavior if stream_in else _checking_sync(behavior, info, errors)
         if streaming:
             return self._wrap_sync_gen(checked, info)
         return self._wrap_sync(checked, info)
@@ -246,38 +249,43 @@ def _is_sync(behavior: _Behavior) -> bool:
     return not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior))
 
 
-def _checking(behavior: _Behavior, info: MethodInfo, stream_in: bool) -> _Behavior:
+def _checking(
+    behavior: _Behavior, info: MethodInfo, stream_in: bool, errors: ClientErrorLog
+) -> _Behavior:
     """A coroutine handler that refuses an undecodable request (or request in its stream)."""
     method = info.name
 
     async def handler(request: Any, context: Any) -> Any:
         if stream_in:
-            return await behavior(grpc_requests.checked(request, context, method), context)
-        await grpc_requests.refuse(request, context, method)
+            requests = grpc_requests.checked(request, context, method, errors)
+            return await behavior(requests, context)
+        await grpc_requests.refuse(request, context, method, errors)
         return await behavior(request, context)
 
     return handler
 
 
-def _checking_gen(behavior: _Behavior, info: MethodInfo, stream_in: bool) -> _Behavior:
+def _checking_gen(
+    behavior: _Behavior, info: MethodInfo, stream_in: bool, errors: ClientErrorLog
+) -> _Behavior:
     """`_checking` for an async-generator handler: returns its response stream."""
     method = info.name
 
     def handler(request: Any, context: Any) -> AsyncIterator[Any]:
         if stream_in:
             responses: AsyncIterator[Any] = behavior(
-                grpc_requests.checked(request, context, method), context
+                grpc_requests.checked(request, context, method, errors), context
             )
             return responses
-        return _refused_first(behavior, request, context, method)
+        return _refused_first(behavior, request, context, method, errors)
 
     return handler
 
 
 async def _refused_first(
-    behavior: _Behavior, request: Any, context: Any, method: str
+    behavior: _Behavior, request: Any, context: Any, method: str, errors: ClientErrorLog
 ) -> AsyncIterator[Any]:
-    await grpc_requests.refuse(request, context, method)
+    await grpc_requests.refuse(request, context, method, errors)
     responses: AsyncIterator[Any] = behavior(request, context)
     try:
         async for item in responses:
@@ -286,12 +294,12 @@ async def _refused_first(
         await _aclose(responses)
 
 
-def _checking_sync(behavior: _Behavior, info: MethodInfo) -> _Behavior:
+def _checking_sync(behavior: _Behavior, info: MethodInfo, errors: ClientErrorLog) -> _Behavior:
     """`_checking` for a handler grpc runs on its thread pool (one request)."""
     method = info.name
 
     def handler(request: Any, context: Any) -> Any:
-        grpc_requests.refuse_sync(request, context, method)
+        grpc_requests.refuse_sync(request, context, method, errors)
         return behavior(request, context)
 
     return handler
@@ -303,6 +311,10 @@ async def _aclose(responses: AsyncIterator[Any]) -> None:
         await aclose()
 
 
-def server_interceptor(tracer: Tracer) -> grpc.aio.ServerInterceptor[Any, Any]:
-    """For ``grpc.aio.server(interceptors=[server_interceptor(tracer)])``."""
-    return _TracingServerInterceptor(tracer)
+def server_interceptor(
+    tracer: Tracer, client_errors: ClientErrorLog | None = None
+) -> grpc.aio.ServerInterceptor[Any, Any]:
+    """For ``grpc.aio.server(interceptors=[server_interceptor(tracer)])``; undecodable
+    requests are warned about through `client_errors` (default: a log of its own, so one per
+    server)."""
+    return _TracingServerInterceptor(tracer, client_errors)
