@@ -84,9 +84,15 @@ class Scheduler:
         transfer_prefix: str = "transfer",
         observer: IndexObserver | None = None,
         empty: bool = False,
+        max_sessions_per_tenant: int = 0,
     ) -> None:
-        """`empty`: start with no live instance (they join with `add_instance`)."""
+        """`empty`: start with no live instance (they join with `add_instance`).
+        `max_sessions_per_tenant`: the most sessions one tenant keeps (0: no cap); a new one
+        past it forgets that tenant's least recently touched idle session (`sessions`)."""
+        if max_sessions_per_tenant < 0:
+            raise ValueError("max_sessions_per_tenant must be 0 (no cap) or positive")
         self.cluster: ClusterState = build_cluster(config)
+        self.cluster.sessions.max_per_tenant = max_sessions_per_tenant
         if empty:
             self.cluster.alive[:] = False
         self.config = config
@@ -100,6 +106,7 @@ class Scheduler:
         self._finished: Recent[None] = Recent(RECENT_DECISIONS)
         self.rejections = 0
         self.migrations = 0  # sessions rebound from one live host to another
+        self.sessions_evicted = 0  # forgotten to make room for their tenant's new ones
 
     # ---- policy ------------------------------------------------------------------------
 
@@ -181,6 +188,8 @@ class Scheduler:
             decision = recording.place(self.cluster, self.policy, req, now, self.rng)
         except ValueError as exc:  # no eligible instance of the needed role
             raise RequestError("unavailable", str(exc)) from exc
+        finally:  # the arrival is recorded whatever the policy decides, and so is its room
+            self._evicted(sessions.take_evicted())
         if decision.rejected:
             self.rejections += 1
             return decision
@@ -268,6 +277,12 @@ class Scheduler:
             for session_id in gone:
                 self.observer.session_forgotten(session_id)
         return gone
+
+    def _evicted(self, session_ids: list[str]) -> None:
+        self.sessions_evicted += len(session_ids)
+        if self.observer is not None:
+            for session_id in session_ids:
+                self.observer.session_forgotten(session_id)
 
     def _session_changed(self, session_id: str) -> None:
         if self.observer is None:

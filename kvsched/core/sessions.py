@@ -1,4 +1,17 @@
-"""Session bindings: which instance hosts a session's KV, and its migration history."""
+"""Session bindings: which instance hosts a session's KV, and its migration history; and
+how many sessions each tenant keeps.
+
+A session's tenant is what its id holds before the first `/`: the Router scopes every
+session id so (`tenant/session`; a tenant name has no `/`). An id without one is tenant "".
+With a cap per tenant (`SessionTable.max_per_tenant`), a tenant's new session makes room by
+forgetting that tenant's least recently touched idle session (no turn or copy in flight): a
+tenant that floods fresh session ids churns only its own sessions, never another tenant's,
+and no request is refused for it (a session is a placement hint, not a resource the client
+holds; the forgotten one's next turn starts it afresh). Touched: a turn arrived or ended, a
+copy of its KV started, it was bound elsewhere. When every session of the tenant is busy,
+the new one is kept over the cap (by at most the tenant's turns in flight), and the next
+sweep (`forget_idle`) trims the tenant back.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +19,11 @@ import heapq
 from dataclasses import dataclass
 
 NO_HOST = -1
+
+
+def tenant_of(session_id: str) -> str:
+    """The tenant a session id is scoped to: what precedes its first `/` ("" if none)."""
+    return session_id.partition("/")[0] if "/" in session_id else ""
 
 
 @dataclass(slots=True)
@@ -57,10 +75,50 @@ class Session:
 class SessionTable:
     """All sessions by id. Changes only through the methods below."""
 
-    def __init__(self, gap_smoothing: float = 0.5) -> None:
+    def __init__(self, gap_smoothing: float = 0.5, max_per_tenant: int = 0) -> None:
+        """`max_per_tenant`: the most sessions one tenant keeps (0: no cap; see the module
+        docstring)."""
+        if max_per_tenant < 0:
+            raise ValueError("the sessions cap per tenant must be 0 (none) or positive")
         self._sessions: dict[str, Session] = {}
         self._alpha = gap_smoothing
         self.bound: dict[int, int] = {}  # host -> sessions bound to it
+        self.max_per_tenant = max_per_tenant
+        # tenant -> its session ids, least recently touched first (a dict keeps its order)
+        self._tenants: dict[str, dict[str, None]] = {}
+        self._evicted: list[str] = []  # forgotten to make room, not yet taken
+
+    def per_tenant(self, tenant: str) -> int:
+        """How many sessions `tenant` has."""
+        return len(self._tenants.get(tenant, ()))
+
+    def take_evicted(self) -> list[str]:
+        """The ids forgotten to make room for a tenant's new sessions since the last call, in
+        that order (the caller deletes their durable records)."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def _create(self, session_id: str) -> Session:
+        s = self._sessions[session_id] = Session(session_id)
+        self._tenants.setdefault(tenant_of(session_id), {})[session_id] = None
+        return s
+
+    def _touch(self, session_id: str) -> None:
+        """Move the session to the recent end of its tenant's order."""
+        order = self._tenants[tenant_of(session_id)]
+        del order[session_id]
+        order[session_id] = None
+
+    def _make_room(self, tenant: str) -> None:
+        """Forget `tenant`'s least recently touched idle session while it has the most it may
+        keep (see the module docstring)."""
+        order = self._tenants.get(tenant)
+        if self.max_per_tenant <= 0 or order is None or len(order) < self.max_per_tenant:
+            return
+        idle = next((sid for sid in order if not self._sessions[sid].busy), None)
+        if idle is not None:
+            self._drop(idle)
+            self._evicted.append(idle)
 
     def bound_on(self, host: int) -> int:
         return self.bound.get(host, 0)
@@ -72,11 +130,15 @@ class SessionTable:
         return self._sessions.get(session_id)
 
     def arrive(self, session_id: str, now: float) -> Session:
-        """The session's next turn arrived: create the record if new, learn the idle gap."""
+        """The session's next turn arrived: create the record if new (a tenant at its cap
+        makes room first: see the module docstring), learn the idle gap."""
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = Session(session_id)
-        elif s.last_finish_at > float("-inf"):
+            self._make_room(tenant_of(session_id))
+            s = self._create(session_id)
+        else:
+            self._touch(session_id)
+        if s.last_finish_at > float("-inf"):
             gap = max(0.0, now - s.last_finish_at)
             s.idle_gap_s = (
                 gap if s.idle_gap_s < 0 else (self._alpha * gap + (1 - self._alpha) * s.idle_gap_s)
@@ -92,6 +154,7 @@ class SessionTable:
         s = self._sessions.get(session_id)
         if s is None:
             return
+        self._touch(session_id)
         if s.prompt_tokens:
             growth = max(prompt - s.prompt_tokens, 0)
             s.growth_tokens = (
@@ -108,10 +171,11 @@ class SessionTable:
         """Point the session at `host`; a migration starts its cooldown."""
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = Session(session_id)
+            s = self._create(session_id)
         if migrated and s.host != host:
             s.last_migration_at = now
             s.migrations += 1
+            self._touch(session_id)
         if s.host != host:
             if s.host != NO_HOST:
                 self.bound[s.host] -= 1
@@ -129,6 +193,8 @@ class SessionTable:
         old = self._sessions.get(session.session_id)
         if old is not None and old.host != NO_HOST:
             self.bound[old.host] -= 1
+        if old is None:
+            self._tenants.setdefault(tenant_of(session.session_id), {})[session.session_id] = None
         self._sessions[session.session_id] = session
         if session.host != NO_HOST:
             self.bound[session.host] = self.bound.get(session.host, 0) + 1
@@ -141,7 +207,9 @@ class SessionTable:
         to its host until `end_move`."""
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = Session(session_id)
+            s = self._create(session_id)
+        else:
+            self._touch(session_id)
         s.pending_target, s.pending_since, s.pending_on_path = target, now, on_path
 
     def end_move(self, session_id: str, target: int, ok: bool, now: float) -> bool:
@@ -159,9 +227,10 @@ class SessionTable:
         return moved
 
     def forget_idle(self, now: float, ttl_s: float, max_sessions: int = 0) -> list[str]:
-        """Drop the sessions idle for `ttl_s` (0: none), then, while more than `max_sessions`
-        (0: no cap) remain, the least recently active of those with no turn or copy in flight
-        (ties by id). Returns the ids dropped, in that order."""
+        """Drop the sessions idle for `ttl_s` (0: none); then, of each tenant over
+        `max_per_tenant`, its least recently touched idle ones until it is not; then, while
+        more than `max_sessions` (0: no cap) remain, the least recently active of those with
+        no turn or copy in flight (ties by id). Returns the ids dropped, in that order."""
         table = self._sessions
         gone = (
             sorted(sid for sid, s in table.items() if s.forgettable(now, ttl_s))
@@ -170,6 +239,9 @@ class SessionTable:
         )
         for sid in gone:
             self._drop(sid)
+        if self.max_per_tenant > 0:
+            for tenant in sorted(self._tenants):
+                gone += self._trim_tenant(tenant)
         excess = len(table) - max_sessions
         if max_sessions > 0 and excess > 0:
             idle = [(s.last_active_at, sid) for sid, s in table.items() if not s.busy]
@@ -185,10 +257,26 @@ class SessionTable:
         self._drop(session_id)
         return True
 
+    def _trim_tenant(self, tenant: str) -> list[str]:
+        """Drop `tenant`'s least recently touched idle sessions while it is over the cap."""
+        order = self._tenants[tenant]
+        excess = len(order) - self.max_per_tenant
+        if excess <= 0:
+            return []
+        idle = [sid for sid in order if not self._sessions[sid].busy][:excess]
+        for sid in idle:
+            self._drop(sid)
+        return idle
+
     def _drop(self, session_id: str) -> None:
         s = self._sessions.pop(session_id)
         if s.host != NO_HOST:
             self.bound[s.host] -= 1
+        tenant = tenant_of(session_id)
+        order = self._tenants[tenant]
+        del order[session_id]
+        if not order:
+            del self._tenants[tenant]
 
     def unbind_host(self, host: int) -> int:
         """Drop every binding to `host` (the instance died); returns how many moved."""

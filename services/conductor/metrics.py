@@ -132,6 +132,11 @@ class StateGauges(Collector):
             value=self.transfers_running(),
         )
         yield GaugeMetricFamily(
+            "kvsched_conductor_sessions_evicted",
+            "Idle sessions forgotten to make room for their tenant's new one (this term).",
+            value=state.scheduler.sessions_evicted,
+        )
+        yield GaugeMetricFamily(
             "kvsched_conductor_rejections",
             "Requests rejected by admission.",
             value=state.scheduler.rejections,

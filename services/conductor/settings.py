@@ -50,6 +50,9 @@ class ConductorSettings:
     persist_blocks: bool = True
     session_ttl_s: float = 3600.0  # policy seconds an idle session is kept; 0: forever
     max_sessions: int = 1_000_000  # sessions kept at most (least recently active go); 0: any
+    # Sessions one tenant keeps at most (its least recently touched idle one makes room for
+    # its new one: `kvsched.core.sessions`); 0: no cap.
+    max_sessions_per_tenant: int = 100_000
     time_scale: float = 1.0  # wall seconds per policy second (engines running faster than real)
     execute_transfers: bool = True  # order planned transfers from the Messengers
     transfer_timeout_s: float = 5.0  # a transfer's deadline: this many wall seconds ...
@@ -72,7 +75,8 @@ class ConductorSettings:
         """Wall seconds between sweeps of idle sessions: a tenth of the TTL, at most 30;
         0 when nothing is ever forgotten."""
         if self.session_ttl_s <= 0:
-            return 0.0 if self.max_sessions <= 0 else 30.0
+            capped = self.max_sessions > 0 or self.max_sessions_per_tenant > 0
+            return 30.0 if capped else 0.0
         return min(self.session_ttl_s * self.time_scale / 10, 30.0)
 
     @property
@@ -131,6 +135,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         d.max_sessions,
         "sessions kept at most, least recently active go first (0: no cap)",
     )
+    _flag(
+        p,
+        "max-sessions-per-tenant",
+        d.max_sessions_per_tenant,
+        "sessions one tenant keeps at most: its new one forgets its least recently touched "
+        "idle one (0: no cap)",
+    )
     _flag(p, "time-scale", d.time_scale, "wall seconds per policy second, as the engines run")
     _flag(
         p,
@@ -167,8 +178,8 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     a = p.parse_args(argv)
     if a.time_scale <= 0:
         p.error("--time-scale must be positive")
-    if a.session_ttl < 0 or a.max_sessions < 0:
-        p.error("--session-ttl and --max-sessions must not be negative")
+    if a.session_ttl < 0 or a.max_sessions < 0 or a.max_sessions_per_tenant < 0:
+        p.error("--session-ttl, --max-sessions and --max-sessions-per-tenant must not be negative")
     if a.transfer_timeout <= 0 or a.transfer_timeout_factor < 0:
         p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
     tls = SERVER_TLS.read(p, a)
@@ -207,6 +218,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         persist_blocks=a.persist_blocks,
         session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions,
+        max_sessions_per_tenant=a.max_sessions_per_tenant,
         time_scale=a.time_scale,
         execute_transfers=a.execute_transfers,
         transfer_timeout_s=a.transfer_timeout,

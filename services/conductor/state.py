@@ -50,6 +50,7 @@ class ConductorState:
         *,
         transfer_prefix: str,
         max_prompt_tokens: int = 131_072,
+        max_sessions_per_tenant: int = 0,
         observer: Callable[[Holder], IndexObserver] | None = None,
     ) -> None:
         """`transfer_prefix` names the transfer orders of the core. `observer`, given who
@@ -63,6 +64,7 @@ class ConductorState:
             policy,
             seed,
             max_prompt_tokens=max_prompt_tokens,
+            max_sessions_per_tenant=max_sessions_per_tenant,
             transfer_prefix=transfer_prefix,
             observer=observer(self.holder) if observer is not None else None,
             empty=True,  # slots fill as instances register

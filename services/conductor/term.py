@@ -45,6 +45,7 @@ class Term:
             settings.seed,
             transfer_prefix=transfer_prefix,
             max_prompt_tokens=settings.max_prompt_tokens,
+            max_sessions_per_tenant=settings.max_sessions_per_tenant,
             observer=records,
         )
         return Term(state, outbox, EventCursors(state, outbox), transfer_prefix, persist_blocks)

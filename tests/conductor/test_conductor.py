@@ -31,6 +31,7 @@ from services.common.telemetry import (
 )
 from services.conductor import keys
 from services.conductor.app import Conductor
+from services.conductor.settings import parse as parse_settings
 from tests.conductor.conftest import chain, instance, settings, stub
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.otlp import OtlpReceiver
@@ -691,6 +692,37 @@ async def test_an_idle_session_is_forgotten_after_its_ttl_by_leader_etcd_and_sta
         # Its next turn starts it afresh.
         await s.Schedule(sched("r-again", chain(1, 4), session="idle"))
         assert c1.state.cluster.sessions.get("idle").turns == 1  # type: ignore[union-attr]
+
+
+async def test_a_tenants_new_session_past_its_cap_forgets_its_idle_one_in_etcd_too(
+    start_conductor: Start,
+) -> None:
+    c1 = await start_conductor(conductor_id="c1", max_sessions_per_tenant=2)
+    async with stub(c1.url) as s:
+        await register(s, 0)
+        for i, sid in enumerate(["acme/a", "acme/b", "globex/a", "acme/c"]):
+            await s.Schedule(sched(f"r-{i}", chain(1, 4), session=sid))
+            done = pb.FinishRequest(request_id=f"r-{i}", instance_id=IID[0], session_id=sid)
+            await s.Finish(done)
+
+        async def etcd_sessions() -> list[str]:
+            kvs = await c1.store.get_prefix(keys.SESSIONS.encode())
+            return sorted(keys.tail(kv.key.decode(), keys.SESSIONS) for kv in kvs)
+
+        async def etcd_evicted() -> bool:
+            return await etcd_sessions() == ["acme/b", "acme/c", "globex/a"]
+
+        await wait_for(etcd_evicted, 5.0, message="acme's oldest binding is deleted")
+        assert c1.state.cluster.sessions.get("acme/a") is None
+        evicted = c1.metrics.registry.get_sample_value("kvsched_conductor_sessions_evicted")
+        assert evicted == 1.0
+
+
+def test_the_cap_per_tenant_is_a_flag() -> None:
+    assert parse_settings([]).max_sessions_per_tenant == 100_000
+    assert parse_settings(["--max-sessions-per-tenant", "5"]).max_sessions_per_tenant == 5
+    with pytest.raises(SystemExit):
+        parse_settings(["--max-sessions-per-tenant", "-1"])
 
 
 # ---- 9. placement stream ---------------------------------------------------------------

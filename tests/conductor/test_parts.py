@@ -123,7 +123,13 @@ async def test_an_unreadable_session_record_is_logged_without_its_id(
         (["--session-ttl", "60"], 60.0, 1_000_000, 6.0),
         (["--session-ttl", "60", "--time-scale", "0.5"], 60.0, 1_000_000, 3.0),  # wall s
         (["--session-ttl", "0"], 0.0, 1_000_000, 30.0),  # the cap alone still sweeps
-        (["--session-ttl", "0", "--max-sessions", "0"], 0.0, 0, 0.0),  # never: no sweep
+        (["--session-ttl", "0", "--max-sessions", "0"], 0.0, 0, 30.0),  # the tenants' cap
+        (
+            ["--session-ttl", "0", "--max-sessions", "0", "--max-sessions-per-tenant", "0"],
+            0.0,
+            0,
+            0.0,
+        ),  # never: no sweep
     ],
 )
 def test_session_lifetime_flags_and_the_sweep_period(

@@ -105,3 +105,23 @@ def test_forgetting_idle_sessions_tells_the_observer_and_placement_goes_on(spec:
     assert core.forget_idle_sessions(1e6, 0.0, max_sessions=1) == ["s0", "s1"]
     assert told.forgotten == ["s0", "s0", "s1"]
     assert core.forget_idle_sessions(1e6, 0.0) == []  # no TTL, no cap: nothing
+
+
+def test_a_new_session_past_its_tenants_cap_forgets_that_tenants_idle_one() -> None:
+    told = Told()
+    core = Scheduler(
+        ClusterConfig(n_instances=N), "sticky", seed=3, max_prompt_tokens=131_072,
+        max_sessions_per_tenant=2,
+    )  # fmt: skip
+    for slot in range(N):
+        core.add_instance(slot, Role.BOTH)
+    core.observer = told
+    for i, sid in enumerate(["acme/a", "acme/b", "globex/a", "acme/c"]):
+        turn(core, i + 1, sid, float(i))
+    assert told.forgotten == ["acme/a"] and core.sessions_evicted == 1
+    sessions = core.cluster.sessions
+    assert sessions.get("acme/a") is None and sessions.get("globex/a") is not None
+    assert sessions.per_tenant("acme") == 2
+    with pytest.raises(ValueError, match="per_tenant"):
+        Scheduler(ClusterConfig(n_instances=N), "sticky", seed=3, max_prompt_tokens=1,
+                  max_sessions_per_tenant=-1)  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsched.core.sessions import NO_HOST, Session, SessionTable
+from kvsched.core.sessions import NO_HOST, Session, SessionTable, tenant_of
 
 
 def bound_to(table: SessionTable, host: int, session_id: str = "s", now: float = 0.0) -> Session:
@@ -355,3 +355,65 @@ def test_a_forgotten_session_starts_afresh_on_its_next_turn() -> None:
     table.forget_idle(100.0, 60.0)
     session = table.arrive("s", 100.0)
     assert (session.turns, session.host, session.idle_gap_s) == (1, NO_HOST, -1.0)
+
+
+# ---- the cap per tenant ------------------------------------------------------------------
+
+
+def test_a_sessions_tenant_is_what_precedes_its_first_slash() -> None:
+    assert tenant_of("acme/s1") == "acme"
+    assert tenant_of("acme/a/b") == "acme"
+    assert tenant_of("/s") == ""
+    assert tenant_of("no-tenant") == ""
+
+
+def test_a_tenant_at_its_cap_makes_room_by_its_least_recently_touched_idle_session() -> None:
+    table = SessionTable(max_per_tenant=3)
+    for i, sid in enumerate(["acme/a", "acme/b", "acme/c", "globex/x"]):
+        bound_to(table, host=i % 2, session_id=sid, now=float(i))
+        table.finish(sid, (), 10, 1, float(i) + 0.5)
+    table.arrive("acme/a", 10.0)  # a busy again, and the most recently touched
+    table.finish("acme/b", (), 10, 1, 11.0)  # b touched after c: c is the least recent idle
+    table.arrive("acme/d", 12.0)
+    assert table.take_evicted() == ["acme/c"] and table.take_evicted() == []
+    assert table.get("acme/c") is None and table.get("acme/d") is not None
+    assert table.per_tenant("acme") == 3 and table.per_tenant("globex") == 1
+    assert table.bound == {0: 1, 1: 2}  # c's binding (host 0) went with it
+    # Another tenant is untouched by acme's churn, and a known session makes no room.
+    table.arrive("acme/b", 13.0)
+    table.arrive("globex/y", 13.0)
+    assert table.take_evicted() == [] and len(table) == 5
+
+
+def test_a_tenant_whose_sessions_are_all_busy_goes_over_its_cap_until_the_sweep() -> None:
+    table = SessionTable(max_per_tenant=2)
+    table.arrive("t/a", 0.0)
+    table.arrive("t/b", 1.0)
+    table.arrive("t/c", 2.0)  # a and b have turns in flight: nothing may go
+    assert table.take_evicted() == [] and table.per_tenant("t") == 3
+    for sid in ("t/a", "t/b", "t/c"):
+        table.finish(sid, (), 10, 1, 5.0)
+    table.arrive("t/b", 6.0)
+    # The sweep trims the tenant back to its cap: the least recently touched idle one goes.
+    assert table.forget_idle(7.0, 0.0) == ["t/a"]
+    assert table.per_tenant("t") == 2 and table.forget_idle(7.0, 0.0) == []
+
+
+def test_without_a_cap_per_tenant_nothing_is_evicted() -> None:
+    table = SessionTable()
+    for i in range(50):
+        table.arrive(f"t/{i}", float(i))
+    assert table.take_evicted() == [] and table.per_tenant("t") == 50
+    with pytest.raises(ValueError, match="per tenant"):
+        SessionTable(max_per_tenant=-1)
+
+
+def test_restored_and_forgotten_sessions_keep_the_tenant_counts() -> None:
+    table = SessionTable(max_per_tenant=2)
+    table.restore(Session("t/a", host=1))
+    table.restore(Session("t/a", host=2))  # replaced, not counted twice
+    table.restore(Session("t/b"))
+    assert table.per_tenant("t") == 2 and table.bound == {1: 0, 2: 1}
+    assert table.forget("t/a") and table.per_tenant("t") == 1
+    table.arrive("t/c", 0.0)
+    assert table.take_evicted() == [] and table.per_tenant("t") == 2
