@@ -28,8 +28,15 @@ from typing import Any, Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from services.common.openai_api import Kind, body_cut_short, body_too_large, decode_json
+from services.common.openai_api import (
+    MAX_BODY_BYTES,
+    Kind,
+    body_cut_short,
+    body_too_large,
+    decode_json,
+)
 from services.router.body_worker import BODY, HEADER, KIND_CODES, REFUSED, refusal_from_json
+from services.router.tokenizer import body_bytes_bound
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,16 @@ _WORKER_MALLOC: Final = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's most
     "MALLOC_TRIM_THRESHOLD_": str(64 << 20),
 }
+
+
+def body_limit(max_body_bytes: int, max_model_len: int, max_token_bytes: int | None) -> int:
+    """The longest body a Router takes: `max_body_bytes` when given (not 0), else the longest
+    a prompt within `max_model_len` tokens can need (`tokenizer.body_bytes_bound`), at most
+    `MAX_BODY_BYTES` (a request's memory stays bounded; only a prompt of control characters
+    escaped as `\\u0001` could need more)."""
+    if max_body_bytes:
+        return max_body_bytes
+    return min(body_bytes_bound(max_model_len, max_token_bytes) or MAX_BODY_BYTES, MAX_BODY_BYTES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,6 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 
 from services.common.openai_api import (
-    MAX_BODY_BYTES,
     CompletionRequest,
     Kind,
     bad_request,
@@ -36,11 +35,11 @@ from services.common.openai_api import (
     parse_request,
 )
 from services.router.auth import Tenant
-from services.router.bodies import BodyReader, BodyWorker
+from services.router.bodies import BodyReader, BodyWorker, body_limit
 from services.router.placement import PlacementQuery
 from services.router.proxy import with_cache_salt
 from services.router.settings import RouterSettings
-from services.router.tokenizer import RouterTokenizer, body_bytes_bound
+from services.router.tokenizer import RouterTokenizer
 
 _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
@@ -75,11 +74,9 @@ class Preparer:
 
     def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
         self.tokenizer = RouterTokenizer(settings.tokenizer)
-        mtb = self.tokenizer.max_token_bytes
-        self.max_body_bytes = settings.max_body_bytes or min(
-            body_bytes_bound(settings.max_model_len, mtb) or MAX_BODY_BYTES, MAX_BODY_BYTES
-        )
-        worker = BodyWorker(mtb, settings.max_model_len) if settings.body_worker_bytes else None
+        longest = self.tokenizer.max_token_bytes
+        self.max_body_bytes = body_limit(settings.max_body_bytes, settings.max_model_len, longest)
+        worker = BodyWorker(longest, settings.max_model_len) if settings.body_worker_bytes else None
         self.bodies = BodyReader(self.max_body_bytes, worker, settings.body_worker_bytes)
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)

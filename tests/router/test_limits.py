@@ -20,6 +20,7 @@ from services.common.openai_api import (
     PromptTokenizer,
     parse_request,
 )
+from services.router.bodies import body_limit
 from services.router.server import Router
 from services.router.settings import parse
 from services.router.tokenizer import (
@@ -198,9 +199,12 @@ def test_the_body_limit_is_a_flag_bounded_by_default() -> None:
     for flag in ("--max-body-bytes", "--body-worker-bytes"):
         with pytest.raises(SystemExit):
             parse(["--no-auth", flag, "-1"])
-    # The default context's bound (tens of MB) is over the ceiling: the ceiling holds.
+    # The default context's bound (tens of MB) is over the ceiling: the ceiling holds; with
+    # no bound known, too. A given limit is taken as it is.
     assert (body_bytes_bound(131_072, 74) or 0) > MAX_BODY_BYTES
-    assert body_bytes_bound(131_072, None) is None
+    assert body_limit(0, 131_072, 74) == body_limit(0, 64, None) == MAX_BODY_BYTES
+    assert body_limit(0, 64, 74) == 64 * 74 * 6 + (1 << 20)
+    assert body_limit(4096, 131_072, 74) == 4096
 
 
 async def status_of(router: Router, head: bytes, chunk: bytes, count: int = 0) -> int:
