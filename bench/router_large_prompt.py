@@ -11,7 +11,9 @@
 3. refused: how long a 10 MB prompt takes to be refused (beyond the context by its bytes
    alone; the Router's body worker decodes it, `services.router.bodies`), alone and while
    small completions run, and the small ones' latency meanwhile, against alone (goal:
-   refused in under 50 ms, the small one delayed by under 10 ms).
+   refused in under 50 ms, the small one delayed by under 10 ms); refused_inline: the same
+   through a second Router without the worker (`--body-worker-bytes 0`), the baseline, the
+   two taking turns round by round.
 
 The large requests are sent from a thread of their own; each "alone" is measured in the same
 run, just before. Times are milliseconds; "added" compares a percentile of the small
@@ -33,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,7 @@ import aiohttp
 
 from services.common.openai_api import PromptTokenizer
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import ClusterOptions, plan_cluster
+from services.launcher.plan import Child, ClusterOptions, plan_cluster
 from services.launcher.supervisor import Supervisor
 from services.router.tokenizer import RouterTokenizer
 
@@ -182,16 +185,11 @@ async def small_during(
     return large_ms, large_status, took
 
 
-async def large_runs(
-    http: aiohttp.ClientSession, url: str, key: str, body: bytes, *, rounds: int, alone: list[float]
+def large_runs(
+    large_ms: list[float], status: list[int], alone: list[float], during: list[float]
 ) -> dict[str, Any]:
-    """`rounds` large requests, each with small ones sent meanwhile (`small_during`)."""
-    large_ms, status, during = [], [], []
-    for _ in range(rounds):
-        ms, st, took = await small_during(http, url, key, body)
-        large_ms.append(ms)
-        status.append(st)
-        during += took
+    """The large requests' times and statuses, and the small ones' latencies alone and during
+    them, compared."""
     return {
         "large_ms": summary(large_ms),
         "large_status": sorted(set(status)),
@@ -201,41 +199,89 @@ async def large_runs(
     }
 
 
+async def tokenized(
+    http: aiohttp.ClientSession, url: str, key: str, text: str, *, rounds: int, small: int
+) -> dict[str, Any]:
+    """`rounds` times the large text, small requests meanwhile."""
+    alone = await small_alone(http, url, key, small)
+    body = json.dumps({"prompt": text, "max_tokens": 1}).encode()
+    large_ms, status, during = [], [], []
+    for _ in range(rounds):
+        ms, st, took = await small_during(http, url, key, body)
+        large_ms.append(ms)
+        status.append(st)
+        during += took
+    return large_runs(large_ms, status, alone, during)
+
+
+async def refusals(
+    http: aiohttp.ClientSession, urls: dict[str, str], key: str, rounds: int, small: int
+) -> dict[str, dict[str, Any]]:
+    """For each Router of `urls`, `rounds` 10 MB prompts refused alone and `rounds` with small
+    requests meanwhile; the Routers take turns, round by round, so a change in the machine's
+    load falls on all of them alike."""
+    body = json.dumps({"prompt": "a" * TEN_MB, "max_tokens": 1}).encode()
+    alone = {name: await small_alone(http, url, key, small) for name, url in urls.items()}
+    refused_alone: dict[str, list[float]] = {name: [] for name in urls}
+    runs: dict[str, tuple[list[float], list[int], list[float]]] = {
+        name: ([], [], []) for name in urls
+    }
+    for _ in range(rounds):
+        for name, url in urls.items():
+            status, data, ms = await asyncio.to_thread(post_blocking, url, body, key)
+            if status != 400:
+                raise RuntimeError(f"10 MB prompt: HTTP {status}: {data[:300]!r}")
+            refused_alone[name].append(ms)
+        for name, url in urls.items():
+            ms, st, took = await small_during(http, url, key, body)
+            large_ms, status_list, during = runs[name]
+            large_ms.append(ms)
+            status_list.append(st)
+            during += took
+    return {
+        name: {
+            "large_alone_ms": summary(refused_alone[name]),
+            **large_runs(*runs[name][:2], alone[name], runs[name][2]),
+        }
+        for name in urls
+    }
+
+
 async def cluster_runs(args: argparse.Namespace, text: str) -> dict[str, Any]:
+    """The cluster cases: two Routers, the second one (the baseline) without a body worker
+    (`--body-worker-bytes 0`: every body decoded on its event loop)."""
     with tempfile.TemporaryDirectory(prefix="kvsched-bench-") as tmp:
         run_dir = Path(tmp)
         key = demo_keys(run_dir / "api-keys.json")
         opts = ClusterOptions(
-            routers=1, nodes=1, engines_per_node=1, policy="cache_aware", time_scale=0.001
+            routers=2, nodes=1, engines_per_node=1, policy="cache_aware", time_scale=0.001
         )
         plan = plan_cluster(opts, run_dir, run_dir / "api-keys.json", key)
+        plan = replace(plan, children=tuple(map(_inline_second_router, plan.children)))
         sup = Supervisor(plan, run_dir / "logs")
         try:
             await sup.start()
-            url = plan.stage("router")[0].endpoint["url"] + "/v1/completions"
+            worker, inline = (r.endpoint["url"] + "/v1/completions" for r in plan.stage("router"))
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout) as http:
-                await small_alone(http, url, key, 20)  # warm up
-                out: dict[str, Any] = {}
-                alone = await small_alone(http, url, key, args.small)
-                body = json.dumps({"prompt": text, "max_tokens": 1}).encode()
-                tokenized = await large_runs(http, url, key, body, rounds=args.rounds, alone=alone)
-                out["tokenized"] = tokenized
-                alone = await small_alone(http, url, key, args.small)
-                body = json.dumps({"prompt": "a" * TEN_MB, "max_tokens": 1}).encode()
-                refused_alone = []
-                for _ in range(args.refusals):
-                    status, data, ms = await asyncio.to_thread(post_blocking, url, body, key)
-                    if status != 400:
-                        raise RuntimeError(f"10 MB prompt: HTTP {status}: {data[:300]!r}")
-                    refused_alone.append(ms)
-                out["refused"] = {
-                    "large_alone_ms": summary(refused_alone),
-                    **await large_runs(http, url, key, body, rounds=args.refusals, alone=alone),
+                for url in (worker, inline):
+                    await small_alone(http, url, key, 20)  # warm up
+                out: dict[str, Any] = {
+                    "tokenized": await tokenized(
+                        http, worker, key, text, rounds=args.rounds, small=args.small
+                    )
                 }
+                cases = {"refused": worker, "refused_inline": inline}
+                out.update(await refusals(http, cases, key, args.refusals, args.small))
             return out
         finally:
             sup.stop()
+
+
+def _inline_second_router(child: Child) -> Child:
+    if child.name != "router-1":
+        return child
+    return replace(child, argv=(*child.argv, "--body-worker-bytes", "0"))
 
 
 def main() -> None:
@@ -262,7 +308,7 @@ def main() -> None:
             f"{e['small_during']['p50_ms']:.3f} ms max {e['small_during']['max_ms']:.3f} ms "
             f"({e['ratio_p50']:.2f}x alone p50)"
         )
-    for name in ("tokenized", "refused"):
+    for name in ("tokenized", "refused", "refused_inline"):
         c = out[name]
         if "large_alone_ms" in c:
             a = c["large_alone_ms"]
@@ -279,6 +325,14 @@ def main() -> None:
             f"p50 {c['added_p50_ms']:.2f} ms, p99 {c['added_p99_ms']:.2f} ms ({c['ratio_p50']:.2f}x"
             " p50)"
         )
+    worker, inline = out["refused"], out["refused_inline"]
+    print(
+        "the body worker vs none (same run): refused alone p50 "
+        f"{worker['large_alone_ms']['p50_ms']:.1f} vs {inline['large_alone_ms']['p50_ms']:.1f} ms;"
+        f" small requests added p50 {worker['added_p50_ms']:.2f} vs "
+        f"{inline['added_p50_ms']:.2f} ms, p99 {worker['added_p99_ms']:.2f} vs "
+        f"{inline['added_p99_ms']:.2f} ms"
+    )
     print(json.dumps(out))
 
 
