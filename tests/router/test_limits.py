@@ -182,14 +182,19 @@ async def test_a_body_over_the_limit_is_refused_unread(stack: Stack) -> None:
     )
     # Announced over the limit: refused from the header, before a byte of the body is sent.
     announced = head + b"Content-Length: %d\r\n\r\n" % (limit + 1)
-    assert await status_of(router, announced, b"") == 413
+    over = {
+        "message": f"request body over {limit} bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 413,
+    }
+    assert await error_from(router, announced, b"") == over
     # Sent in chunks, no length announced: refused once the limit is crossed.
     chunk = b"x" * (64 << 10)
     chunks = b"%x\r\n%s\r\n" % (len(chunk), chunk)
     count = limit // len(chunk) + 1
-    assert (
-        await status_of(router, head + b"Transfer-Encoding: chunked\r\n\r\n", chunks, count) == 413
-    )
+    chunked = head + b"Transfer-Encoding: chunked\r\n\r\n"
+    assert await error_from(router, chunked, chunks, count) == over
 
 
 def test_the_body_limit_is_a_flag_bounded_by_default() -> None:
@@ -207,9 +212,9 @@ def test_the_body_limit_is_a_flag_bounded_by_default() -> None:
     assert body_limit(4096, 131_072, 74) == 4096
 
 
-async def status_of(router: Router, head: bytes, chunk: bytes, count: int = 0) -> int:
+async def error_from(router: Router, head: bytes, chunk: bytes, count: int = 0) -> dict[str, Any]:
     """Send `head` then `chunk` `count` times (or until the Router stops reading); returns the
-    status of the Router's JSON answer."""
+    error of the Router's JSON answer."""
     host, _, port = router.url.removeprefix("http://").rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
 
@@ -227,4 +232,4 @@ async def status_of(router: Router, head: bytes, chunk: bytes, count: int = 0) -
     sending.cancel()
     writer.close()
     assert "application/json" in answer
-    return int(error["code"])
+    return error
