@@ -109,3 +109,20 @@ async def test_a_router_answers_the_same_with_or_without_the_worker(stack: Stack
         else:
             assert a[0] == 400 and json.loads(a[2]) == json.loads(b[2])
     assert worker.starts == 1
+
+
+async def test_a_body_the_dead_worker_dropped_is_served_and_the_next_finds_a_new_one(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, _, router = await stack.up(1, body_worker_bytes=1)
+    worker = router.preparer.bodies.worker
+    assert worker is not None and worker._proc is not None
+    worker._proc.kill()
+    await worker._proc.wait()
+    url = router.url + "/v1/completions"
+    for _ in range(2):  # decoded here, then by a new worker
+        status, _, data = await stack.post(url, completion())
+        assert status == 200, data
+    assert worker.starts == 2
+    dropped = [r.getMessage() for r in caplog.records if "gave no answer" in r.getMessage()]
+    assert len(dropped) == 1 and "decoding a" in dropped[0]
