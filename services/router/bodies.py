@@ -127,10 +127,10 @@ class BodyWorker:
 
     async def _exchange(self, kind: Kind, chunks: list[bytes], size: int) -> tuple[bytes, bytes]:
         async with self._lock:
-            await self.start()
-            proc = self._proc
-            assert proc is not None and proc.stdin is not None and proc.stdout is not None
             try:
+                await self.start()  # (again, after a failure)
+                proc = self._proc
+                assert proc is not None and proc.stdin is not None and proc.stdout is not None
                 async with asyncio.timeout(self._timeout_s):
                     proc.stdin.write(HEADER.pack(KIND_CODES[kind], size))
                     proc.stdin.writelines(chunks)

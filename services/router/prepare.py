@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from services.router.placement import PlacementQuery
 from services.router.proxy import with_cache_salt
 from services.router.settings import RouterSettings
 from services.router.tokenizer import RouterTokenizer
+
+log = logging.getLogger(__name__)
 
 _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
@@ -88,9 +91,13 @@ class Preparer:
         )
 
     async def start(self) -> None:
-        """Start the body worker process, if there is one."""
+        """Start the body worker process, if there is one (one that cannot start is tried
+        again at the first large body; meanwhile they are decoded on the event loop)."""
         if self.bodies.worker is not None:
-            await self.bodies.worker.start()
+            try:
+                await self.bodies.worker.start()
+            except OSError as exc:
+                log.warning("the body worker did not start: %s", exc)
 
     async def close(self) -> None:
         """Stop the tokenizer threads (requests still queued for them are cancelled) and the
