@@ -150,7 +150,8 @@ class BodyWorker:
             await proc.wait()
 
     async def close(self) -> None:
-        """End the process: its input closed, it exits; killed if it does not in a second."""
+        """End the process: its input closed, it exits; killed if it does not in a second
+        (a body in its hands is answered first, within its timeout)."""
         async with self._lock:
             proc, self._proc = self._proc, None
             if proc is None:
@@ -162,7 +163,8 @@ class BodyWorker:
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
-                await proc.wait()
+                with contextlib.suppress(TimeoutError):  # never hang a stop on its exit
+                    await asyncio.wait_for(proc.wait(), 1.0)
 
 
 class BodyReader:
