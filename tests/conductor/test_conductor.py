@@ -719,10 +719,13 @@ async def test_a_tenants_new_session_past_its_cap_forgets_its_idle_one_in_etcd_t
 
 
 def test_the_cap_per_tenant_is_a_flag() -> None:
-    assert parse_settings([]).max_sessions_per_tenant == 100_000
-    assert parse_settings(["--max-sessions-per-tenant", "5"]).max_sessions_per_tenant == 5
+    assert parse_settings(["--insecure"]).max_sessions_per_tenant == 100_000
+    assert (
+        parse_settings(["--insecure", "--max-sessions-per-tenant", "5"]).max_sessions_per_tenant
+        == 5
+    )
     with pytest.raises(SystemExit):
-        parse_settings(["--max-sessions-per-tenant", "-1"])
+        parse_settings(["--insecure", "--max-sessions-per-tenant", "-1"])
 
 
 # ---- 9. placement stream ---------------------------------------------------------------

@@ -198,12 +198,12 @@ async def test_a_body_over_the_limit_is_refused_unread(stack: Stack) -> None:
 
 
 def test_the_body_limit_is_a_flag_bounded_by_default() -> None:
-    assert parse(["--no-auth"]).max_body_bytes == 0  # derived (at most MAX_BODY_BYTES)
-    assert parse(["--no-auth", "--max-body-bytes", "4096"]).max_body_bytes == 4096
-    assert parse(["--no-auth", "--body-worker-bytes", "0"]).body_worker_bytes == 0
+    assert parse(["--no-auth", "--insecure"]).max_body_bytes == 0  # derived (at most MAX_BODY_BYTES)
+    assert parse(["--no-auth", "--insecure", "--max-body-bytes", "4096"]).max_body_bytes == 4096
+    assert parse(["--no-auth", "--insecure", "--body-worker-bytes", "0"]).body_worker_bytes == 0
     for flag in ("--max-body-bytes", "--body-worker-bytes"):
         with pytest.raises(SystemExit):
-            parse(["--no-auth", flag, "-1"])
+            parse(["--no-auth", "--insecure", flag, "-1"])
     # The default context's bound (tens of MB) is over the ceiling: the ceiling holds; with
     # no bound known, too. A given limit is taken as it is.
     assert (body_bytes_bound(131_072, 74) or 0) > MAX_BODY_BYTES
