@@ -198,7 +198,8 @@ async def test_a_body_over_the_limit_is_refused_unread(stack: Stack) -> None:
 
 
 def test_the_body_limit_is_a_flag_bounded_by_default() -> None:
-    assert parse(["--no-auth", "--insecure"]).max_body_bytes == 0  # derived (at most MAX_BODY_BYTES)
+    # 0: derived (at most MAX_BODY_BYTES)
+    assert parse(["--no-auth", "--insecure"]).max_body_bytes == 0
     assert parse(["--no-auth", "--insecure", "--max-body-bytes", "4096"]).max_body_bytes == 4096
     assert parse(["--no-auth", "--insecure", "--body-worker-bytes", "0"]).body_worker_bytes == 0
     for flag in ("--max-body-bytes", "--body-worker-bytes"):
