@@ -154,6 +154,12 @@ class ConductorClient:
         address = await (self.leader() if fresh else self._leaders.ensure())
         return address, self._channels.stub(address)
 
+    def stub_at(self, address: str) -> ConductorStub:
+        """A stub on this client's channel to `address`, leader or not (same credentials and
+        interceptors), for calls meant for one Conductor, such as a KV event mirror."""
+        self._check_open()
+        return self._channels.stub(address)
+
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with jitter: uniform in [cap/2, cap]."""
         cap = min(self.max_backoff_s, self.backoff_s * 2.0**attempt)

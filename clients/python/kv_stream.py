@@ -11,6 +11,10 @@ resume point it names. When the log no longer holds that point, the owner is tol
 (`on_resync`): the instance's batches are dropped until a resync batch comes. When the
 Conductor no longer knows the instance, the owner is told to register it again
 (`on_unregistered`) and nothing is sent for it until the next `open`.
+
+Each batch is also mirrored to the standby Conductors as it is cut (`kv_mirror.py`), so the
+one that takes over already holds the batches the dead leader had not made durable, and the
+resume point it answers is past them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from grpc import aio
 
 from clients.python.conductor import ConductorClient
 from clients.python.errors import ConductorError, NotFound, Unavailable
+from clients.python.kv_mirror import DEFAULT_MIRROR_BATCHES, KvEventMirror
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -142,7 +147,8 @@ class KvEventStream:
     from the same event loop, and `close()` at the end.
 
     `on_resync(instance_id)` and `on_unregistered(instance_id)` are called from the stream's
-    task and must not block. `on_sent` sees every batch handed to the call.
+    task and must not block. `on_sent` sees every batch handed to the call. `mirror_batches`
+    bounds each standby's queue of mirrored batches (0: no mirror).
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class KvEventStream:
         on_unregistered: Callable[[str], None],
         on_sent: Callable[[SentBatch], None] | None = None,
         log_batches: int = DEFAULT_LOG_BATCHES,
+        mirror_batches: int = DEFAULT_MIRROR_BATCHES,
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
     ) -> None:
@@ -171,6 +178,11 @@ class KvEventStream:
         self._runner: asyncio.Task[None] | None = None
         self._turn = 0  # round-robin position over instances
         self.counters = StreamCounters()
+        self.mirror = (
+            KvEventMirror(client, queue_batches=mirror_batches, seed=seed)
+            if mirror_batches > 0
+            else None
+        )
         self.connected_to: str | None = None  # the leader the open call goes to
 
     # ---- the sender's side -----------------------------------------------------------------
@@ -222,6 +234,8 @@ class KvEventStream:
             merge=resync and merge,
         )
         log.append(_Entry(pb.StreamKvEventsRequest(batch=batch), len(events), engine_ts))
+        if self.mirror is not None:  # before the stream can carry it (see kv_mirror.py)
+            self.mirror.put(batch)
         if resync:
             log.state = _State.READY
         self._wake.set()
@@ -243,6 +257,8 @@ class KvEventStream:
     def start(self) -> None:
         """Start following the leader (on the running loop)."""
         if self._runner is None:
+            if self.mirror is not None:
+                self.mirror.start()
             self._runner = asyncio.get_running_loop().create_task(
                 self._run(), name="kvsched-kv-event-stream"
             )
@@ -253,12 +269,13 @@ class KvEventStream:
         self._closing.set()
         self._wake.set()
         runner, self._runner = self._runner, None
-        if runner is None:
-            return
-        _, pending = await asyncio.wait({runner}, timeout=timeout_s)
-        if pending:
-            runner.cancel()
-            await asyncio.wait({runner})
+        if runner is not None:
+            _, pending = await asyncio.wait({runner}, timeout=timeout_s)
+            if pending:
+                runner.cancel()
+                await asyncio.wait({runner})
+        if self.mirror is not None:
+            await self.mirror.close()
 
     # ---- the stream's side -----------------------------------------------------------------
 

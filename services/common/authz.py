@@ -42,6 +42,8 @@ ACCESS: Mapping[str, frozenset[Role]] = {
     # KV events: a Messenger publishes its own node's instances' (checked per batch).
     _CONDUCTOR_API + "StreamKvEvents": frozenset({MESSENGER}),
     _CONDUCTOR_API + "PublishKvEvents": frozenset({MESSENGER}),
+    # ... and mirrors them to the standbys (own node's, checked per batch), which keep them.
+    _CONDUCTOR_API + "MirrorKvEvents": frozenset({MESSENGER}),
     # Placement: the Routers'.
     _CONDUCTOR_API + "Schedule": frozenset({ROUTER}),
     _CONDUCTOR_API + "ScheduleStream": frozenset({ROUTER}),

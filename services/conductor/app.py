@@ -54,6 +54,7 @@ from services.conductor.instance_rpcs import InstanceRpcs
 from services.conductor.keys import InstanceRecord
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics, FailoverCounters, StateGauges
+from services.conductor.mirror import MirroredBatches
 from services.conductor.persist import Persister
 from services.conductor.placement_rpcs import PlacementRpcs
 from services.conductor.registration import Registrar
@@ -136,9 +137,12 @@ class Conductor:
         )
         self.streams = OpenStreams()
         registrar = Registrar(self.store, self.writer, current, sync, settings.instance_ttl_s)
+        self.events = KvEventRpcs(
+            current, self.leadership, self.metrics, MirroredBatches(settings.mirror_batches)
+        )
         self.rpcs = (
             InstanceRpcs(registrar, current, self.leadership),
-            KvEventRpcs(current, self.leadership, self.metrics),
+            self.events,
             PlacementRpcs(
                 current,
                 self.leadership,
@@ -282,6 +286,11 @@ class Conductor:
         if recorded is None:
             spec = self.state.scheduler.spec.encode()
             await self.writer.commit([Put(keys.POLICY.encode(), spec)])
+        # The dead leader's unflushed tail, mirrored here by the Messengers: applied on top of
+        # the cursors just read, so it is not sent again. No await from here to `serving`:
+        # nothing kept meanwhile is left behind, and KeepAlive (which answers the resume
+        # point) waits for `serving` on an elected Conductor.
+        self.events.apply_mirrored()
         self.leadership.serving = True
         await self.health.set(SERVICE_NAME, SERVING)
         log.info("Conductor %s leads", self.settings.conductor_id)
@@ -310,6 +319,7 @@ class Conductor:
     async def _on_lost(self) -> None:
         """Stop serving and rebuild from etcd: unpersisted writes of the lost term are gone."""
         self.leadership.serving = False
+        self.events.mirrored.clear()  # kept while leading, if anything: stale
         await self.transfers.stop()
         self.streams.end_all()
         await self.health.set(SERVICE_NAME, NOT_SERVING)

@@ -48,6 +48,10 @@ class InstanceRpcs:
         self, request: pb.KeepAliveInstanceRequest, context: Context
     ) -> pb.KeepAliveInstanceResponse:
         await require_instance_node(context, self.current().state, request.instance_id)
+        if self.leadership.is_leader and not self.leadership.serving:
+            # Elected and catching up: the cursor it would answer may not count the mirrored
+            # batches it is about to apply; the caller asks again (or another Conductor).
+            await require_leader(self.leadership, context)
         try:
             if self.leadership.serving:
                 inst, remaining = await self.registrar.keep_alive(request.instance_id)

@@ -57,6 +57,14 @@ class ConductorMetrics:
             ["outcome"],
             registry=r,
         )
+        self.mirrored_batches = Counter(
+            "kvsched_conductor_mirrored_kv_event_batches",
+            "KV event batches mirrored to this Conductor by outcome: kept (a standby), not_kept "
+            "(already durable, or of an unknown instance), ignored (while leading), applied "
+            "(at takeover, the dead leader's unflushed tail).",
+            ["outcome"],
+            registry=r,
+        )
         self.event_lag = Histogram(
             "kvsched_conductor_kv_event_lag_seconds",
             "Time from a KV event batch being cut to it being applied.",

@@ -48,6 +48,7 @@ class ConductorSettings:
     persist_interval_s: float = 0.05
     dead_leader_probe_s: float = 0.1  # a standby probes the leader's port this often; 0: never
     persist_blocks: bool = True
+    mirror_batches: int = 512  # KV event batches a standby keeps per instance for takeover
     session_ttl_s: float = 3600.0  # policy seconds an idle session is kept; 0: forever
     max_sessions: int = 1_000_000  # sessions kept at most (least recently active go); 0: any
     # Sessions one tenant keeps at most (its least recently touched idle one makes room for
@@ -128,6 +129,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         "connections in a row end its term at once (0: wait for its lease)",
     )
     _flag(p, "persist-blocks", d.persist_blocks, "persist block metadata for warm restarts")
+    _flag(
+        p,
+        "mirror-batches",
+        d.mirror_batches,
+        "KV event batches a standby keeps per instance, mirrored by the Messengers, to apply "
+        "if it takes over",
+    )
     _flag(p, "session-ttl", d.session_ttl_s, "policy seconds an idle session is kept (0: forever)")
     _flag(
         p,
@@ -180,6 +188,8 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         p.error("--time-scale must be positive")
     if a.session_ttl < 0 or a.max_sessions < 0 or a.max_sessions_per_tenant < 0:
         p.error("--session-ttl, --max-sessions and --max-sessions-per-tenant must not be negative")
+    if a.mirror_batches < 1:
+        p.error("--mirror-batches must be at least 1")
     if a.transfer_timeout <= 0 or a.transfer_timeout_factor < 0:
         p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
     tls = SERVER_TLS.read(p, a)
@@ -216,6 +226,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         persist_interval_s=a.persist_interval,
         dead_leader_probe_s=a.dead_leader_probe,
         persist_blocks=a.persist_blocks,
+        mirror_batches=a.mirror_batches,
         session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions,
         max_sessions_per_tenant=a.max_sessions_per_tenant,

@@ -163,6 +163,7 @@ class Messenger:
             on_unregistered=self._on_unregistered,
             on_sent=self.metrics.on_sent,
             log_batches=s.resend_batches,
+            mirror_batches=s.mirror_batches,
         )
         self.stream.start()
         self._session = aiohttp.ClientSession()

@@ -251,3 +251,20 @@ class _Collector(Collector):
             ("dropped_batches", "Batches dropped while waiting for a resync.", c.dropped),
         ):
             yield CounterMetricFamily(PREFIX + name, text, value=max(value, 0))
+        mirror = stream.mirror
+        if mirror is not None:
+            m = mirror.counters
+            for name, text, value in (
+                (
+                    "mirrored_batches",
+                    "KV event batches mirrored to standby Conductors.",
+                    m.mirrored,
+                ),
+                (
+                    "mirror_dropped_batches",
+                    "Mirrored batches pushed out of a standby's full queue (slow or away).",
+                    m.dropped,
+                ),
+                ("mirror_failures", "Mirror calls to a standby that broke.", m.failures),
+            ):
+                yield CounterMetricFamily(PREFIX + name, text, value=value)

@@ -43,6 +43,7 @@ class MessengerSettings:
     batch_window_s: float = 0.005  # events wait at most this long to share a batch
     batch_max_events: int = 256
     resend_batches: int = 1024  # batches kept per instance to resend after a resume point
+    mirror_batches: int = 1024  # batches queued per standby Conductor for its mirror; 0: none
     block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
     vllm_metrics_interval_s: float = 1.0  # how often a vLLM engine's /metrics is read
     # How KV bytes move: our TCP stream (the faster on loopback and plain Ethernet, see
@@ -82,6 +83,8 @@ class MessengerSettings:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.batch_window_s < 0:
             raise ValueError("--batch-window must not be negative")
+        if self.mirror_batches < 0:
+            raise ValueError("--mirror-batches must not be negative")
         if not self.conductors:
             raise ValueError("--conductor needs at least one host:port")
         if self.transfer_backend not in BACKENDS:
@@ -144,6 +147,12 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "batch-window", d.batch_window_s, "seconds events may wait to share a batch")
     _flag(p, "batch-max-events", d.batch_max_events, "events that cut a batch at once")
     _flag(p, "resend-batches", d.resend_batches, "batches kept per instance for resending")
+    _flag(
+        p,
+        "mirror-batches",
+        d.mirror_batches,
+        "KV event batches queued per standby Conductor for its mirror (0: no mirror)",
+    )
     block_hashes.add_flags(_flag, p)
     _flag(p, "vllm-metrics-interval", d.vllm_metrics_interval_s, "seconds between /metrics reads")
     _flag(p, "transfer-backend", d.transfer_backend, f"how KV moves: {' or '.join(BACKENDS)}")
@@ -183,6 +192,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             batch_window_s=a.batch_window,
             batch_max_events=a.batch_max_events,
             resend_batches=a.resend_batches,
+            mirror_batches=a.mirror_batches,
             block_hashes=block_hashes.from_args(a),
             vllm_metrics_interval_s=a.vllm_metrics_interval,
             transfer_backend=a.transfer_backend,

@@ -14,9 +14,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from clients.python import ConductorClient, Unavailable
+from clients.python.kv_stream import KvEventStream
+from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from tests.conductor.conftest import ConductorProcess, instance, leader_of
 from tests.fixtures.etcd import EtcdServer
@@ -167,6 +170,106 @@ async def test_a_stalled_leader_keeps_its_term_and_instance_leases_live_on(
             assert await client.leader() == leader.url  # it kept its term
             listed = await client.list_instances()
             assert len(listed) == INSTANCES, "an instance lease lapsed during the stall"
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def _metric(http_port: int, name: str) -> float:
+    """A counter's value on a Conductor's /metrics (0 when absent or not answering)."""
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{http_port}/metrics") as r,
+        ):
+            text = await r.text()
+    except aiohttp.ClientError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def test_a_standby_applies_the_mirrored_batches_the_dead_leader_had_not_flushed(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    # A write-behind that never flushes in the test's time: everything the leader applies
+    # after the registration dies with it, and only the mirror can save it.
+    procs = [
+        ConductorProcess(etcd, f"c{i}", tmp_path / f"c{i}.log", persist_interval=60)
+        for i in range(2)
+    ]
+    batches = 12
+    try:
+        addresses = [p.url for p in procs]
+        async with ConductorClient(addresses, deadline_s=1.0, retries=40) as client:
+            leader_url = await wait_for(lambda: leader_of(client), 15.0, message="a leader")
+            leader = next(p for p in procs if p.url == leader_url)
+            standby = next(p for p in procs if p is not leader)
+            spec = instance(0)
+            await client.register_instance(spec, lease_ttl_s=30)
+            async with ConductorClient([standby.url], deadline_s=1.0, retries=0) as one:
+
+                async def standby_knows() -> bool:
+                    try:
+                        listed = await one.list_instances()
+                    except Unavailable:  # not listening yet
+                        return False
+                    return [i.spec.instance_id for i in listed] == [spec.instance_id]
+
+                await wait_for(standby_knows, 15.0, message="the standby knows the instance")
+            stream = KvEventStream(client, on_resync=lambda _: None, on_unregistered=lambda _: None)
+            stream.start()
+            try:
+                first = (await client.keep_alive(spec.instance_id)).next_event_sequence
+                stream.open(spec.instance_id, first)
+                for b in range(batches):
+                    events = [
+                        pb.KvEvent(
+                            blocks_stored=pb.BlocksStored(
+                                block_hashes=[1000 + b], tier=common.TIER_GPU
+                            )
+                        )
+                    ]
+                    stream.send(spec.instance_id, events, resync=b == 0)
+                end = first + batches
+
+                async def applied_by_leader() -> bool:
+                    return (await client.keep_alive(spec.instance_id)).next_event_sequence == end
+
+                await wait_for(applied_by_leader, 15.0, message="the leader applied every batch")
+                kept = 'kvsched_conductor_mirrored_kv_event_batches_total{outcome="kept"}'
+
+                async def kept_by_standby() -> bool:
+                    return await _metric(standby.http_port, kept) >= batches
+
+                await wait_for(kept_by_standby, 15.0, message="the standby kept every batch")
+                leader.kill()
+
+                async def standby_leads() -> bool:
+                    return await leader_of(client) == standby.url
+
+                await wait_for(standby_leads, 15.0, message="the standby takes over")
+                answer = await client.keep_alive(spec.instance_id)
+                assert answer.next_event_sequence == end  # the mirror advanced the cursor
+                applied = 'kvsched_conductor_mirrored_kv_event_batches_total{outcome="applied"}'
+                assert await _metric(standby.http_port, applied) == batches
+                # One more batch: the stream resumes at the new leader, sending nothing again.
+                more = [
+                    pb.KvEvent(
+                        blocks_stored=pb.BlocksStored(block_hashes=[7], tier=common.TIER_GPU)
+                    )
+                ]
+                stream.send(spec.instance_id, more)
+
+                async def took_the_next() -> bool:
+                    return (
+                        await client.keep_alive(spec.instance_id)
+                    ).next_event_sequence == end + 1
+
+                await wait_for(took_the_next, 15.0, message="the new leader took the next batch")
+                assert stream.counters.resent == 0
+                assert stream.counters.resyncs_asked == 0
+            finally:
+                await stream.close()
     finally:
         for p in procs:
             p.stop()

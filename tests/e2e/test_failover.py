@@ -1,8 +1,9 @@
 """Leader failover under steady streaming load, end to end through `kvsched up --conductors 2`
 (`tests/e2e/failover_drill.py`): an engine is killed and leaves, then the leader is SIGKILLed
 twice in a row. Each takeover takes at most 2 s; no session binding changes, in etcd or in the
-new leader; no instance is registered again or resynced and no event cursor goes back (only
-the dead leader's unflushed tail of KV events is sent again); no client request fails, and
+new leader; no instance is registered again or resynced, no event cursor goes back and no KV
+event batch is sent again (the standby applies the dead leader's unflushed tail from the
+Messengers' mirror); no client request fails, and
 turns the Routers place alone while no Conductor answers go to the sessions' hosts.
 Instance leases are the e2e cluster's short ones (`INSTANCE_TTL_S`)."""
 
@@ -40,7 +41,13 @@ async def test_leader_killed_twice_under_load_loses_no_binding_and_no_registrati
         assert not result.changed, f"bindings changed in etcd: {result.changed}"
         assert not result.adopted_otherwise, f"the new leader differs: {result.adopted_otherwise}"
         assert not result.cursors_behind, f"event cursors went back: {result.cursors_behind}"
-        for counter in ("resyncs", "registrations", "engine_registered"):
+        for counter in (
+            "resyncs",
+            "registrations",
+            "engine_registered",
+            "resent_batches",
+            "resent_blocks",
+        ):
             assert result.counts[counter] == 0, line
         assert not result.failures, result.failures[:5]
         assert result.moved == 0, line  # the Routers' own placements kept the bindings too

@@ -602,6 +602,54 @@ class ResumePoint(_message.Message):
 Global___ResumePoint: _TypeAlias = ResumePoint  # noqa: Y015
 
 @_typing.final
+class MirrorKvEventsRequest(_message.Message):
+    """One batch mirrored to a standby."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def batch(self) -> Global___KvEventBatch:
+        """The batch, as sent to the leader."""
+
+    def __init__(
+        self,
+        *,
+        batch: Global___KvEventBatch | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirrorKvEventsRequest: _TypeAlias = MirrorKvEventsRequest  # noqa: Y015
+
+@_typing.final
+class MirrorKvEventsResponse(_message.Message):
+    """How a mirror stream ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_KEPT_FIELD_NUMBER: _builtins.int
+    batches_kept: _builtins.int
+    """Batches kept (the others were already counted by the instance's cursor, of an instance
+    this Conductor does not know, or reached a leader, which ignores them).
+    """
+    def __init__(
+        self,
+        *,
+        batches_kept: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_kept", b"batches_kept"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirrorKvEventsResponse: _TypeAlias = MirrorKvEventsResponse  # noqa: Y015
+
+@_typing.final
 class PublishKvEventsRequest(_message.Message):
     """Applies one batch."""
 

@@ -67,6 +67,11 @@ class ConductorServiceStub:
                 request_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.PublishKvEventsRequest.SerializeToString,
                 response_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.PublishKvEventsResponse.FromString,
                 _registered_method=True)
+        self.MirrorKvEvents = channel.stream_unary(
+                '/kvsched.conductor.v1.ConductorService/MirrorKvEvents',
+                request_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.MirrorKvEventsRequest.SerializeToString,
+                response_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.MirrorKvEventsResponse.FromString,
+                _registered_method=True)
         self.Schedule = channel.unary_unary(
                 '/kvsched.conductor.v1.ConductorService/Schedule',
                 request_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.ScheduleRequest.SerializeToString,
@@ -164,6 +169,16 @@ class ConductorServiceServicer:
 
     def PublishKvEvents(self, request, context):
         """Applies one KV event batch and answers once it is applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MirrorKvEvents(self, request_iterator, context):
+        """A copy of the batches a Messenger streams to the leader, sent to a standby: it applies
+        nothing, keeps those etcd does not yet count (per instance, in sequence, bounded) and,
+        should it take over, applies the ones that continue the instance's cursor, so the dead
+        leader's unflushed batches need not be sent again. The leader ignores them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +289,11 @@ def add_ConductorServiceServicer_to_server(servicer, server):
                     servicer.PublishKvEvents,
                     request_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.PublishKvEventsRequest.FromString,
                     response_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.PublishKvEventsResponse.SerializeToString,
+            ),
+            'MirrorKvEvents': grpc.stream_unary_rpc_method_handler(
+                    servicer.MirrorKvEvents,
+                    request_deserializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.MirrorKvEventsRequest.FromString,
+                    response_serializer=kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.MirrorKvEventsResponse.SerializeToString,
             ),
             'Schedule': grpc.unary_unary_rpc_method_handler(
                     servicer.Schedule,
@@ -491,6 +511,33 @@ class ConductorService:
             '/kvsched.conductor.v1.ConductorService/PublishKvEvents',
             kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.PublishKvEventsRequest.SerializeToString,
             kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.PublishKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MirrorKvEvents(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvsched.conductor.v1.ConductorService/MirrorKvEvents',
+            kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.MirrorKvEventsRequest.SerializeToString,
+            kvsched_dot_conductor_dot_v1_dot_conductor__service__pb2.MirrorKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,12 @@ class ConductorServiceStub:
     """
     PublishKvEvents: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.PublishKvEventsRequest, _conductor_service_pb2.PublishKvEventsResponse]
     """Applies one KV event batch and answers once it is applied."""
+    MirrorKvEvents: _grpc.StreamUnaryMultiCallable[_conductor_service_pb2.MirrorKvEventsRequest, _conductor_service_pb2.MirrorKvEventsResponse]
+    """A copy of the batches a Messenger streams to the leader, sent to a standby: it applies
+    nothing, keeps those etcd does not yet count (per instance, in sequence, bounded) and,
+    should it take over, applies the ones that continue the instance's cursor, so the dead
+    leader's unflushed batches need not be sent again. The leader ignores them.
+    """
     Schedule: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.ScheduleRequest, _conductor_service_pb2.ScheduleResponse]
     """Places one request. A rejection is RESOURCE_EXHAUSTED with a `retry-after-ms` trailer."""
     ScheduleStream: _grpc.StreamStreamMultiCallable[_conductor_service_pb2.ScheduleStreamRequest, _conductor_service_pb2.ScheduleStreamResponse]
@@ -102,6 +108,12 @@ class ConductorServiceAsyncStub(ConductorServiceStub):
     """
     PublishKvEvents: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.PublishKvEventsRequest, _conductor_service_pb2.PublishKvEventsResponse]  # type: ignore[assignment]
     """Applies one KV event batch and answers once it is applied."""
+    MirrorKvEvents: _aio.StreamUnaryMultiCallable[_conductor_service_pb2.MirrorKvEventsRequest, _conductor_service_pb2.MirrorKvEventsResponse]  # type: ignore[assignment]
+    """A copy of the batches a Messenger streams to the leader, sent to a standby: it applies
+    nothing, keeps those etcd does not yet count (per instance, in sequence, bounded) and,
+    should it take over, applies the ones that continue the instance's cursor, so the dead
+    leader's unflushed batches need not be sent again. The leader ignores them.
+    """
     Schedule: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.ScheduleRequest, _conductor_service_pb2.ScheduleResponse]  # type: ignore[assignment]
     """Places one request. A rejection is RESOURCE_EXHAUSTED with a `retry-after-ms` trailer."""
     ScheduleStream: _aio.StreamStreamMultiCallable[_conductor_service_pb2.ScheduleStreamRequest, _conductor_service_pb2.ScheduleStreamResponse]  # type: ignore[assignment]
@@ -185,6 +197,18 @@ class ConductorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_conductor_service_pb2.PublishKvEventsResponse, _abc.Awaitable[_conductor_service_pb2.PublishKvEventsResponse]]:
         """Applies one KV event batch and answers once it is applied."""
+
+    @_abc_1.abstractmethod
+    def MirrorKvEvents(
+        self,
+        request_iterator: _MaybeAsyncIterator[_conductor_service_pb2.MirrorKvEventsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_conductor_service_pb2.MirrorKvEventsResponse, _abc.Awaitable[_conductor_service_pb2.MirrorKvEventsResponse]]:
+        """A copy of the batches a Messenger streams to the leader, sent to a standby: it applies
+        nothing, keeps those etcd does not yet count (per instance, in sequence, bounded) and,
+        should it take over, applies the ones that continue the instance's cursor, so the dead
+        leader's unflushed batches need not be sent again. The leader ignores them.
+        """
 
     @_abc_1.abstractmethod
     def Schedule(
