@@ -161,6 +161,17 @@ async def _messenger_counts(http: aiohttp.ClientSession, cluster: LocalCluster) 
     return out
 
 
+async def _mirrored_applied(http: aiohttp.ClientSession, conductor: ConductorProc) -> int:
+    """The mirrored KV event batches `conductor` applied when it took over (the dead leader's
+    unflushed tail, which the Messengers would otherwise send again)."""
+    name = 'kvsched_conductor_mirrored_kv_event_batches_total{outcome="applied"}'
+    async with http.get(f"{conductor.http_url}/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(name)
+    )
+
+
 async def _cursors(etcd: EtcdStore) -> dict[str, int]:
     """Every instance's KV event cursor as etcd records it."""
     return {
@@ -191,6 +202,7 @@ class RoundResult:
     failures: list[str]  # client requests that failed during the round
     fallbacks: int  # answers the Routers placed alone during the round
     moved: int  # of those, turns served elsewhere than their session's binding
+    mirrored: int  # KV event batches the new leader applied from the Messengers' mirror
 
     def line(self, n: int) -> str:
         c = self.counts
@@ -198,7 +210,8 @@ class RoundResult:
             f"round {n}: takeover {self.takeover_s:.2f} s, {len(self.changed)} of "
             f"{self.bindings} bindings changed, resyncs {c['resyncs']}, registrations "
             f"{c['registrations']}, re-sent batches {c['resent_batches']} "
-            f"({c['resent_blocks']} blocks), fallbacks {self.fallbacks} "
+            f"({c['resent_blocks']} blocks), mirrored batches applied {self.mirrored}, "
+            f"fallbacks {self.fallbacks} "
             f"({self.moved} turns elsewhere), "
             f"failed requests {len(self.failures)}"
         )
@@ -291,6 +304,7 @@ async def _kill_the_leader(
     await load.each_client_turns(load.snapshot(), 1, 60.0)
     before, cursors = await _bindings(etcd), await _cursors(etcd)
     counts = await _messenger_counts(http, cluster)
+    mirrored = await _mirrored_applied(http, standby)
     turns, fallbacks, failures = load.snapshot(), load.fallbacks, len(load.failures)
     moved = load.moved
     os.kill(leader.pid, signal.SIGKILL)
@@ -308,6 +322,7 @@ async def _kill_the_leader(
     ) as client:
         held = {sid: (await client.get_session(sid)).host_instance_id for sid in before}
     delta = await _messenger_counts(http, cluster)
+    mirrored = await _mirrored_applied(http, standby) - mirrored
     delta.subtract(counts)
     result = RoundResult(
         takeover_s=takeover_s,
@@ -321,5 +336,6 @@ async def _kill_the_leader(
         failures=load.failures[failures:],
         fallbacks=load.fallbacks - fallbacks,
         moved=load.moved - moved,
+        mirrored=mirrored,
     )
     return result, leader
