@@ -120,7 +120,11 @@ class KvEventMirror:
         while not self._closing:
             await standby.wake.wait()  # no call is opened before there is a batch to carry
             try:
-                call = self._client.stub_at(standby.address).MirrorKvEvents(self._requests(standby))
+                # Waits for the channel to connect (it tries every 250 ms at most), so a
+                # restarted standby gets its call as soon as it listens.
+                call = self._client.stub_at(standby.address).MirrorKvEvents(
+                    self._requests(standby), wait_for_ready=True
+                )
                 await call
                 failures = 0  # the Conductor ended it (a restart, a shutdown): open another
             except ConductorError:  # the client was closed

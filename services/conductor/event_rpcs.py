@@ -93,18 +93,19 @@ class KvEventRpcs:
     ) -> pb.MirrorKvEventsResponse:
         kept = 0
         outcomes = self.metrics.mirrored_batches
-        async for item in request_iterator:
-            batch = item.batch
-            state = self.current().state
-            await require_instance_node(context, state, batch.instance_id)
-            if self.leadership.serving:  # the leader has them from the event stream
-                outcomes.labels("ignored").inc()
-                continue
-            if self.mirrored.keep(batch, _cursor(state, batch.instance_id)):
-                kept += 1
-                outcomes.labels("kept").inc()
-            else:
-                outcomes.labels("not_kept").inc()
+        with self.metrics.mirror_calls.track_inprogress():
+            async for item in request_iterator:
+                batch = item.batch
+                state = self.current().state
+                await require_instance_node(context, state, batch.instance_id)
+                if self.leadership.serving:  # the leader has them from the event stream
+                    outcomes.labels("ignored").inc()
+                    continue
+                if self.mirrored.keep(batch, _cursor(state, batch.instance_id)):
+                    kept += 1
+                    outcomes.labels("kept").inc()
+                else:
+                    outcomes.labels("not_kept").inc()
         return pb.MirrorKvEventsResponse(batches_kept=kept)
 
     def apply_mirrored(self) -> int:

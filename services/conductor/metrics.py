@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -63,6 +63,11 @@ class ConductorMetrics:
             "(already durable, or of an unknown instance), ignored (while leading), applied "
             "(at takeover, the dead leader's unflushed tail).",
             ["outcome"],
+            registry=r,
+        )
+        self.mirror_calls = Gauge(
+            "kvsched_conductor_kv_event_mirror_calls",
+            "MirrorKvEvents calls open to this Conductor (one per Messenger keeping it warm).",
             registry=r,
         )
         self.event_lag = Histogram(

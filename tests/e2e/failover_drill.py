@@ -161,15 +161,28 @@ async def _messenger_counts(http: aiohttp.ClientSession, cluster: LocalCluster) 
     return out
 
 
-async def _mirrored_applied(http: aiohttp.ClientSession, conductor: ConductorProc) -> int:
-    """The mirrored KV event batches `conductor` applied when it took over (the dead leader's
-    unflushed tail, which the Messengers would otherwise send again)."""
-    name = 'kvsched_conductor_mirrored_kv_event_batches_total{outcome="applied"}'
-    async with http.get(f"{conductor.http_url}/metrics") as resp:
-        text = await resp.text()
+async def _conductor_metric(
+    http: aiohttp.ClientSession, conductor: ConductorProc, name: str
+) -> int:
+    """A metric on `conductor`'s /metrics (`name` with its labels), 0 when absent or when
+    the Conductor does not answer."""
+    try:
+        async with http.get(f"{conductor.http_url}/metrics") as resp:
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return 0
     return sum(
-        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(name)
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith(name + " ")
     )
+
+
+# The mirrored KV event batches a Conductor applied when it took over (the dead leader's
+# unflushed tail, which the Messengers would otherwise send again), and the Messengers'
+# mirror calls open to it (one each once it is warm).
+MIRRORED_APPLIED = 'kvsched_conductor_mirrored_kv_event_batches_total{outcome="applied"}'
+MIRROR_CALLS = "kvsched_conductor_kv_event_mirror_calls"
 
 
 async def _cursors(etcd: EtcdStore) -> dict[str, int]:
@@ -296,7 +309,12 @@ async def _kill_the_leader(
         pairs = list(zip(conductors, states, strict=True))
         leading = [c for c, s in pairs if s.get("is_leader")]
         following = [c for c, s in pairs if s and not s["is_leader"] and s["leader_id"]]
-        return (leading[0], following[0]) if leading and following else None
+        if not (leading and following):
+            return None
+        # Warm: every Messenger mirrors its KV events to it (a standby restarted moments ago
+        # may not be reached yet, and would need the dead leader's tail sent again).
+        calls = await _conductor_metric(http, following[0], MIRROR_CALLS)
+        return (leading[0], following[0]) if calls >= len(cluster.endpoints["messengers"]) else None
 
     found = await wait_for(roles, 30.0, interval=0.1, message="a leader and a standby")
     assert found is not None
@@ -304,7 +322,7 @@ async def _kill_the_leader(
     await load.each_client_turns(load.snapshot(), 1, 60.0)
     before, cursors = await _bindings(etcd), await _cursors(etcd)
     counts = await _messenger_counts(http, cluster)
-    mirrored = await _mirrored_applied(http, standby)
+    mirrored = await _conductor_metric(http, standby, MIRRORED_APPLIED)
     turns, fallbacks, failures = load.snapshot(), load.fallbacks, len(load.failures)
     moved = load.moved
     os.kill(leader.pid, signal.SIGKILL)
@@ -322,7 +340,7 @@ async def _kill_the_leader(
     ) as client:
         held = {sid: (await client.get_session(sid)).host_instance_id for sid in before}
     delta = await _messenger_counts(http, cluster)
-    mirrored = await _mirrored_applied(http, standby) - mirrored
+    mirrored = await _conductor_metric(http, standby, MIRRORED_APPLIED) - mirrored
     delta.subtract(counts)
     result = RoundResult(
         takeover_s=takeover_s,

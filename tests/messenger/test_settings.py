@@ -60,6 +60,7 @@ def test_an_engine_takes_options_after_its_url() -> None:
     "argv",
     [
         ["--load-interval", "0"],
+        ["--mirror-batches", "-1"],
         ["--tls-cert", "me.pem"],
         ["--conductor", " , "],
         ["--engine", "kind=vllm"],
