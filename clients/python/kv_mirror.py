@@ -3,10 +3,12 @@ other Conductor it knows (the standbys), so the one that takes over holds the ba
 leader had applied but not yet made durable, and applies them itself (warm standby state):
 the sender is not asked for them again.
 
-Fire-and-forget: each standby has its own bounded queue and its own `MirrorKvEvents` call; a
-slow or dead standby fills its queue and loses its oldest batches (counted), never slowing the
-leader's stream. Nothing depends on the mirror for correctness: a batch a standby lacks is
-sent again by the event stream from the new leader's resume point, as without a mirror.
+Fire-and-forget: each standby has its own bounded queue and its own `MirrorKvEvents` call,
+each message carrying what was queued (up to `_PER_MESSAGE` batches: a message costs far more
+than a batch); a slow or dead standby fills its queue and loses its oldest batches (counted),
+never slowing the leader's stream. Nothing depends on the mirror for correctness: a batch a
+standby lacks is sent again by the event stream from the new leader's resume point, as
+without a mirror.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _log = logging.getLogger(__name__)
 DEFAULT_MIRROR_BATCHES = 1024
 _BACKOFF_S = 0.05  # first retry of a broken mirror call
 _MAX_BACKOFF_S = 0.5  # a restarted standby must be warm again soon: it may lead next
+_PER_MESSAGE = 64  # batches per mirror message at most
 
 
 @dataclass(slots=True)
@@ -48,7 +51,7 @@ class _Standby:
 
     def __init__(self, address: str, capacity: int) -> None:
         self.address = address
-        self.queue: deque[pb.MirrorKvEventsRequest] = deque()
+        self.queue: deque[pb.KvEventBatch] = deque()
         self.capacity = capacity
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -90,16 +93,13 @@ class KvEventMirror:
         if self._closing or len(self._standbys) < 2:
             return
         leader = self._client.current_leader
-        request: pb.MirrorKvEventsRequest | None = None
         for address, standby in self._standbys.items():
             if address == leader:
                 continue
-            if request is None:
-                request = pb.MirrorKvEventsRequest(batch=batch)
             if len(standby.queue) >= standby.capacity:
                 standby.queue.popleft()
                 self.counters.dropped += 1
-            standby.queue.append(request)
+            standby.queue.append(batch)  # never changed once cut: shared, not copied
             standby.wake.set()
 
     def queued(self, address: str) -> int:
@@ -143,9 +143,10 @@ class KvEventMirror:
                 standby.wake.clear()
                 await standby.wake.wait()
                 continue
-            request = standby.queue.popleft()
-            self.counters.mirrored += 1
-            yield request
+            queue = standby.queue
+            batches = [queue.popleft() for _ in range(min(len(queue), _PER_MESSAGE))]
+            self.counters.mirrored += len(batches)
+            yield pb.MirrorKvEventsRequest(batches=batches)
 
 
 def _brief(err: BaseException) -> str:

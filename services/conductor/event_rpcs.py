@@ -95,17 +95,18 @@ class KvEventRpcs:
         outcomes = self.metrics.mirrored_batches
         with self.metrics.mirror_calls.track_inprogress():
             async for item in request_iterator:
-                batch = item.batch
                 state = self.current().state
-                await require_instance_node(context, state, batch.instance_id)
+                for batch in item.batches:
+                    await require_instance_node(context, state, batch.instance_id)
                 if self.leadership.serving:  # the leader has them from the event stream
-                    outcomes.labels("ignored").inc()
+                    outcomes.labels("ignored").inc(len(item.batches))
                     continue
-                if self.mirrored.keep(batch, _cursor(state, batch.instance_id)):
-                    kept += 1
-                    outcomes.labels("kept").inc()
-                else:
-                    outcomes.labels("not_kept").inc()
+                for batch in item.batches:
+                    if self.mirrored.keep(batch, _cursor(state, batch.instance_id)):
+                        kept += 1
+                        outcomes.labels("kept").inc()
+                    else:
+                        outcomes.labels("not_kept").inc()
         return pb.MirrorKvEventsResponse(batches_kept=kept)
 
     def apply_mirrored(self) -> int:

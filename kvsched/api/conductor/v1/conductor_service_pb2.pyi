@@ -603,23 +603,23 @@ Global___ResumePoint: _TypeAlias = ResumePoint  # noqa: Y015
 
 @_typing.final
 class MirrorKvEventsRequest(_message.Message):
-    """One batch mirrored to a standby."""
+    """Batches mirrored to a standby, as many as were queued (in the order they were cut)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    BATCH_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def batch(self) -> Global___KvEventBatch:
-        """The batch, as sent to the leader."""
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEventBatch]:
+        """The batches, as sent to the leader."""
 
     def __init__(
         self,
         *,
-        batch: Global___KvEventBatch | None = ...,
+        batches: _abc.Iterable[Global___KvEventBatch] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
