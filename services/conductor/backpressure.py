@@ -7,12 +7,13 @@ they are what frees the load.
 Why refuse rather than queue: a placement answered after the Router's deadline was shed
 there anyway (the Router releases it again), so deciding it spends the Conductor's time on a
 request nobody waits for, and the queue grows without bound while the overload lasts. Why
-refuse new placements when the outbox is full rather than drop writes: the outbox holds
-committed bindings and block records; dropping any would silently lose state a new leader
-needs, so the back-pressure goes to the cause (new placements) instead. The outbox coalesces
-writes to the same key, so its length counts distinct keys, not calls: what the engines' KV
+refuse new placements when etcd falls behind on session bindings rather than drop writes:
+dropping a committed binding would silently lose state a new leader needs, so the
+back-pressure goes to the cause (new placements) instead. Only the bindings count: they are
+what placements add. The outbox coalesces writes to the same key, and what the engines' KV
 events add (never refused: they say what the caches hold) stays within the index's own size,
-one key a block, however long etcd is away.
+one key a block, however long etcd is away; a flood of stored blocks that etcd takes a while
+to write must not turn clients away while every binding is safely written.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ OVERLOAD_RETRY_MS: Final = 1000
 @dataclass(frozen=True, slots=True)
 class PlacementBounds:
     """The flags: `max_pending` placements accepted and not yet answered (all streams
-    together), `max_wait_s` wall seconds one may wait to be decided, `max_outbox` writes
-    queued for etcd before new placements are refused."""
+    together), `max_wait_s` wall seconds one may wait to be decided, `max_outbox` session
+    bindings queued for etcd before new placements are refused."""
 
     max_pending: int = 1024
     max_wait_s: float = 0.25
-    max_outbox: int = 200_000
+    max_outbox: int = 50_000
 
     def __post_init__(self) -> None:
         if self.max_pending < 1 or self.max_wait_s <= 0 or self.max_outbox < 1:
@@ -72,9 +73,10 @@ class PendingPlacements:
         """Whether a placement that waited `waited_s` to be decided is past its bound."""
         return waited_s > self.bounds.max_wait_s
 
-    def outbox_full(self, pending_writes: int) -> bool:
-        """Whether the write-behind is too far behind to take another placement."""
-        return pending_writes >= self.bounds.max_outbox
+    def outbox_full(self, pending_bindings: int) -> bool:
+        """Whether the write-behind is too far behind on session bindings to take another
+        placement."""
+        return pending_bindings >= self.bounds.max_outbox
 
 
 def overloaded_answer(request_id: str, why: str) -> pb.ScheduleStreamResponse:

@@ -157,11 +157,16 @@ class StateGauges(Collector):
         yield GaugeMetricFamily(
             "kvsched_conductor_persist_pending", "Writes waiting for etcd.", value=len(term.outbox)
         )
+        yield GaugeMetricFamily(
+            "kvsched_conductor_persist_pending_bindings",
+            "Session bindings among the writes waiting for etcd.",
+            value=term.outbox.bindings,
+        )
         if self.pending is not None:
             bounds = self.pending.bounds
             yield GaugeMetricFamily(
-                "kvsched_conductor_persist_pending_limit",
-                "Writes waiting for etcd beyond which placements are refused "
+                "kvsched_conductor_persist_pending_bindings_limit",
+                "Session bindings waiting for etcd beyond which placements are refused "
                 "(--max-persist-pending).",
                 value=bounds.max_outbox,
             )

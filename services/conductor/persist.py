@@ -85,9 +85,7 @@ class Persister:
         except StoreError as exc:
             self.failures += 1
             log.warning("persisting %d writes failed (%s); will retry", len(ops), exc)
-            for key, value, lease in writes:  # newer writes to the same key win
-                if key not in outbox.writes:
-                    outbox.writes[key] = (value, lease)
+            outbox.restore(writes)
             fut.set_exception(exc)
             fut.exception()  # retrieved: waiters may have gone
             self._wake.set()

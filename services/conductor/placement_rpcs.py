@@ -133,7 +133,7 @@ class PlacementRpcs:
             )
 
     def _outbox_full(self) -> bool:
-        full = self.pending.outbox_full(len(self.current().outbox))
+        full = self.pending.outbox_full(self.current().outbox.bindings)
         if full:
             self.metrics.decisions.labels("overloaded").inc()
         return full
@@ -143,7 +143,7 @@ class PlacementRpcs:
     async def Schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
         await require_leader(self.leadership, context)
         if self._outbox_full():
-            await _overloaded(context, "etcd writes are behind")
+            await _overloaded(context, "etcd writes of session bindings are behind")
         if not self.pending.admit():  # unary placements count with the streams' ones
             self.metrics.decisions.labels("overloaded").inc()
             await _overloaded(context, "too many placements pending")
@@ -314,7 +314,7 @@ class StreamQueues:
             await self._answer(overloaded_answer(rid, "it waited too long to be decided"))
             return
         if rpcs._outbox_full():
-            await self._answer(overloaded_answer(rid, "etcd writes are behind"))
+            await self._answer(overloaded_answer(rid, "etcd writes of session bindings are behind"))
             return
         answer, durable = rpcs._stream_answer(item)
         if durable:

@@ -16,20 +16,37 @@ from services.conductor import keys
 @dataclass(slots=True)
 class Outbox:
     """Pending etcd writes, coalesced: the last write to a key wins, order of first write
-    kept. `None` means delete."""
+    kept. `None` means delete. `bindings` counts the session keys among them: the writes
+    placements add (block records are bounded by the index itself)."""
 
     writes: OrderedDict[str, tuple[bytes | None, int]] = field(default_factory=OrderedDict)
+    bindings: int = 0
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self._count(key)
         self.writes[key] = (value, lease)
 
     def delete(self, key: str) -> None:
+        self._count(key)
         self.writes[key] = (None, 0)
 
     def take(self) -> list[tuple[str, bytes | None, int]]:
         batch = [(k, v, lease) for k, (v, lease) in self.writes.items()]
         self.writes.clear()
+        self.bindings = 0
         return batch
+
+    def restore(self, batch: Sequence[tuple[str, bytes | None, int]]) -> None:
+        """Queue again a batch `take` gave that etcd did not take; newer writes to the same
+        keys, queued since, win."""
+        for key, value, lease in batch:
+            if key not in self.writes:
+                self._count(key)
+                self.writes[key] = (value, lease)
+
+    def _count(self, key: str) -> None:
+        if key.startswith(keys.SESSIONS) and key not in self.writes:
+            self.bindings += 1
 
     def __len__(self) -> int:
         return len(self.writes)

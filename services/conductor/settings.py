@@ -177,7 +177,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         p,
         "max-persist-pending",
         bounds.max_outbox,
-        "writes waiting for etcd beyond which new placements are refused",
+        "session bindings waiting for etcd beyond which new placements are refused",
     )
     SERVER_TLS.add(_flag, p)
     MESSENGER_TLS.add(_flag, p)

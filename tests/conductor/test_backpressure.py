@@ -14,11 +14,13 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.conductor import convert
+from services.conductor import convert, keys
 from services.conductor.backpressure import PendingPlacements, PlacementBounds, overloaded_answer
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement_rpcs import StreamQueues
+from services.conductor.records import Outbox
 from services.conductor.settings import parse
 from tests.conductor.conftest import chain, stub
 from tests.conductor.test_conductor import (
@@ -215,28 +217,45 @@ async def test_a_stream_ended_under_its_queue_leaves_nothing_pending() -> None:
 async def test_a_conductor_behind_on_etcd_refuses_placements_not_completions(
     start_conductor: Start,
 ) -> None:
-    # Flushes far apart: the blocks a KV event stores stay queued for etcd.
+    # Flushes far apart: what placements and KV events write stays queued for etcd.
     c = await start_conductor(
         persist_interval_s=60.0, placement_bounds=PlacementBounds(max_outbox=4)
     )
     async with stub(c.url) as s:
         await register(s, 0)
-        assert (await s.Schedule(sched("r0", chain(1, 2)))).decision.instance_id == IID[0]
         await s.PublishKvEvents(publish(IID[0], 0, stored(chain(2, 8))))  # 8 block records
+        for i in range(4):  # block records do not count; each new session's binding does
+            placed = await s.Schedule(sched(f"r{i}", chain(1, 2), session=f"s{i}"))
+            assert placed.decision.instance_id == IID[0]
         err = await refused(
-            s.Schedule(sched("r1", chain(1, 2))), grpc.StatusCode.RESOURCE_EXHAUSTED
+            s.Schedule(sched("r9", chain(1, 2))), grpc.StatusCode.RESOURCE_EXHAUSTED
         )
-        assert "etcd writes are behind" in (err.details() or "")
+        assert "etcd writes of session bindings are behind" in (err.details() or "")
         assert trailer(err, "retry-after-ms") == "1000"
         done = pb.FinishRequest(
             request_id="r0", instance_id=IID[0], prompt_tokens=33, block_hashes=chain(1, 2), ok=True
         )
-        items = _items(_schedule("r2"), pb.ScheduleStreamRequest(finish=done))
+        items = _items(_schedule("r10"), pb.ScheduleStreamRequest(finish=done))
         answers = [a async for a in s.ScheduleStream(items)]
-        assert _outcomes(list(answers)) == {"r2": "refused", "r0 finish": "finished"}
+        assert _outcomes(list(answers)) == {"r10": "refused", "r0 finish": "finished"}
         assert c.pending.depth == 0
         await c.persister.flush()  # etcd caught up: placements are taken again
-        assert (await s.Schedule(sched("r3", chain(1, 2)))).decision.instance_id == IID[0]
+        assert (await s.Schedule(sched("r11", chain(1, 2)))).decision.instance_id == IID[0]
     text = generate_latest(c.metrics.registry).decode()
     assert 'kvsched_conductor_decisions_total{outcome="overloaded"} 2.0' in text
-    assert "kvsched_conductor_persist_pending_limit 4.0" in text
+    assert "kvsched_conductor_persist_pending_bindings_limit 4.0" in text
+
+
+def test_the_outbox_counts_the_session_bindings_it_holds_once_each() -> None:
+    outbox = Outbox()
+    outbox.put(keys.block_key("i0", Tier.GPU, 7), b"b")
+    outbox.put(keys.session_key("s1"), b"a")
+    outbox.put(keys.session_key("s1"), b"b")  # coalesced: still one
+    outbox.delete(keys.session_key("s2"))
+    assert (len(outbox), outbox.bindings) == (3, 2)
+    batch = outbox.take()
+    assert (len(outbox), outbox.bindings) == (0, 0)
+    outbox.put(keys.session_key("s1"), b"newer")
+    outbox.restore(batch)  # etcd refused the batch: queued again, the newer write kept
+    assert (len(outbox), outbox.bindings) == (3, 2)
+    assert outbox.writes[keys.session_key("s1")] == (b"newer", 0)

@@ -342,8 +342,8 @@ async def first_turn(
     """A new session's first turn of `n` new tokens, placed by the Conductor: the session's
     id, host and context. A Conductor still digesting the KV events of earlier floods
     (their prompts stored, and saved into the nodes' pools) can answer the Router late,
-    which then places the turn itself: that session and its tokens are left, and new ones
-    tried."""
+    which then sheds the turn (429) or, the Conductor unreachable, places it itself: that
+    session and its tokens are left, and new ones tried."""
     attempts = itertools.count()
 
     async def placed() -> tuple[str, str, list[int]] | None:
@@ -354,6 +354,8 @@ async def first_turn(
             json={"prompt": prompt, "max_tokens": 4},
             headers={**cluster.auth, "x-session-id": sid},
         ) as resp:
+            if resp.status == 429:  # shed while the Conductor catches up: try another
+                return None
             assert resp.status == 200, await resp.text()
             if "x-kvsched-fallback" in resp.headers:
                 return None
