@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import grpc.aio
 
+from services.common.grpc_handlers import (
+    Behavior,
+    Handler,
+    WrappingInterceptor,
+    behavior_of,
+    same_kind,
+)
 from services.common.identity import Identity, Role, peer_identity
-
-if TYPE_CHECKING:
-    _ServerInterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
-else:  # the runtime class is a plain ABC, not subscriptable
-    _ServerInterceptorBase = grpc.aio.ServerInterceptor
 
 CONDUCTOR, ROUTER, MESSENGER, ADMIN = Role.CONDUCTOR, Role.ROUTER, Role.MESSENGER, Role.ADMIN
 _CONDUCTOR_API = "/kvsched.conductor.v1.ConductorService/"
@@ -136,53 +138,15 @@ def authz_interceptor() -> grpc.aio.ServerInterceptor[Any, Any]:
     return _AuthzInterceptor()
 
 
-_Behavior = Callable[..., Any]
+class _AuthzInterceptor(WrappingInterceptor):
+    """Checks the caller before each method's handler runs, keeping the handler's kind:
+    coroutine, async generator or plain function, which tells grpc.aio how to call it."""
+
+    def wrap_handler(self, handler: Handler, method: str) -> Handler:
+        return same_kind(handler, _wrap(behavior_of(handler), method))
 
 
-class _AuthzInterceptor(_ServerInterceptorBase):
-    """Wraps each method's handler (cached per method), keeping its kind: coroutine, async
-    generator or plain function, which tells grpc.aio how to call it."""
-
-    def __init__(self) -> None:
-        self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
-            return handler  # type: ignore[return-value]  # the stubs miss the Optional
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = _wrap_handler(handler, method)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
-
-
-def _wrap_handler(
-    handler: grpc.RpcMethodHandler[Any, Any], method: str
-) -> grpc.RpcMethodHandler[Any, Any]:
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        assert handler.stream_stream is not None
-        return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method), des, ser)
-    if handler.request_streaming:
-        assert handler.stream_unary is not None
-        return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method), des, ser)
-    if handler.response_streaming:
-        assert handler.unary_stream is not None
-        return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), des, ser)
-    assert handler.unary_unary is not None
-    return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), des, ser)
-
-
-def _wrap(behavior: _Behavior, method: str) -> _Behavior:
+def _wrap(behavior: Behavior, method: str) -> Behavior:
     if inspect.isasyncgenfunction(behavior):
 
         async def checked_gen(request: Any, context: Any) -> AsyncIterator[Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -17,15 +17,15 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from services.common import grpc_requests
 from services.common.client_errors import ClientErrorLog
+from services.common.grpc_handlers import (
+    Behavior,
+    Handler,
+    WrappingInterceptor,
+    behavior_of,
+    same_kind,
+)
 from services.common.telemetry.propagation import extract
 from services.common.telemetry.spans import MethodInfo, end_with_code, method_info
-
-if TYPE_CHECKING:
-    _ServerInterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
-else:  # the runtime class is a plain ABC, not subscriptable
-    _ServerInterceptorBase = grpc.aio.ServerInterceptor
-
-_Behavior = Callable[..., Any]
 
 
 def _context_code(context: Any) -> grpc.StatusCode | None:
@@ -62,7 +62,7 @@ def _finish_server_span(span: Span, context: Any, exc: BaseException | None) -> 
         end_with_code(span, code, _context_details(context))
 
 
-class _TracingServerInterceptor(_ServerInterceptorBase):
+class _TracingServerInterceptor(WrappingInterceptor):
     """Wraps each method handler once (cached per method) and keeps its kind: coroutine,
     async generator or plain function, which is how grpc.aio picks the calling convention
     (async vs thread pool; generator vs ``context.write``). Requests are decoded tolerantly
@@ -70,54 +70,24 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
     stream excepted), with a warning through this server's own `client_errors`."""
 
     def __init__(self, tracer: Tracer, client_errors: ClientErrorLog | None = None) -> None:
+        super().__init__()
         self._tracer = tracer
         self.client_errors = client_errors or grpc_requests.client_error_log()
-        self._wrapped: dict[
-            str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
-        ] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
-            return handler  # type: ignore[return-value]  # the stubs miss the Optional
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and (cached[0] is handler or cached[0] == handler):
-            return cached[1]
-        wrapped = self._wrap_handler(handler, method_info(method))
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap_handler(
-        self, handler: grpc.RpcMethodHandler[Any, Any], info: MethodInfo
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        des, ser = handler.request_deserializer, handler.response_serializer
+    def wrap_handler(self, handler: Handler, method: str) -> Handler:
+        behavior = behavior_of(handler)
         stream_in = handler.request_streaming
-        behavior = (
-            (handler.stream_stream if handler.response_streaming else handler.stream_unary)
-            if stream_in
-            else (handler.unary_stream if handler.response_streaming else handler.unary_unary)
-        )
-        assert behavior is not None
         # A sync handler's request stream is not checked: it keeps grpc's own decoding.
+        des = None
         if not stream_in or not _is_sync(behavior):
-            des = grpc_requests.tolerant(des)
+            des = grpc_requests.tolerant(handler.request_deserializer)
         wrapped = self._wrap(
-            behavior, info, streaming=bool(handler.response_streaming), stream_in=stream_in
+            behavior,
+            method_info(method),
+            streaming=bool(handler.response_streaming),
+            stream_in=stream_in,
         )
-        if stream_in and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(wrapped, des, ser)
-        if stream_in:
-            return grpc.stream_unary_rpc_method_handler(wrapped, des, ser)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(wrapped, des, ser)
-        return grpc.unary_unary_rpc_method_handler(wrapped, des, ser)
+        return same_kind(handler, wrapped, des)
 
     def _start(self, info: MethodInfo, context: Any) -> tuple[Span, Context]:
         parent = extract(context.invocation_metadata())
@@ -127,8 +97,8 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
         return span, trace.set_span_in_context(span, parent)
 
     def _wrap(
-        self, behavior: _Behavior, info: MethodInfo, *, streaming: bool, stream_in: bool
-    ) -> _Behavior:
+        self, behavior: Behavior, info: MethodInfo, *, streaming: bool, stream_in: bool
+    ) -> Behavior:
         # Same dispatch order as grpc.aio's server: coroutine functions first (for streaming
         # responses that is the ``context.write`` style), then async generators, else sync.
         errors = self.client_errors
@@ -141,7 +111,7 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
             return self._wrap_sync_gen(checked, info)
         return self._wrap_sync(checked, info)
 
-    def _wrap_coroutine(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+    def _wrap_coroutine(self, behavior: Behavior, info: MethodInfo) -> Behavior:
         start = self._start
 
         async def traced(request: Any, context: Any) -> Any:
@@ -159,7 +129,7 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
 
         return traced
 
-    def _wrap_async_gen(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+    def _wrap_async_gen(self, behavior: Behavior, info: MethodInfo) -> Behavior:
         start = self._start
 
         async def traced(request: Any, context: Any) -> AsyncIterator[Any]:
@@ -194,7 +164,7 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
 
         return traced
 
-    def _wrap_sync(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+    def _wrap_sync(self, behavior: Behavior, info: MethodInfo) -> Behavior:
         start = self._start
 
         def traced(request: Any, context: Any) -> Any:
@@ -212,7 +182,7 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
 
         return traced
 
-    def _wrap_sync_gen(self, behavior: _Behavior, info: MethodInfo) -> _Behavior:
+    def _wrap_sync_gen(self, behavior: Behavior, info: MethodInfo) -> Behavior:
         start = self._start
 
         def traced(request: Any, context: Any) -> Iterator[Any]:
@@ -245,13 +215,13 @@ class _TracingServerInterceptor(_ServerInterceptorBase):
         return traced
 
 
-def _is_sync(behavior: _Behavior) -> bool:
+def _is_sync(behavior: Behavior) -> bool:
     return not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior))
 
 
 def _checking(
-    behavior: _Behavior, info: MethodInfo, stream_in: bool, errors: ClientErrorLog
-) -> _Behavior:
+    behavior: Behavior, info: MethodInfo, stream_in: bool, errors: ClientErrorLog
+) -> Behavior:
     """A coroutine handler that refuses an undecodable request (or request in its stream)."""
     method = info.name
 
@@ -266,8 +236,8 @@ def _checking(
 
 
 def _checking_gen(
-    behavior: _Behavior, info: MethodInfo, stream_in: bool, errors: ClientErrorLog
-) -> _Behavior:
+    behavior: Behavior, info: MethodInfo, stream_in: bool, errors: ClientErrorLog
+) -> Behavior:
     """`_checking` for an async-generator handler: returns its response stream."""
     method = info.name
 
@@ -283,7 +253,7 @@ def _checking_gen(
 
 
 async def _refused_first(
-    behavior: _Behavior, request: Any, context: Any, method: str, errors: ClientErrorLog
+    behavior: Behavior, request: Any, context: Any, method: str, errors: ClientErrorLog
 ) -> AsyncIterator[Any]:
     await grpc_requests.refuse(request, context, method, errors)
     responses: AsyncIterator[Any] = behavior(request, context)
@@ -294,7 +264,7 @@ async def _refused_first(
         await _aclose(responses)
 
 
-def _checking_sync(behavior: _Behavior, info: MethodInfo, errors: ClientErrorLog) -> _Behavior:
+def _checking_sync(behavior: Behavior, info: MethodInfo, errors: ClientErrorLog) -> Behavior:
     """`_checking` for a handler grpc runs on its thread pool (one request)."""
     method = info.name
 
