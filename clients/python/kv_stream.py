@@ -331,7 +331,8 @@ class KvEventStream:
 
     async def _pause(self, delay: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing.wait(), delay)
+            async with asyncio.timeout(delay):
+                await self._closing.wait()
 
     async def _sync(self) -> None:
         """Ask the leader where each open instance resumes; rewind the logs there. Raises

@@ -339,7 +339,8 @@ class PlacementStream:
         """Sleep, but wake when closed."""
         assert self._stop is not None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), delay)
+            async with asyncio.timeout(delay):
+                await self._stop.wait()
 
     async def _idle(self) -> bool:
         """Wait for new work after a failure was reported; False when closed meanwhile."""

@@ -163,5 +163,6 @@ class MemoryStore:
                 if closes != self._closes:
                     return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), keyspace.until_next_expiry())
+                async with asyncio.timeout(keyspace.until_next_expiry()):
+                    await changed.wait()
             keyspace.expire_leases()

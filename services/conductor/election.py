@@ -133,7 +133,8 @@ class Election:
         """Keep the lease alive until it cannot be, or the term is over (`_lost`)."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lost.wait(), self.ttl_s / 3)
+                async with asyncio.timeout(self.ttl_s / 3):
+                    await self._lost.wait()
             if self._lost.is_set():
                 with contextlib.suppress(StoreError):
                     await self.store.revoke_lease(self._lease)  # nothing more under it
@@ -147,7 +148,8 @@ class Election:
     async def _wait_for_change(self) -> None:
         self.changed.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.changed.wait(), self.ttl_s / 2)
+            async with asyncio.timeout(self.ttl_s / 2):
+                await self.changed.wait()
 
     async def resign(self) -> None:
         """Give up leadership now (graceful shutdown): standbys take over at once."""

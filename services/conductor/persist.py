@@ -53,7 +53,8 @@ class Persister:
         """Flush until cancelled; a failed flush puts its writes back and retries."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             await self.flush()
 

@@ -45,9 +45,8 @@ async def refuses_connections(url: str, timeout_s: float = 0.5) -> bool:
     if parts.hostname is None or parts.port is None:
         return False
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(parts.hostname, parts.port), timeout_s
-        )
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(parts.hostname, parts.port)
     except ConnectionRefusedError:
         return True
     except (OSError, TimeoutError):

@@ -158,7 +158,8 @@ class TransferRunner:
         if task is None:
             raise KeyError(transfer_id)
         with contextlib.suppress(TimeoutError):
-            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(task)
         return None
 
     async def stop(self) -> None:

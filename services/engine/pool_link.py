@@ -197,7 +197,8 @@ class PoolLink:
         async with self._lock:
             for last_try in (self._stream is None, True):
                 try:
-                    answer = await asyncio.wait_for(self._exchange(message), CALL_TIMEOUT_S)
+                    async with asyncio.timeout(CALL_TIMEOUT_S):
+                        answer = await self._exchange(message)
                     break
                 except (OSError, WireError, TimeoutError, asyncio.IncompleteReadError) as exc:
                     self._drop()

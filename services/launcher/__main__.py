@@ -170,7 +170,8 @@ async def _up(opts: ClusterOptions, run_dir: Path, endpoints_file: Path | None, 
         while not stop.is_set():
             sup.check_exits()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await stop.wait()
         say("stopping ...")
         return 0
     except StartError as exc:

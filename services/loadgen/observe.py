@@ -43,7 +43,8 @@ async def sample_loads(
             if isinstance(load, dict):
                 meter.set(t, slot, float(load.get("pending_prefill_tokens", 0)))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(SAMPLE_S - (time.monotonic() - tick), 0.0))
+            async with asyncio.timeout(max(SAMPLE_S - (time.monotonic() - tick), 0.0)):
+                await stop.wait()
     meter.finish(now())
 
 

@@ -250,7 +250,8 @@ class Messenger:
         # answer in time, their leases lapse on their own.
         leaving = asyncio.gather(*(r.leave() for r in self.relays), return_exceptions=True)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(leaving, DEREGISTER_TIMEOUT_S)
+            async with asyncio.timeout(DEREGISTER_TIMEOUT_S):
+                await leaving
         if self.stream is not None:
             await self.stream.close()
         if self.client is not None:

@@ -90,7 +90,8 @@ class Membership:
         wait_s = self.lease_ttl_s / 3
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._again.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._again.wait()
             wait_s = self.lease_ttl_s / 3
             if self._again.is_set():
                 self._again.clear()

@@ -159,12 +159,14 @@ class BodyWorker:
             if proc.stdin is not None:
                 proc.stdin.close()
             try:
-                await asyncio.wait_for(proc.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 with contextlib.suppress(TimeoutError):  # never hang a stop on its exit
-                    await asyncio.wait_for(proc.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await proc.wait()
 
 
 class BodyReader:

@@ -172,7 +172,8 @@ class Placer:
         self._stream = await loop.create_task(stream.__aenter__(), context=_unsampled_context())
         first = loop.create_task(self.refresh(), context=_unsampled_context())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(first, max(1.0, 4 * self._timeout_s))
+            async with asyncio.timeout(max(1.0, 4 * self._timeout_s)):
+                await first
         self._refresher = loop.create_task(
             self._refresh_loop(), name="kvsched-router-instances", context=_unsampled_context()
         )
@@ -229,7 +230,8 @@ class Placer:
         while True:
             await asyncio.sleep(self._refresh_s)
             with contextlib.suppress(TimeoutError):  # slow: the next round asks again
-                await asyncio.wait_for(self.refresh(), max(2.0, 2 * self._refresh_s))
+                async with asyncio.timeout(max(2.0, 2 * self._refresh_s)):
+                    await self.refresh()
 
     # ---- in-flight and suspects (fed by the relay) -----------------------------------
 

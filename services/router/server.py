@@ -231,7 +231,8 @@ class Router:
         await self.set_draining(True)
         assert self._idle is not None, "start() first"
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True

@@ -64,7 +64,8 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
         if self._connected.is_set():
             return
         if self._is_connecting:
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            async with asyncio.timeout(self._connect_wait_timeout):
+                await self._connected.wait()
             return
         try:
             self._is_connecting = True
