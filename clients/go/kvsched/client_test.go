@@ -294,3 +294,37 @@ func TestAddressesAndOptionsAreChecked(t *testing.T) {
 		t.Errorf("a CA file without a certificate: %v", err)
 	}
 }
+
+func TestConcurrentCallsShareOneLeaderSearch(t *testing.T) {
+	conductor := serve(t, &fakeConductor{leader: leading, schedule: place})
+	client := newClient(t, []string{conductor.address})
+	ctx := testContext(t)
+	const callers = 32
+	errs := make(chan error, callers)
+	var start sync.WaitGroup
+	start.Add(1)
+	for i := 0; i < callers; i++ {
+		go func() {
+			start.Wait()
+			_, err := client.Schedule(ctx, &conductorv1.ScheduleRequest{PromptTokens: 8})
+			errs <- err
+		}()
+	}
+	start.Done()
+	for i := 0; i < callers; i++ {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if conductor.called("GetLeader") != 1 || conductor.called("Schedule") != callers {
+		t.Fatalf("GetLeader %d times (want 1), Schedule %d (want %d)",
+			conductor.called("GetLeader"), conductor.called("Schedule"), callers)
+	}
+	ids := map[string]bool{}
+	for _, id := range conductor.requestIDs {
+		ids[id] = true
+	}
+	if len(ids) != callers {
+		t.Fatalf("%d distinct request ids for %d requests", len(ids), callers)
+	}
+}
