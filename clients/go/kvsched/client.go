@@ -471,8 +471,10 @@ func sleep(ctx context.Context, d time.Duration) error {
 }
 
 // contextError is the *Error for a caller's context that ended (CANCELLED or
-// DEADLINE_EXCEEDED).
+// DEADLINE_EXCEEDED), wrapping the context's error.
 func contextError(ctx context.Context) error {
 	s := status.FromContextError(ctx.Err())
-	return newError(s.Code(), s.Message(), nil)
+	e := newError(s.Code(), s.Message(), nil)
+	e.cause = ctx.Err()
+	return e
 }

@@ -245,6 +245,22 @@ func TestNoConductorIsUnavailableAfterTheRetries(t *testing.T) {
 	}
 }
 
+func TestTheCallersContextEndsTheRetries(t *testing.T) {
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	address := listener.Addr().String()
+	listener.Close() // nothing listens: the client would retry for a long while
+	client := newClient(t, []string{address}, kvsched.WithRetries(1000), kvsched.WithBackoff(5*time.Millisecond, 5*time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	_, err = client.Schedule(ctx, &conductorv1.ScheduleRequest{PromptTokens: 8})
+	if !errors.Is(err, context.DeadlineExceeded) || status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("got %v; want the context's deadline", err)
+	}
+}
+
 func TestAClosedClientFailsCallsAsClosed(t *testing.T) {
 	conductor := serve(t, &fakeConductor{leader: leading, schedule: place})
 	client := newClient(t, []string{conductor.address})

@@ -50,6 +50,7 @@ type Error struct {
 	// gaveUp marks the error that ends a call's retries (ErrUnavailable whatever Code is).
 	gaveUp bool
 	closed bool
+	cause  error // the caller's context error, when its context ended the call
 }
 
 func (e *Error) Error() string { return fmt.Sprintf("%s: %s", codeName(e.Code), e.Message) }
@@ -70,6 +71,10 @@ func (e *Error) Is(target error) bool {
 	}
 	return false
 }
+
+// Unwrap is the caller's context error (context.Canceled or context.DeadlineExceeded) when
+// the caller's context ended the call, else nil.
+func (e *Error) Unwrap() error { return e.cause }
 
 // GRPCStatus lets status.Code and status.FromError read the code and message.
 func (e *Error) GRPCStatus() *status.Status { return status.New(e.Code, e.Message) }
