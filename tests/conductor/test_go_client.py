@@ -115,6 +115,7 @@ async def test_go_client_registers_schedules_follows_the_leader_and_reads_reject
         out = await gotool("test", *go_test_flags(), "./kvsched", env=env)
     finally:
         await runner.cleanup()
+    print(out)  # shown with -s: the Go test logs how long following the leader took
     live = "TestLiveConductorsRegisterScheduleFollowTheLeaderAndReject"
     assert f"--- PASS: {live}" in out, out
     assert "--- FAIL" not in out and "--- SKIP: TestLiveConductors" not in out, out
