@@ -47,8 +47,11 @@ function target(): { addresses: string[]; tls: TlsOptions | undefined; place: bo
     const admin = file.admin ?? undefined;
     return { addresses: file.conductors.map((c) => c.url), tls: admin, place };
   }
-  const addresses = (positionals[0] ?? process.env["KVSCHED_CONDUCTOR"] ?? "127.0.0.1:50051").split(",");
-  const tls = values.ca === undefined ? undefined : { ca: values.ca, cert: values.cert, key: values.key };
+  const addresses = (positionals[0] ?? process.env["KVSCHED_CONDUCTOR"] ?? "127.0.0.1:50051").split(
+    ",",
+  );
+  const tls =
+    values.ca === undefined ? undefined : { ca: values.ca, cert: values.cert, key: values.key };
   return { addresses, tls, place };
 }
 
@@ -66,10 +69,16 @@ async function main(): Promise<void> {
         `in flight ${inst.inFlight}, pending prefill ${milliseconds(load?.pendingPrefill).toFixed(0)} ms`,
       );
     }
-    const explained = await client.explain({ blockHashes: HASHES, promptTokens: 50, outputTokens: 16 });
+    const explained = await client.explain({
+      blockHashes: HASHES,
+      promptTokens: 50,
+      outputTokens: 16,
+    });
     const d = explained.decision;
     console.log(
-      explained.rejected ? "a prompt now would be refused" : `a prompt now would go to ${d?.instanceId}`,
+      explained.rejected
+        ? "a prompt now would be refused"
+        : `a prompt now would go to ${d?.instanceId}`,
       `(rule "${d?.rule}", ${d?.cachedTokens ?? 0} cached tokens)`,
     );
     if (place) await registerAndPlace(client);
@@ -86,7 +95,11 @@ async function registerAndPlace(client: ConductorClient): Promise<void> {
     10_000,
   );
   try {
-    const decision = await client.schedule({ promptTokens: 50, outputTokens: 16, blockHashes: HASHES });
+    const decision = await client.schedule({
+      promptTokens: 50,
+      outputTokens: 16,
+      blockHashes: HASHES,
+    });
     console.log(`placed ${decision.requestId} on ${decision.instanceId} by "${decision.rule}"`);
   } catch (err) {
     if (!(err instanceof Rejected)) throw err;

@@ -72,6 +72,13 @@ async def _stored_hashes(etcd: EtcdServer, instance_id: str) -> set[int]:
     return {keys.parse_block_key(kv.key.decode())[2] for kv in kvs}
 
 
+async def test_typescript_client_is_formatted() -> None:
+    _node()
+    prettier = TS_CLIENT / "node_modules" / ".bin" / "prettier"
+    out = await _run(str(prettier), "--check", ".", timeout_s=120)
+    assert "All matched files use Prettier code style" in out, out
+
+
 async def test_typescript_client_registers_schedules_follows_the_leader_and_reads_retry_after(
     etcd: EtcdServer, tmp_path: Path
 ) -> None:

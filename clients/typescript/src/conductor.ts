@@ -17,7 +17,13 @@ import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { type CallOptions, Code, type Interceptor } from "@connectrpc/connect";
 
 import { Backoff, sleep } from "./backoff.js";
-import { Channels, type ConductorStub, normalizeAddress, sessionOptions, type TlsOptions } from "./channels.js";
+import {
+  Channels,
+  type ConductorStub,
+  normalizeAddress,
+  sessionOptions,
+  type TlsOptions,
+} from "./channels.js";
 import {
   ConductorError,
   fromCallError,
@@ -216,10 +222,7 @@ export class ConductorClient {
           this.leaders.forget(target);
           delayMs = this.backoff.delayMs(attempt);
         }
-      } else if (
-        code === Code.Unavailable ||
-        (code === Code.DeadlineExceeded && kind.idempotent)
-      ) {
+      } else if (code === Code.Unavailable || (code === Code.DeadlineExceeded && kind.idempotent)) {
         this.leaders.forget(target);
         delayMs = this.backoff.delayMs(attempt);
       }
@@ -306,7 +309,9 @@ export class ConductorClient {
   }
 
   /** Apply one KV event batch (not retried after a timeout: batches are sequenced). */
-  publishEvents(batch: MessageInitShape<typeof KvEventBatchSchema>): Promise<PublishKvEventsResponse> {
+  publishEvents(
+    batch: MessageInitShape<typeof KvEventBatchSchema>,
+  ): Promise<PublishKvEventsResponse> {
     const message = create(KvEventBatchSchema, batch);
     for (const [i, event] of message.events.entries()) {
       const e = event.event;
@@ -314,7 +319,10 @@ export class ConductorClient {
         const parent = e.value.parentBlockHash;
         checkHashes(
           badHash(e.value.blockHashes, `events[${i}].blocksStored.blockHashes`),
-          badHash(parent === undefined ? [] : [parent], `events[${i}].blocksStored.parentBlockHash`),
+          badHash(
+            parent === undefined ? [] : [parent],
+            `events[${i}].blocksStored.parentBlockHash`,
+          ),
         );
       } else if (e.case === "blocksRemoved") {
         checkHashes(badHash(e.value.blockHashes, `events[${i}].blocksRemoved.blockHashes`));
@@ -360,7 +368,10 @@ export class ConductorClient {
   /** Wait (up to `timeoutMs`) for a transfer the Conductor ordered to end; status RUNNING when
    * it has not. Throws `NotFound` for a transfer the leader does not know. */
   awaitTransfer(transferId: string, timeoutMs: number): Promise<AwaitTransferResponse> {
-    const message = create(AwaitTransferRequestSchema, { transferId, timeout: duration(timeoutMs) });
+    const message = create(AwaitTransferRequestSchema, {
+      transferId,
+      timeout: duration(timeoutMs),
+    });
     return this.call((s, o) => s.awaitTransfer(message, o), {
       write: true,
       idempotent: true,

@@ -86,7 +86,12 @@ export class FakeConductor {
 
   /** Listen on a free loopback port; returns the address. */
   async start(): Promise<string> {
-    const handler = connectNodeAdapter({ routes: this.routes, grpc: true, connect: false, grpcWeb: false });
+    const handler = connectNodeAdapter({
+      routes: this.routes,
+      grpc: true,
+      connect: false,
+      grpcWeb: false,
+    });
     const server = createServer(handler);
     server.on("session", (session: ServerHttp2Session) => {
       this.sessions.add(session);

@@ -59,135 +59,147 @@ function pids(): Map<string, number> {
   return out;
 }
 
-/** True while process `pid` exists. */
-function alive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch {
-    return false;
-  }
-}
-
-test("ConductorClient against live Conductors", { skip: addresses === "" && "set KVSCHED_CONDUCTORS" }, async (t) => {
-  // A generous retry budget: a takeover after a SIGKILL waits out the leader's lease.
-  const options = { deadlineMs: 2000, retries: 20, backoffMs: 50, maxBackoffMs: 500 };
-  const messenger = new ConductorClient(addresses, { ...options, tls: tlsOf("MESSENGER"), seed: 1 });
-  const router = new ConductorClient(addresses, { ...options, tls: tlsOf("ROUTER"), seed: 2 });
-  const sequences = new Map<string, bigint>(); // next KV event batch per instance
-  const prompt = {
-    promptTokens: HIGH_HASHES.length * blockTokens + 1,
-    outputTokens: 16,
-    blockHashes: [...HIGH_HASHES],
-  };
-  try {
-    await t.test("registers instances", async () => {
-      const slots = new Set<number>();
-      for (const [i, instanceId] of ids.entries()) {
-        const answer = await messenger.registerInstance(
-          { instanceId, url: `http://127.0.0.1:${9100 + i}`, node, role: common.Role.BOTH },
-          30_000,
-        );
-        const instance = answer.instance;
-        assert.ok(instance !== undefined);
-        assert.equal(instance.spec?.instanceId, instanceId);
-        assert.equal(milliseconds(answer.leaseTtl), 30_000);
-        slots.add(instance.slot);
-        sequences.set(instanceId, instance.nextEventSequence);
-      }
-      assert.equal(slots.size, 2, "each instance has a slot of its own");
-      const listed = (await router.listInstances()).map((s) => s.spec?.instanceId);
-      assert.deepEqual(listed.filter((id) => id !== undefined && ids.includes(id)).sort(), ids);
-      assert.ok(messenger.currentLeader !== undefined, "the write found the leader");
+test(
+  "ConductorClient against live Conductors",
+  { skip: addresses === "" && "set KVSCHED_CONDUCTORS" },
+  async (t) => {
+    // A generous retry budget: a takeover after a SIGKILL waits out the leader's lease.
+    const options = { deadlineMs: 2000, retries: 20, backoffMs: 50, maxBackoffMs: 500 };
+    const messenger = new ConductorClient(addresses, {
+      ...options,
+      tls: tlsOf("MESSENGER"),
+      seed: 1,
     });
+    const router = new ConductorClient(addresses, { ...options, tls: tlsOf("ROUTER"), seed: 2 });
+    const sequences = new Map<string, bigint>(); // next KV event batch per instance
+    const prompt = {
+      promptTokens: HIGH_HASHES.length * blockTokens + 1,
+      outputTokens: 16,
+      blockHashes: [...HIGH_HASHES],
+    };
+    try {
+      await t.test("registers instances", async () => {
+        const slots = new Set<number>();
+        for (const [i, instanceId] of ids.entries()) {
+          const answer = await messenger.registerInstance(
+            { instanceId, url: `http://127.0.0.1:${9100 + i}`, node, role: common.Role.BOTH },
+            30_000,
+          );
+          const instance = answer.instance;
+          assert.ok(instance !== undefined);
+          assert.equal(instance.spec?.instanceId, instanceId);
+          assert.equal(milliseconds(answer.leaseTtl), 30_000);
+          slots.add(instance.slot);
+          sequences.set(instanceId, instance.nextEventSequence);
+        }
+        assert.equal(slots.size, 2, "each instance has a slot of its own");
+        const listed = (await router.listInstances()).map((s) => s.spec?.instanceId);
+        assert.deepEqual(listed.filter((id) => id !== undefined && ids.includes(id)).sort(), ids);
+        assert.ok(messenger.currentLeader !== undefined, "the write found the leader");
+      });
 
-    await t.test("schedules onto blocks whose hashes lie above 2^63", async () => {
-      const [holder] = ids as [string];
-      const published = await messenger.publishEvents({
-        instanceId: holder,
-        sequence: sequences.get(holder)!,
-        events: [
-          {
-            event: {
-              case: "blocksStored",
-              value: { blockHashes: [...HIGH_HASHES], tier: common.Tier.GPU },
+      await t.test("schedules onto blocks whose hashes lie above 2^63", async () => {
+        const [holder] = ids as [string];
+        const published = await messenger.publishEvents({
+          instanceId: holder,
+          sequence: sequences.get(holder)!,
+          events: [
+            {
+              event: {
+                case: "blocksStored",
+                value: { blockHashes: [...HIGH_HASHES], tier: common.Tier.GPU },
+              },
             },
-          },
-        ],
-      });
-      assert.equal(published.nextSequence, sequences.get(holder)! + 1n);
-      sequences.set(holder, published.nextSequence);
-      const decision = await router.schedule({ ...prompt, sessionId: `ts-${run}` });
-      assert.equal(decision.instanceId, holder, "placed where the blocks are");
-      assert.equal(decision.cachedTokens, HIGH_HASHES.length * blockTokens, "every block hit");
-      assert.match(decision.requestId, /^[0-9a-f]{32}$/, "a fresh idempotency key");
-      await router.finish({
-        requestId: decision.requestId,
-        sessionId: `ts-${run}`,
-        instanceId: holder,
-        promptTokens: prompt.promptTokens,
-        outputTokens: 16,
-        cachedTokens: decision.cachedTokens,
-        blockHashes: [...HIGH_HASHES],
-        ok: true,
-      });
-    });
-
-    const killable = pids();
-    await t.test("follows a leader change", { skip: killable.size === 0 && "no KVSCHED_CONDUCTOR_PIDS" }, async () => {
-      const old = await router.leader();
-      assert.equal(await messenger.leader(), old);
-      const pid = killable.get(old);
-      assert.ok(pid !== undefined, `no pid for the leader ${old}`);
-      process.kill(pid, "SIGKILL");
-      // The messenger's next write (a lease renewal at the leader) reaches the new leader...
-      const kept = await messenger.keepAlive(ids[0]!);
-      assert.equal(kept.nextEventSequence, sequences.get(ids[0]!), "events resume where they were");
-      assert.ok(!alive(pid) || messenger.currentLeader !== old, "the leader is gone");
-      assert.notEqual(messenger.currentLeader, old);
-      // ... and so does the router's next placement, warm-started with the blocks.
-      const decision = await router.schedule({ ...prompt });
-      assert.notEqual(router.currentLeader, old);
-      assert.equal(router.currentLeader, messenger.currentLeader);
-      assert.equal(decision.instanceId, ids[0]);
-      assert.equal(decision.cachedTokens, HIGH_HASHES.length * blockTokens);
-      const leader = await router.getLeader();
-      assert.ok(leader.isLeader, "the believed leader says it leads");
-    });
-
-    await t.test("reads a rejection's retry delay", async () => {
-      // Every instance 10 s behind on prefill: no placement meets the 2 s objective.
-      const busy = { pendingPrefillTokens: 200_000n, pendingPrefill: duration(10_000), waiting: 40 };
-      for (const instanceId of ids) {
-        const sequence = (await messenger.keepAlive(instanceId)).nextEventSequence;
-        await messenger.publishEvents({
-          instanceId,
-          sequence,
-          events: [{ event: { case: "load", value: busy } }],
+          ],
         });
+        assert.equal(published.nextSequence, sequences.get(holder)! + 1n);
+        sequences.set(holder, published.nextSequence);
+        const decision = await router.schedule({ ...prompt, sessionId: `ts-${run}` });
+        assert.equal(decision.instanceId, holder, "placed where the blocks are");
+        assert.equal(decision.cachedTokens, HIGH_HASHES.length * blockTokens, "every block hit");
+        assert.match(decision.requestId, /^[0-9a-f]{32}$/, "a fresh idempotency key");
+        await router.finish({
+          requestId: decision.requestId,
+          sessionId: `ts-${run}`,
+          instanceId: holder,
+          promptTokens: prompt.promptTokens,
+          outputTokens: 16,
+          cachedTokens: decision.cachedTokens,
+          blockHashes: [...HIGH_HASHES],
+          ok: true,
+        });
+      });
+
+      const killable = pids();
+      await t.test(
+        "follows a leader change",
+        { skip: killable.size === 0 && "no KVSCHED_CONDUCTOR_PIDS" },
+        async () => {
+          const old = await router.leader();
+          assert.equal(await messenger.leader(), old);
+          const pid = killable.get(old);
+          assert.ok(pid !== undefined, `no pid for the leader ${old}`);
+          process.kill(pid, "SIGKILL");
+          // The messenger's next write (a lease renewal at the leader) reaches the new leader...
+          const kept = await messenger.keepAlive(ids[0]!);
+          assert.equal(
+            kept.nextEventSequence,
+            sequences.get(ids[0]!),
+            "events resume where they were",
+          );
+          assert.notEqual(messenger.currentLeader, old);
+          // ... and so does the router's next placement, warm-started with the blocks.
+          const decision = await router.schedule({ ...prompt });
+          assert.notEqual(router.currentLeader, old);
+          assert.equal(router.currentLeader, messenger.currentLeader);
+          assert.equal(decision.instanceId, ids[0]);
+          assert.equal(decision.cachedTokens, HIGH_HASHES.length * blockTokens);
+          const leader = await router.getLeader();
+          assert.ok(leader.isLeader, "the believed leader says it leads");
+        },
+      );
+
+      await t.test("reads a rejection's retry delay", async () => {
+        // Every instance 10 s behind on prefill: no placement meets the 2 s objective.
+        const busy = {
+          pendingPrefillTokens: 200_000n,
+          pendingPrefill: duration(10_000),
+          waiting: 40,
+        };
+        for (const instanceId of ids) {
+          const sequence = (await messenger.keepAlive(instanceId)).nextEventSequence;
+          await messenger.publishEvents({
+            instanceId,
+            sequence,
+            events: [{ event: { case: "load", value: busy } }],
+          });
+        }
+        const before = await router.listInstances();
+        const refusal = await router.schedule({ ...prompt }).then(
+          () => assert.fail("an overloaded cluster placed the request"),
+          (err: unknown) => err,
+        );
+        assert.ok(refusal instanceof Rejected, `Rejected, not ${String(refusal)}`);
+        assert.equal(refusal.codeName, "RESOURCE_EXHAUSTED");
+        assert.ok(refusal.retryAfterMs !== undefined, "the refusal says when to come back");
+        assert.ok(
+          refusal.retryAfterMs >= 7_000 && refusal.retryAfterMs <= 10_000,
+          `retry after ${refusal.retryAfterMs} ms`,
+        );
+        assert.match(refusal.message, /SLO/);
+        const after = await router.listInstances();
+        assert.deepEqual(
+          after.map((s) => [s.spec?.instanceId, s.inFlight]),
+          before.map((s) => [s.spec?.instanceId, s.inFlight]),
+          "a refusal charges nothing",
+        );
+      });
+    } finally {
+      if (env["KVSCHED_KEEP_INSTANCES"] !== "1") {
+        for (const instanceId of ids) await messenger.deregister(instanceId).catch(() => undefined);
       }
-      const before = await router.listInstances();
-      const refusal = await router.schedule({ ...prompt }).then(
-        () => assert.fail("an overloaded cluster placed the request"),
-        (err: unknown) => err,
-      );
-      assert.ok(refusal instanceof Rejected, `Rejected, not ${String(refusal)}`);
-      assert.equal(refusal.codeName, "RESOURCE_EXHAUSTED");
-      assert.ok(refusal.retryAfterMs !== undefined, "the refusal says when to come back");
-      assert.ok(refusal.retryAfterMs >= 7_000 && refusal.retryAfterMs <= 10_000, `retry after ${refusal.retryAfterMs} ms`);
-      assert.match(refusal.message, /SLO/);
-      const after = await router.listInstances();
-      assert.deepEqual(
-        after.map((s) => [s.spec?.instanceId, s.inFlight]),
-        before.map((s) => [s.spec?.instanceId, s.inFlight]),
-        "a refusal charges nothing",
-      );
-    });
-  } finally {
-    if (env["KVSCHED_KEEP_INSTANCES"] !== "1") {
-      for (const instanceId of ids) await messenger.deregister(instanceId).catch(() => undefined);
+      messenger.close();
+      router.close();
     }
-    messenger.close();
-    router.close();
-  }
-});
+  },
+);

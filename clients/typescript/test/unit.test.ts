@@ -41,35 +41,58 @@ describe("uint64 block hashes", () => {
   });
 
   test("encode as the Python client does and decode to the same values", () => {
-    const request = create(conductor.ScheduleRequestSchema, { requestId: "r", promptTokens: 33, blockHashes: HIGH });
+    const request = create(conductor.ScheduleRequestSchema, {
+      requestId: "r",
+      promptTokens: 33,
+      blockHashes: HIGH,
+    });
     const bytes = toBinary(conductor.ScheduleRequestSchema, request);
     // ScheduleRequest(request_id="r", prompt_tokens=33, block_hashes=HIGH).SerializeToString()
-    assert.equal(Buffer.from(bytes).toString("hex"), "0a017210212210fbffffffffffffff0100000000000080");
+    assert.equal(
+      Buffer.from(bytes).toString("hex"),
+      "0a017210212210fbffffffffffffff0100000000000080",
+    );
     assert.deepEqual(fromBinary(conductor.ScheduleRequestSchema, bytes).blockHashes, HIGH);
   });
 });
 
 describe("errors", () => {
   test("a refusal carries its retry delay from the trailer", () => {
-    const err = errorFor(Code.ResourceExhausted, "no instance meets the SLO", { "retry-after-ms": "8500" });
+    const err = errorFor(Code.ResourceExhausted, "no instance meets the SLO", {
+      "retry-after-ms": "8500",
+    });
     assert.ok(err instanceof Rejected);
     assert.equal(err.retryAfterMs, 8500);
     assert.equal(err.codeName, "RESOURCE_EXHAUSTED");
     assert.equal(err.message, "RESOURCE_EXHAUSTED: no instance meets the SLO");
-    assert.equal(errorFor(Code.ResourceExhausted, "x", { "retry-after-ms": "soon" }).retryAfterMs, undefined);
+    assert.equal(
+      errorFor(Code.ResourceExhausted, "x", { "retry-after-ms": "soon" }).retryAfterMs,
+      undefined,
+    );
     assert.equal(errorFor(Code.ResourceExhausted, "x", {}, 10).retryAfterMs, 10);
     assert.ok(errorFor(Code.DeadlineExceeded, "x") instanceof Unavailable);
     assert.ok(errorFor(Code.PermissionDenied, "x").constructor === ConductorError);
   });
 
   test("an answer keeps its status and trailers; a lost connection is UNAVAILABLE", () => {
-    const answered = new ConnectError("aborted", Code.Aborted, { "grpc-status": "10", "kvsched-leader": "h:1" });
+    const answered = new ConnectError("aborted", Code.Aborted, {
+      "grpc-status": "10",
+      "kvsched-leader": "h:1",
+    });
     const err = fromCallError(answered);
     assert.equal(err.code, Code.Aborted);
     assert.equal(err.trailers["kvsched-leader"], "h:1");
-    const reset = new ConnectError("read ECONNRESET", Code.Aborted, undefined, undefined, Object.assign(new Error("read ECONNRESET"), { code: "ECONNRESET" }));
+    const reset = new ConnectError(
+      "read ECONNRESET",
+      Code.Aborted,
+      undefined,
+      undefined,
+      Object.assign(new Error("read ECONNRESET"), { code: "ECONNRESET" }),
+    );
     assert.ok(fromCallError(reset) instanceof Unavailable);
-    assert.ok(fromCallError(new ConnectError("stream closed", Code.Canceled)) instanceof Unavailable);
+    assert.ok(
+      fromCallError(new ConnectError("stream closed", Code.Canceled)) instanceof Unavailable,
+    );
   });
 });
 
@@ -83,7 +106,10 @@ test("backoff doubles up to its cap, with the same jitter for the same seed", ()
   const a = new Backoff(50, 400, 7);
   const b = new Backoff(50, 400, 7);
   const delays = [0, 1, 2, 3, 4].map((n) => a.delayMs(n));
-  assert.deepEqual(delays, [0, 1, 2, 3, 4].map((n) => b.delayMs(n)));
+  assert.deepEqual(
+    delays,
+    [0, 1, 2, 3, 4].map((n) => b.delayMs(n)),
+  );
   for (const [n, delay] of delays.entries()) {
     const cap = Math.min(400, 50 * 2 ** n);
     assert.ok(delay >= cap / 2 && delay <= cap, `attempt ${n}: ${delay}`);
@@ -108,14 +134,23 @@ describe("leader following (fake Conductors)", () => {
   });
 
   async function cluster(n: number): Promise<FakeConductor[]> {
-    const made = Array.from({ length: n }, (_, i) => new FakeConductor(`c${i}`, { kind: "leader" }));
+    const made = Array.from(
+      { length: n },
+      (_, i) => new FakeConductor(`c${i}`, { kind: "leader" }),
+    );
     for (const f of made) await f.start();
     fakes.push(...made);
     return made;
   }
 
   function client(addresses: string[]): ConductorClient {
-    const c = new ConductorClient(addresses, { deadlineMs: 1000, retries: 4, backoffMs: 5, maxBackoffMs: 20, seed: 1 });
+    const c = new ConductorClient(addresses, {
+      deadlineMs: 1000,
+      retries: 4,
+      backoffMs: 5,
+      maxBackoffMs: 20,
+      seed: 1,
+    });
     clients.push(c);
     return c;
   }
@@ -128,7 +163,10 @@ describe("leader following (fake Conductors)", () => {
     const decision = await c.schedule({ promptTokens: 33, blockHashes: HIGH });
     assert.equal(decision.instanceId, "c1/engine-0");
     assert.equal(c.currentLeader, leader.address);
-    assert.deepEqual(leader.scheduled.map((r) => r.blockHashes), [HIGH]);
+    assert.deepEqual(
+      leader.scheduled.map((r) => r.blockHashes),
+      [HIGH],
+    );
     assert.match(leader.scheduled[0]!.requestId, /^[0-9a-f]{32}$/);
     // Then the leader steps down naming the other: the next write is refused, then followed.
     leader.behaviour = { kind: "standby", leader: standby.address };
@@ -137,7 +175,10 @@ describe("leader following (fake Conductors)", () => {
     assert.equal(again.instanceId, "c0/engine-0");
     assert.equal(c.currentLeader, standby.address);
     assert.deepEqual(leader.calls.slice(-1), ["Schedule"], "refused once at the old leader");
-    assert.deepEqual(standby.scheduled.map((r) => r.requestId), ["r2"]);
+    assert.deepEqual(
+      standby.scheduled.map((r) => r.requestId),
+      ["r2"],
+    );
   });
 
   test("a leader that dies is replaced by the one the others name", async () => {
@@ -166,7 +207,10 @@ describe("leader following (fake Conductors)", () => {
     const c = client([only.address]);
     await assert.rejects(c.schedule({ promptTokens: 0 }), InvalidRequest);
     assert.equal(only.scheduled.length, 1);
-    await assert.rejects(c.schedule({ promptTokens: 33, blockHashes: [U64_MAX + 1n] }), /not an unsigned 64-bit/);
+    await assert.rejects(
+      c.schedule({ promptTokens: 33, blockHashes: [U64_MAX + 1n] }),
+      /not an unsigned 64-bit/,
+    );
     await assert.rejects(c.schedule({ promptTokens: 33, blockHashes: [-1n] }), InvalidRequest);
     assert.equal(only.scheduled.length, 1, "nothing more was sent");
   });
