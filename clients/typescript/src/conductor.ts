@@ -12,6 +12,7 @@
  */
 
 import { randomUUID } from "node:crypto";
+import { setMaxListeners } from "node:events";
 
 import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { type CallOptions, Code, type Interceptor } from "@connectrpc/connect";
@@ -125,6 +126,8 @@ export class ConductorClient {
     if (!(this.deadlineMs > 0) || !(Number.isInteger(this.retries) && this.retries >= 0)) {
       throw new RangeError("need deadlineMs > 0 and an integer retries >= 0");
     }
+    // Every call in flight listens on this signal: many at once are expected, not a leak.
+    setMaxListeners(Infinity, this.aborts.signal);
     this.backoff = new Backoff(options.backoffMs ?? 50, options.maxBackoffMs ?? 1000, options.seed);
     this.channels = new Channels(sessionOptions(options.tls), options.interceptors ?? []);
     this.leaders = new LeaderFinder(this.addresses, this.channels, {

@@ -84,8 +84,8 @@ export class FakeConductor {
     });
   };
 
-  /** Listen on a free loopback port; returns the address. */
-  async start(): Promise<string> {
+  /** Listen on loopback, on `port` (default: a free one); returns the address. */
+  async start(port = 0): Promise<string> {
     const handler = connectNodeAdapter({
       routes: this.routes,
       grpc: true,
@@ -97,7 +97,7 @@ export class FakeConductor {
       this.sessions.add(session);
       session.on("close", () => this.sessions.delete(session));
     });
-    await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+    await new Promise<void>((resolve) => server.listen(port, "127.0.0.1", resolve));
     this.server = server;
     this.address = `127.0.0.1:${(server.address() as AddressInfo).port}`;
     return this.address;

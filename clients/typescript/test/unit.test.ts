@@ -192,6 +192,39 @@ describe("leader following (fake Conductors)", () => {
     assert.equal(c.currentLeader, second.address);
   });
 
+  test("a Conductor that comes back on its address is reached again", async () => {
+    const [only] = (await cluster(1)) as [FakeConductor];
+    const c = client([only.address]);
+    assert.equal((await c.schedule({ promptTokens: 33 })).instanceId, "c0/engine-0");
+    const port = Number(only.address.split(":")[1]);
+    await only.stop();
+    await assert.rejects(c.listInstances(), Unavailable);
+    await only.start(port);
+    assert.equal((await c.schedule({ promptTokens: 33 })).instanceId, "c0/engine-0");
+    assert.equal(only.scheduled.length, 2);
+  });
+
+  test("many calls at once share the client without warnings", async () => {
+    const [only] = (await cluster(1)) as [FakeConductor];
+    const c = client([only.address]);
+    const warnings: string[] = [];
+    const onWarning = (w: Error): void => void warnings.push(`${w.name}: ${w.message}`);
+    process.on("warning", onWarning);
+    try {
+      const decisions = await Promise.all(
+        Array.from({ length: 64 }, (_, i) => c.schedule({ requestId: `r${i}`, promptTokens: 33 })),
+      );
+      assert.deepEqual(
+        decisions.map((d) => d.requestId),
+        Array.from({ length: 64 }, (_, i) => `r${i}`),
+      );
+      await new Promise((resolve) => setImmediate(resolve)); // warnings are emitted on a tick
+    } finally {
+      process.off("warning", onWarning);
+    }
+    assert.deepEqual(warnings, []);
+  });
+
   test("a refusal is not retried and says when to come back", async () => {
     const [only] = (await cluster(1)) as [FakeConductor];
     only.behaviour = { kind: "overloaded", retryAfterMs: "7250" };
