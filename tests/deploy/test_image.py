@@ -1,0 +1,139 @@
+"""The container image (deploy/Dockerfile), which cannot be built on this machine: every path
+it copies from the context exists and is not left out by .dockerignore, hadolint and checkov
+pass it, and the wheel it installs runs every service's command from its own files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from services.cli import COMMANDS
+from tests.deploy.dockerignore import DockerIgnore
+from tests.deploy.tools import DEPLOY, ROOT, run_tool
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+SERVICES = ("conductor", "router", "messenger", "engine")
+
+
+def context_copies(dockerfile: Path) -> list[str]:
+    """The sources of every COPY (and ADD) that reads the build context (not `--from=`)."""
+    sources = []
+    for line in dockerfile.read_text(encoding="utf-8").splitlines():
+        words = line.split()
+        if not words or words[0].upper() not in ("COPY", "ADD"):
+            continue
+        args = [w for w in words[1:] if not w.startswith("--")]
+        if any(w.startswith("--from") for w in words[1:]):
+            continue
+        sources += args[:-1]
+    return sources
+
+
+def tracked_files(relative: str) -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--", relative], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+def test_every_copied_path_exists_and_is_in_the_context() -> None:
+    ignore = DockerIgnore.read(ROOT / ".dockerignore")
+    sources = context_copies(DOCKERFILE)
+    assert "pyproject.toml" in sources and "services" in sources
+    for source in sources:
+        assert (ROOT / source).exists(), f"deploy/Dockerfile copies {source}, which is missing"
+        files = tracked_files(source)
+        assert files, f"{source} holds no tracked file"
+        left_out = [f for f in files if ignore.excludes(f)]
+        assert not left_out, f".dockerignore leaves out what the Dockerfile copies: {left_out}"
+
+
+def test_dockerignore_matches_as_docker_does() -> None:
+    ignore = DockerIgnore(("*", "!services/", "**/__pycache__", "!keep/**/x.py"))
+    assert ignore.excludes("tests/test_imports.py")
+    assert not ignore.excludes("services/cli.py")
+    assert ignore.excludes("services/router/__pycache__/server.cpython-311.pyc")
+    assert not ignore.excludes("keep/a/b/x.py")
+    assert ignore.excludes("keep/a/b/y.py")
+
+
+def test_the_package_sources_are_all_copied() -> None:
+    """Every package pyproject installs is in the image's context, or the wheel lacks it."""
+    ignore = DockerIgnore.read(ROOT / ".dockerignore")
+    for package in ("kvsched", "services", "clients"):
+        for path in tracked_files(package):
+            if path.endswith(".py") or path.startswith("kvsched/data/"):
+                assert not ignore.excludes(path), f"{path} is left out of the image"
+
+
+def test_entrypoint_is_the_kvsched_command() -> None:
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    assert 'ENTRYPOINT ["kvsched"]' in text
+    assert 'kvsched = "services.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert set(SERVICES) <= set(COMMANDS)
+
+
+def test_hadolint_passes() -> None:
+    result = run_tool("hadolint", "--no-color", str(DOCKERFILE))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_checkov_passes_the_dockerfile() -> None:
+    result = run_tool(
+        "checkov", "-f", str(DOCKERFILE), "--framework", "dockerfile", "--skip-download",
+        "--quiet", "-o", "json",
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    assert report["summary"]["failed"] == 0, report["results"]["failed_checks"]
+    assert report["summary"]["passed"] > 0
+
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built as the image's first stage builds it, unpacked into a
+    folder of its own (its dependencies are the test environment's)."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "--wheel-dir", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    (wheel,) = out.glob("kvsched-*.whl")
+    target = out / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(target)
+    return target
+
+
+def test_the_wheel_holds_the_package_data(installed_wheel: Path) -> None:
+    for data in tracked_files("kvsched/data"):
+        assert (installed_wheel / data).is_file(), f"the wheel lacks {data}"
+
+
+@pytest.mark.parametrize("command", SERVICES)
+def test_every_service_runs_from_the_wheel(installed_wheel: Path, command: str) -> None:
+    """`kvsched COMMAND --help` from the wheel's files alone (not this checkout's), and the
+    shipped tokenizer found beside the installed package."""
+    site = str(installed_wheel)
+    probe = (
+        f"import sys; sys.path.insert(0, {site!r}); "
+        "import services.cli, kvsched.data_files as d; "
+        f"assert services.cli.__file__.startswith({site!r}), services.cli.__file__; "
+        "assert d.data_path('tokenizer', 'tokenizer.json').is_file(); "
+        "sys.exit(services.cli.main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", probe, command, "--help"],
+        cwd=installed_wheel.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"kvsched {command}" in result.stdout
