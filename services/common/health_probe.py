@@ -5,6 +5,8 @@ serves, over mutual TLS with the caller's own certificate, as a Kubernetes exec 
     kvsched health [--address HOST:PORT] [--service NAME] [--ca F --cert F --key F]
                    [--server-name NAME] [--timeout S]
 
+Each flag also reads `KVSCHED_HEALTH_<FLAG>` (a probe's files can come from the container's
+environment, where the kubelet expands `$(POD_NAME)`, which it does not in a probe's command).
 Exit status 0 when the service is SERVING, 1 when it answers anything else or not at all
 (the reason on stderr), 2 for a usage error. Nothing on the server changes."""
 
@@ -17,14 +19,13 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.flags import env_flags
 from services.common.tls import ClientTls, channel_credentials
 from services.common.tls_flags import ClientTlsFlags
 
+ENV = "KVSCHED_HEALTH_"
+_flag = env_flags(ENV)
 TLS = ClientTlsFlags("", "the server")
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, default: object, help_text: str) -> None:
-    parser.add_argument(f"--{name}", default=default, type=type(default), help=help_text)
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, ClientTls | None]:

@@ -42,6 +42,9 @@ class VllmServer:
     # The node's KV pool (its Messenger's socket): kvsched's KV connector saves computed
     # blocks there and loads missing ones from it ("": no connector).
     pool_socket: str = ""
+    # Where the OpenAI server listens; its KV-event sockets stay on loopback, where the node's
+    # Messenger reads them (the same host, or the same host network in Kubernetes).
+    host: str = "127.0.0.1"
 
     def argv(self) -> list[str]:
         events = {
@@ -53,7 +56,7 @@ class VllmServer:
         }
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server"]
         argv += ["--model", str(self.model_dir), "--served-model-name", self.served_name]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--host", self.host, "--port", str(self.port)]
         argv += ["--block-size", str(self.block_size), "--enable-prefix-caching"]
         argv += ["--prefix-caching-hash-algo", self.hash_algo]
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]

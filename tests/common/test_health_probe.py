@@ -11,7 +11,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
-from services.common.health_probe import main
+from services.common.health_probe import main, parse
 from services.common.identity import Identity, Role
 from services.common.pki import cert_files, make_cluster_pki
 
@@ -54,3 +54,14 @@ def test_a_certificate_without_its_key_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as usage:
         main(["--ca", str(tmp_path / "ca.pem"), "--cert", str(tmp_path / "c.pem")])
     assert usage.value.code == 2
+
+
+def test_the_files_can_come_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSCHED_HEALTH_CA", "/tls/ca.crt")
+    monkeypatch.setenv("KVSCHED_HEALTH_CERT", "/tls/pod.crt")
+    monkeypatch.setenv("KVSCHED_HEALTH_KEY", "/tls/pod.key")
+    args, tls = parse(["--address", "127.0.0.1:50071"])
+    assert tls is not None and (tls.ca_file, tls.cert_file) == ("/tls/ca.crt", "/tls/pod.crt")
+    assert args.address == "127.0.0.1:50071"
