@@ -1,0 +1,139 @@
+"""deploy/ renders and validates: every overlay (and component on the dev overlay) renders
+with kustomize, every built-in object passes kubernetes-validate --strict, every custom
+resource its CRD's schema, checkov finds nothing (each skip says why), and every pod has its
+resources, probes and a locked-down security context."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.deploy.render import (
+    Doc,
+    builtin_errors,
+    containers,
+    crd_schemas,
+    custom_errors,
+    is_custom,
+    pod_templates,
+    targets,
+)
+
+TARGETS = [t.name for t in targets()]
+NAMESPACED_EXCEPT = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+COMPONENTS = {"conductor", "router", "messenger", "engine", "vllm", "etcd", "jaeger"}
+
+
+def test_the_overlays_are_there() -> None:
+    assert {"overlays/dev", "overlays/production"} <= set(TARGETS)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_object_is_labelled_and_in_the_namespace(
+    rendered: dict[str, tuple[Doc, ...]], target: str
+) -> None:
+    docs = rendered[target]
+    assert docs, f"{target} renders nothing"
+    for doc in docs:
+        meta, name = doc["metadata"], f"{target}: {doc['kind']}/{doc['metadata']['name']}"
+        labels = meta.get("labels", {})
+        assert labels.get("app.kubernetes.io/name") == "kvsched", name
+        assert labels.get("app.kubernetes.io/part-of") == "kvsched", name
+        if doc["kind"] not in NAMESPACED_EXCEPT:
+            assert meta.get("namespace") == "kvsched", name
+    for workload, template in pod_templates(docs):
+        labels = template["metadata"]["labels"]
+        assert labels.get("app.kubernetes.io/component") in COMPONENTS, workload["metadata"]
+        assert labels.get("app.kubernetes.io/part-of") == "kvsched"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_builtin_objects_validate_strictly(
+    rendered: dict[str, tuple[Doc, ...]], target: str
+) -> None:
+    schemas = crd_schemas()
+    builtin = [doc for doc in rendered[target] if not is_custom(doc, schemas)]
+    assert builtin_errors(builtin) == []
+
+
+def test_an_unknown_field_is_caught() -> None:
+    bad = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "datum": {}}
+    errors = builtin_errors([bad])
+    assert errors and "datum" in errors[0]
+    unknown = {"apiVersion": "example.com/v1", "kind": "Nothing", "metadata": {"name": "x"}}
+    assert builtin_errors([unknown]), "a kind without a schema must not pass unchecked"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_custom_resources_validate_against_their_crds(
+    rendered: dict[str, tuple[Doc, ...]], target: str
+) -> None:
+    schemas = crd_schemas()
+    errors = [
+        e
+        for doc in rendered[target]
+        if is_custom(doc, schemas)
+        for e in custom_errors(doc, schemas)
+    ]
+    assert errors == []
+
+
+def test_a_custom_resource_breaking_its_schema_is_caught() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "spec": {
+                "type": "object",
+                "required": ["size"],
+                "properties": {"size": {"type": "integer"}},
+            }
+        },
+    }
+    schemas = {("example.com", "v1", "Thing"): schema}
+    good = {"apiVersion": "example.com/v1", "kind": "Thing", "metadata": {"name": "a"}}
+    assert is_custom(good, schemas)
+    assert custom_errors({**good, "spec": {"size": 3}}, schemas) == []
+    (error,) = custom_errors({**good, "spec": {"size": "big"}}, schemas)
+    assert "spec/size" in error
+
+
+def test_checkov_finds_nothing_and_every_skip_says_why(checkov_report: Doc) -> None:
+    (report,) = checkov_report["reports"]
+    summary = report["summary"]
+    assert summary["passed"] > 100
+    failed = report["results"]["failed_checks"]
+    assert summary["failed"] == 0, [(c["check_id"], c["resource"]) for c in failed]
+    for check in report["results"].get("skipped_checks", []):
+        reason = (check.get("check_result") or {}).get("suppress_comment", "")
+        assert len(reason) > 20, (
+            f"{check['check_id']} on {check['resource']} skipped without a reason"
+        )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_pod_is_bounded_probed_and_locked_down(
+    rendered: dict[str, tuple[Doc, ...]], target: str
+) -> None:
+    for workload, template in pod_templates(rendered[target]):
+        spec, name = template["spec"], f"{target}: {workload['metadata']['name']}"
+        assert spec.get("automountServiceAccountToken") is False, name
+        assert spec.get("serviceAccountName", "default") != "default", name
+        pod_security = spec.get("securityContext", {})
+        assert pod_security.get("seccompProfile", {}).get("type") == "RuntimeDefault", name
+        for container in containers(template):
+            where = f"{name}/{container['name']}"
+            resources = container.get("resources", {})
+            for bound in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources.get(bound, {})), where
+            security = container.get("securityContext", {})
+            assert security.get("allowPrivilegeEscalation") is False, where
+            assert security.get("capabilities", {}).get("drop") == ["ALL"], where
+            added = set(security.get("capabilities", {}).get("add", []))
+            assert added <= {"IPC_LOCK", "CHOWN", "FOWNER"}, where
+            assert security.get("readOnlyRootFilesystem") is True, where
+        for container in containers(template, init=False):
+            where = f"{name}/{container['name']}"
+            assert "readinessProbe" in container and "livenessProbe" in container, where
+        if workload["kind"] == "Job":
+            continue
+        non_root = pod_security.get("runAsNonRoot") is True
+        assert non_root, name
