@@ -48,6 +48,7 @@ ENGINE_HTTP, VLLM_HTTP, KV_EVENTS = 8100, 8000, 5557
 # Expanded by the kubelet from each container's env (the downward API).
 POD, POD_IP, NODE, NODE_IP = "$(POD_NAME)", "$(POD_IP)", "$(NODE_NAME)", "$(NODE_IP)"
 MESSENGER = "kvsched-messenger"  # the DaemonSet, and the headless Service naming its pods
+NAMESPACE, CLUSTER_DOMAIN = "kvsched", "cluster.local"  # the overlays', and Kubernetes' default
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,12 @@ class Overlay:
 
     @property
     def messenger_address(self) -> str:
-        """Where the Conductor and the other Messengers reach a Messenger: a name its
-        certificate holds (`*.kvsched-messenger`), or its node's address (host network)."""
-        host = NODE_IP if self.host_network else f"{POD}.{MESSENGER}"
-        return f"{host}:{MESSENGER_GRPC}"
+        """Where the Conductor and the other Messengers reach a Messenger: its pod's full
+        name, which its certificate holds (`*.kvsched-messenger....`) and its own /etc/hosts
+        resolves at once (its transfer backend binds it at start, before DNS may have it),
+        or its node's address (host network)."""
+        fqdn = f"{POD}.{MESSENGER}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
+        return f"{NODE_IP if self.host_network else fqdn}:{MESSENGER_GRPC}"
 
     @property
     def engine_host(self) -> str:

@@ -129,7 +129,7 @@ def test_each_certificate_names_its_identity_and_address(
 ) -> None:
     uris, names = _cert(secrets["kvsched-messenger-tls"]["kind-worker.crt"])
     assert uris == {"spiffe://kvsched/messenger/kind-worker"}
-    assert {"*.kvsched-messenger", "127.0.0.1"} <= names
+    assert {"*.kvsched-messenger.kvsched.svc.cluster.local", "127.0.0.1"} <= names
     uris, names = _cert(secrets["kvsched-conductor-tls"]["kvsched-conductor-0.crt"])
     assert uris == {"spiffe://kvsched/conductor/kvsched-conductor-0"}
     assert "kvsched-conductor-0.kvsched-conductor" in names
