@@ -38,7 +38,6 @@ API_KEYS = "/etc/kvsched/api-keys/api-keys.json"
 MODEL_DIR = "/models/model"  # the served model (weights, tokenizer, chat template)
 POOL_DIR = "/run/kvsched/pool"  # the node's KV pool: its memory file and socket
 POOL_SOCKET = f"{POOL_DIR}/pool.sock"
-CONNECTOR_DIR = "/opt/kvsched-connector"  # kvsched's packages, for vLLM to load its KV connector
 CONDUCTOR, ETCD = "kvsched-conductor", "kvsched-etcd"  # StatefulSets and their Services
 # Ports: those the Services and probes name (deploy/base); engines on the host network.
 CONDUCTOR_GRPC, CONDUCTOR_HTTP = 50051, 8081
@@ -279,11 +278,13 @@ def container_args(overlay: Overlay) -> dict[str, Any]:
         for e in range(per_node):
             server = vllm_server(overlay, e)
             argv = server.argv()
-            # The CPU build's settings are not a GPU server's; the connector is imported from
-            # the folder the pod's init container fills from the kvsched image.
-            env = {k: v for k, v in server.env().items() if not k.startswith("VLLM_CPU_")}
-            if "PYTHONPATH" in env:
-                env["PYTHONPATH"] = CONNECTOR_DIR
+            # The CPU build's settings are not a GPU server's; the connector is installed in
+            # the image (deploy/Dockerfile.vllm), not imported from a checkout.
+            env = {
+                k: v
+                for k, v in server.env().items()
+                if not k.startswith("VLLM_CPU_") and k != "PYTHONPATH"
+            }
             out[f"vllm-{e}"] = {"command": argv[:3], "args": argv[3:], "env": env}
     return out
 

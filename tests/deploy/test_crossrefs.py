@@ -33,7 +33,7 @@ PARSERS: dict[str, Callable[[list[str]], Any]] = {
 }
 # The HTTP endpoints of the servers kvsched does not own, as their documentation names them.
 THIRD_PARTY_PATHS = {
-    "vllm/vllm-openai": {"/health", "/metrics", "/load"},  # vLLM's OpenAI server
+    "kvsched-vllm": {"/health", "/metrics", "/load"},  # vLLM's OpenAI server (Dockerfile.vllm)
     "quay.io/coreos/etcd": {"/livez", "/readyz", "/health", "/metrics"},  # --listen-metrics-urls
 }
 # What the downward API gives a pod, as stand-ins of the right shape.
