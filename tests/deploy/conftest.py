@@ -3,9 +3,18 @@ seconds each)."""
 
 from __future__ import annotations
 
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 
 from tests.deploy.render import Doc, checkov, render, targets
+from tests.deploy.tools import DEPLOY, ROOT, tool
+
+NODES = {"kind-worker": "172.18.0.3", "kind-worker2": "172.18.0.4"}  # the stand-in cluster's
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +26,44 @@ def rendered() -> dict[str, tuple[Doc, ...]]:
 @pytest.fixture(scope="session")
 def checkov_report(rendered: dict[str, tuple[Doc, ...]]) -> Doc:
     return checkov(rendered)
+
+
+@pytest.fixture(scope="session")
+def secrets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
+    """The Secrets make-secrets applies, by name (key -> bytes), with a stand-in kubectl
+    that knows two nodes and keeps what it is asked to apply."""
+    kubectl = tool("kubectl")
+    tmp = tmp_path_factory.mktemp("secrets")
+    applied = tmp / "applied.yaml"
+    nodes = "".join(f"{name} {ip}\\n" for name, ip in NODES.items())
+    stub = tmp / "kubectl"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$1 $2" in\n'
+        f'    "get nodes") printf "{nodes}" ;;\n'
+        f'    "create secret") exec {kubectl} "$@" ;;\n'
+        f'    "apply -f") cat >> {applied}; echo --- >> {applied} ;;\n'
+        '    *) echo "unexpected: $*" >&2; exit 1 ;;\n'
+        "esac\n"
+    )
+    stub.chmod(0o755)
+    bin_dir = Path(sys.executable).parent
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "KUBECTL": str(stub),
+        "KVSCHED": str(bin_dir / "kvsched"),
+        "PYTHON": sys.executable,
+    }
+    result = subprocess.run(
+        [str(DEPLOY / "make-secrets"), "--dir", str(tmp / "pki")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("kvs-"), "the demo key is printed once"
+    out: dict[str, dict[str, bytes]] = {}
+    for doc in yaml.safe_load_all(applied.read_text()):
+        if doc:
+            out[doc["metadata"]["name"]] = {
+                k: base64.b64decode(v) for k, v in doc.get("data", {}).items()
+            }
+    return out
