@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,21 @@ def checkov_report(rendered: dict[str, tuple[Doc, ...]]) -> Doc:
     return checkov(rendered)
 
 
+@dataclass(frozen=True)
+class MadeSecrets:
+    secrets: dict[str, dict[str, bytes]]  # by name: key -> bytes
+    demo_key: str  # the demo tenant's API key, printed once
+
+
 @pytest.fixture(scope="session")
-def secrets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
-    """The Secrets make-secrets applies, by name (key -> bytes), with a stand-in kubectl
-    that knows two nodes and keeps what it is asked to apply."""
+def secrets(made_secrets: MadeSecrets) -> dict[str, dict[str, bytes]]:
+    return made_secrets.secrets
+
+
+@pytest.fixture(scope="session")
+def made_secrets(tmp_path_factory: pytest.TempPathFactory) -> MadeSecrets:
+    """What make-secrets applies, with a stand-in kubectl that knows two nodes and keeps
+    what it is asked to apply."""
     kubectl = tool("kubectl")
     tmp = tmp_path_factory.mktemp("secrets")
     applied = tmp / "applied.yaml"
@@ -59,11 +71,12 @@ def secrets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, byt
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().startswith("kvs-"), "the demo key is printed once"
+    demo_key = result.stdout.strip()
+    assert demo_key.startswith("kvs-"), "the demo key is printed once"
     out: dict[str, dict[str, bytes]] = {}
     for doc in yaml.safe_load_all(applied.read_text()):
         if doc:
             out[doc["metadata"]["name"]] = {
                 k: base64.b64decode(v) for k, v in doc.get("data", {}).items()
             }
-    return out
+    return MadeSecrets(out, demo_key)
