@@ -39,7 +39,8 @@ MODEL_DIR = "/models/model"  # the served model (weights, tokenizer, chat templa
 POOL_DIR = "/run/kvsched/pool"  # the node's KV pool: its memory file and socket
 POOL_SOCKET = f"{POOL_DIR}/pool.sock"
 CONDUCTOR, ETCD = "kvsched-conductor", "kvsched-etcd"  # StatefulSets and their Services
-# Ports: those the Services and probes name (deploy/base); engines on the host network.
+# Ports: those the Services and probes name (deploy/base), and the engines' (in the
+# Messenger's pod in dev; vLLM on the GPU node's host network in production).
 CONDUCTOR_GRPC, CONDUCTOR_HTTP = 50051, 8081
 ROUTER_HTTP, ROUTER_GRPC = 8000, 50061
 MESSENGER_GRPC, MESSENGER_HTTP = 50071, 8082
@@ -92,7 +93,7 @@ PRODUCTION = Overlay(
         model_dir=Path(MODEL_DIR),
         model=REAL_MODEL,
         model_config=REAL_MODEL,
-        block_size=32,
+        block_size=32,  # what `kvsched up --engine vllm` takes (the CPU build's multiples of 32)
         leader_ttl_s=3,
         instance_ttl_s=10,
         kv_pool_bytes=16 << 30,

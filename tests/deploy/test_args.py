@@ -6,8 +6,10 @@ processes, with the same values but for addresses and paths; the production vLLM
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,6 +136,38 @@ def test_production_vllm_runs_the_command_line_of_kvsched_up(
     messenger = container(workload(docs, "DaemonSet", "kvsched-messenger"), "messenger")
     engine = messenger["args"][messenger["args"].index("--engine") + 1]
     assert engine.startswith("http://$(NODE_IP):8000,kind=vllm")
+
+
+def test_production_vllm_has_the_flags_of_kvsched_up_engine_vllm(
+    rendered: dict[str, tuple[Doc, ...]],
+) -> None:
+    """The same flags and values as the vLLM servers `kvsched up --engine vllm` starts for
+    the same options, addresses and paths aside, and but for eager mode (CPU only)."""
+    docs = rendered["overlays/production"]
+    vllm = container(workload(docs, "DaemonSet", "kvsched-vllm"), "vllm-0")
+    (child,) = plan_of(PRODUCTION)["engine"][:1]
+    assert "--enforce-eager" in child.argv and "--enforce-eager" not in vllm["args"]
+    theirs = vllm_flags([a for a in child.argv[3:] if a != "--enforce-eager"])
+    assert vllm_flags(vllm["args"]) == theirs
+    assert theirs["--kv-transfer-config"]["kv_connector"] == "KvschedConnector"
+
+
+def vllm_flags(argv: list[str]) -> dict[str, Any]:
+    """vLLM's flags, its JSON ones read, without where it listens, publishes and finds its
+    model and pool (`--host`, `--port`, `--model`, the ZMQ endpoints, the pool's socket)."""
+    out: dict[str, Any] = {}
+    for flag, value in flags(argv):
+        if flag in ("--host", "--port", "--model"):
+            continue
+        if value is not None and value.startswith("{"):
+            config = json.loads(value)
+            for key in ("endpoint", "replay_endpoint"):
+                config.pop(key, None)
+            config.get("kv_connector_extra_config", {}).pop("pool_socket", None)
+            out[flag] = config
+        else:
+            out[flag] = value
+    return out
 
 
 def test_production_shapes(rendered: dict[str, tuple[Doc, ...]]) -> None:
