@@ -6,6 +6,7 @@ they install runs every service's command from its own files."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -109,12 +110,20 @@ def test_the_vllm_image_installs_the_wheel_the_first_stage_builds() -> None:
 
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's wheel, built as the image's first stage builds it, unpacked into a
-    folder of its own (its dependencies are the test environment's)."""
+    """The project's wheel, built as the image's first stage builds it: from the build
+    context (the tracked files .dockerignore lets through, copied apart, so that nothing is
+    written into the checkout), unpacked into a folder of its own (its dependencies are the
+    test environment's)."""
     out = tmp_path_factory.mktemp("wheel")
+    context = out / "context"
+    ignore = DockerIgnore.read(ROOT / ".dockerignore")
+    for path in tracked_files("."):
+        if not ignore.excludes(path):
+            (context / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, context / path)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "--wheel-dir", str(out), str(ROOT)],
+         "--wheel-dir", str(out), str(context)],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     (wheel,) = out.glob("kvsched-*.whl")
