@@ -13,11 +13,15 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from services.cli import COMMANDS
+from services.launcher.ports import free_port
 from tests.deploy.dockerignore import DockerIgnore
 from tests.deploy.tools import DEPLOY, ROOT, run_tool
+from tests.fixtures.poll import wait_for
+from tests.fixtures.process import ServiceProcess
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERFILES = sorted(DEPLOY.glob("Dockerfile*"))
@@ -160,3 +164,37 @@ def test_every_service_runs_from_the_wheel(installed_wheel: Path, command: str) 
     )
     assert result.returncode == 0, result.stderr
     assert f"kvsched {command}" in result.stdout
+
+
+async def test_an_engine_serves_from_the_wheel(installed_wheel: Path, tmp_path: Path) -> None:
+    """`kvsched engine` started from the wheel's files alone loads its shipped tokenizer and
+    model data and serves /health."""
+    port = free_port()
+    site = str(installed_wheel)
+    start = (
+        f"import sys; sys.path.insert(0, {site!r}); import services.cli; "
+        "sys.exit(services.cli.main(sys.argv[1:]))"
+    )
+    log = tmp_path / "engine.log"
+    engine = ServiceProcess(
+        [sys.executable, "-I", "-c", start, "engine", "--listen", f"127.0.0.1:{port}",
+         "--kv-memory-dir", str(tmp_path)],
+        log,
+    )  # fmt: skip
+
+    async def healthy() -> bool:
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{port}/health") as answer,
+            ):
+                return answer.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    try:
+        await wait_for(healthy, 60.0, interval=0.1, message=f"the engine ({log})")
+        assert engine.process.poll() is None
+    finally:
+        engine.stop()
+    assert "Traceback" not in log.read_text()
