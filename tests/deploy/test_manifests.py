@@ -137,3 +137,18 @@ def test_every_pod_is_bounded_probed_and_locked_down(
             continue
         non_root = pod_security.get("runAsNonRoot") is True
         assert non_root, name
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kvsched_service_serves_and_calls_mutual_tls(
+    rendered: dict[str, tuple[Doc, ...]], target: str
+) -> None:
+    """No service runs `--insecure`; each names its certificate, key and client CA."""
+    for _, template in pod_templates(rendered[target]):
+        for container in containers(template, init=False):
+            args = container.get("args", [])
+            if not args or args[0] not in ("conductor", "router", "messenger"):
+                continue
+            assert "--insecure" not in args, container["name"]
+            assert sum(a.endswith("client-ca") for a in args) == 1, container["name"]
+            assert sum(a.endswith("-cert") for a in args) == 2, container["name"]
