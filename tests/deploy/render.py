@@ -7,6 +7,7 @@ against a pinned Kubernetes version, custom resources against the CRD schemas in
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,10 +53,12 @@ def render(target: Target) -> tuple[Doc, ...]:
     if not target.is_component:
         return _kustomize(target.path)
     with tempfile.TemporaryDirectory() as tmp:
+        # kustomize takes roots only as paths relative to the kustomization.
+        overlay = os.path.relpath(DEPLOY / "overlays" / "dev", tmp)
+        component = os.path.relpath(target.path, tmp)
         (Path(tmp) / "kustomization.yaml").write_text(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-            f"resources: [{json.dumps(str(DEPLOY / 'overlays' / 'dev'))}]\n"
-            f"components: [{json.dumps(str(target.path))}]\n",
+            f"resources: [{json.dumps(overlay)}]\ncomponents: [{json.dumps(component)}]\n",
             encoding="utf-8",
         )
         return _kustomize(Path(tmp))

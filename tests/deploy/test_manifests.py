@@ -5,16 +5,20 @@ resources, probes and a locked-down security context."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.deploy.render import (
     Doc,
+    Target,
     builtin_errors,
     containers,
     crd_schemas,
     custom_errors,
     is_custom,
     pod_templates,
+    render,
     targets,
 )
 
@@ -25,6 +29,20 @@ COMPONENTS = {"conductor", "router", "messenger", "engine", "vllm", "etcd", "jae
 
 def test_the_overlays_are_there() -> None:
     assert {"overlays/dev", "overlays/production"} <= set(TARGETS)
+
+
+def test_a_component_renders_on_the_dev_overlay(tmp_path: Path) -> None:
+    """What `targets()` finds in deploy/components/ is checked applied to the dev overlay."""
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\npatches:\n"
+        "  - patch: |-\n      apiVersion: v1\n      kind: ConfigMap\n      metadata:\n"
+        "        name: kvsched-telemetry\n      data:\n"
+        "        OTEL_EXPORTER_OTLP_ENDPOINT: http://jaeger:4317\n"
+    )
+    docs = render(Target("components/test", tmp_path))
+    (telemetry,) = [d for d in docs if d["metadata"]["name"] == "kvsched-telemetry"]
+    assert telemetry["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    assert telemetry["metadata"]["namespace"] == "kvsched"
 
 
 @pytest.mark.parametrize("target", TARGETS)
