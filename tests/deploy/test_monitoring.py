@@ -120,14 +120,18 @@ def _name(obj: dict[str, Any]) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
-@pytest.mark.parametrize("obj", monitoring_objects(), ids=_name)
+def custom_resources() -> list[dict[str, Any]]:
+    return [o for o in monitoring_objects() if o["apiVersion"].startswith("monitoring.coreos.com/")]
+
+
+@pytest.mark.parametrize("obj", custom_resources(), ids=_name)
 def test_each_custom_resource_validates_against_its_crd(obj: dict[str, Any]) -> None:
     schema = crd_schemas()[obj["apiVersion"], obj["kind"]]
     assert validation_errors(obj, schema) == []
 
 
 def test_a_field_the_crd_does_not_name_is_an_error() -> None:
-    monitor = next(o for o in monitoring_objects() if o["kind"] == "ServiceMonitor")
+    monitor = next(o for o in custom_resources() if o["kind"] == "ServiceMonitor")
     monitor["spec"]["endpoints"][0]["metricRelabeling"] = []  # a typo: ...Relabelings
     schema = crd_schemas()[monitor["apiVersion"], monitor["kind"]]
     assert any("metricRelabeling" in e for e in validation_errors(monitor, schema))
@@ -157,11 +161,24 @@ def test_the_monitors_scrape_each_component_on_its_port_named_http() -> None:
     }
 
 
+def test_prometheus_may_reach_the_isolated_components_metrics_port_only() -> None:
+    (policy,) = [o for o in monitoring_objects() if o["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    (selected,) = spec["podSelector"]["matchExpressions"]
+    # The base isolates these; selecting any other pod would isolate it (shutting its callers out).
+    assert selected["values"] == ["conductor", "messenger"]
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert [p["port"] for p in rule["ports"]] == ["http"]
+    (peer,) = rule["from"]  # one peer: Prometheus's pods AND its namespace
+    assert {"namespaceSelector", "podSelector"} == peer.keys()
+
+
 def test_the_component_renders_with_the_dashboard_in_a_labelled_configmap(tmp_path: Path) -> None:
     objects = render_with_stub_base(tmp_path, "monitoring")
     kinds = sorted(o["kind"] for o in objects)
     assert kinds.count("ServiceMonitor") == 2 and kinds.count("PodMonitor") == 2
-    assert "PrometheusRule" in kinds
+    assert "PrometheusRule" in kinds and "NetworkPolicy" in kinds
     (board,) = [o for o in objects if o["metadata"]["name"] == "kvsched-dashboard"]
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert board["data"]["kvsched.json"] == DASHBOARD.read_text()
