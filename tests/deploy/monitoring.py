@@ -25,6 +25,7 @@ class Query:
 
     where: str
     expr: str
+    legend: str = ""  # a panel's legend format: `{{label}}` names a label of the result
 
 
 def load_yaml(path: Path) -> list[dict[str, Any]]:
@@ -48,7 +49,11 @@ def alert_queries() -> list[Query]:
 
 def dashboard_queries() -> list[Query]:
     return [
-        Query(f"panel {panel['title']!r} {target['refId']}", target["expr"])
+        Query(
+            f"panel {panel['title']!r} {target['refId']}",
+            target["expr"],
+            target.get("legendFormat", ""),
+        )
         for panel in dashboard()["panels"]
         for target in panel.get("targets", [])
     ]

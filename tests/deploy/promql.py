@@ -1,9 +1,9 @@
 """A small PromQL reader for the tests, so that no Prometheus binary is needed: `check` tells
 whether an expression is well formed (brackets, strings, label matchers, range selectors,
-known functions, aggregations and keywords) and `metric_names` lists the metric names it
-selects. Not a full parser: anything it cannot place is an error (`PromqlError`), so a typo
-fails a test instead of slipping through. Grafana's variables (`$namespace`,
-`$__rate_interval`) stand for a value or a duration."""
+known functions, aggregations and keywords), `metric_names` lists the metric names it
+selects and `label_names` the labels it matches or groups by. Not a full parser: anything it
+cannot place is an error (`PromqlError`), so a typo fails a test instead of slipping through.
+Grafana's variables (`$namespace`, `$__rate_interval`) stand for a value or a duration."""
 
 from __future__ import annotations
 
@@ -82,6 +82,15 @@ def metric_names(expr: str) -> set[str]:
     return set(_Reader(expr).names())
 
 
+def label_names(expr: str) -> set[str]:
+    """The labels `expr` matches on (`{label=...}`) or groups and joins by (`by`, `without`,
+    `on`, `ignoring`, `group_left`, `group_right`)."""
+    reader = _Reader(expr)
+    for _ in reader.names():
+        pass
+    return reader.labels
+
+
 def check(expr: str) -> None:
     """Raise `PromqlError` unless `expr` is well formed (as far as this reader knows)."""
     metric_names(expr)
@@ -92,6 +101,7 @@ class _Reader:
         self.expr = expr
         self.toks = tokens(expr)
         self.i = 0
+        self.labels: set[str] = set()
 
     def fail(self, what: str) -> PromqlError:
         tok = self.toks[self.i] if self.i < len(self.toks) else None
@@ -164,6 +174,7 @@ class _Reader:
                 return
             if tok.kind != "ident" or not _LABEL.match(tok.text):
                 raise PromqlError(f"bad label {tok.text!r} in {self.expr!r}")
+            self.labels.add(tok.text)
             sep = self.take()
             if sep.text == ")":
                 return
@@ -177,6 +188,7 @@ class _Reader:
                 return
             if label.kind != "ident" or not _LABEL.match(label.text):
                 raise PromqlError(f"bad label {label.text!r} in {self.expr!r}")
+            self.labels.add(label.text)
             op, value = self.take(), self.take()
             if op.text not in MATCH_OPERATORS:
                 raise PromqlError(f"bad matcher operator {op.text!r} in {self.expr!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,8 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.monitoring import used_metrics
+from tests.deploy.monitoring import alert_queries, dashboard_queries, used_metrics
+from tests.deploy.promql import label_names, metric_names
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.e2e.test_transfers import nodes, tokens, transfers, turn
 from tests.fixtures.poll import wait_for
@@ -43,6 +45,11 @@ SUFFIXES = {
     "summary": ("", "_sum", "_count", "_created"),
     "info": ("_info",),
 }
+
+# The labels Prometheus gives every series it scrapes through prometheus-operator's monitors.
+TARGET_LABELS = frozenset(
+    {"namespace", "pod", "instance", "job", "service", "endpoint", "container"}
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +98,35 @@ async def scrape_all(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict
         assert urls, component
         scraped[component] = [f for url in urls for f in await scrape(http, url)]
     return scraped
+
+
+def labels_by_sample(scraped: dict[str, list[Metric]]) -> dict[str, set[str]]:
+    """Each observed sample name's label names as Prometheus stores them: the monitors rename
+    a kvsched `instance` label `kvsched_instance`."""
+    labels: dict[str, set[str]] = {}
+    for families in scraped.values():
+        for family in families:
+            for sample in family.samples:
+                names = {"kvsched_instance" if k == "instance" else k for k in sample.labels}
+                labels.setdefault(sample.name, set()).update(names)
+    return labels
+
+
+def unknown_labels(scraped: dict[str, list[Metric]]) -> dict[str, set[str]]:
+    """Per query, the labels it matches, groups by or shows in its legend that none of its
+    metrics' samples has (queries whose metrics have no sample yet cannot be told)."""
+    observed = labels_by_sample(scraped)
+    unknown = {}
+    for query in alert_queries() + dashboard_queries():
+        names = [n for n in metric_names(query.expr) if n in observed]
+        if not names:
+            continue
+        seen = set().union(*(observed[n] for n in names)) | TARGET_LABELS
+        legend = re.findall(r"\{\{\s*(\w+)\s*\}\}", query.legend)
+        wanted = label_names(query.expr) | set(legend)
+        if wanted - seen:
+            unknown[query.where] = wanted - seen
+    return unknown
 
 
 def total(families: list[Metric], sample_name: str, **labels: str) -> float:
@@ -148,6 +184,8 @@ async def test_every_metric_the_dashboard_and_the_alerts_use_is_exported(
         name: where for name, where in used.items() if name not in exported[component_of(name)]
     }
     assert not missing, f"used by the dashboard or the alerts, exported by no service: {missing}"
+    unknown = unknown_labels(scraped)
+    assert not unknown, f"labels a query names that its metrics do not have: {unknown}"
     # The traffic above shows in what the dashboard plots, not only in declared families.
     moved = total(scraped["conductor"], "kvsched_conductor_transfer_bytes_total")
     assert moved >= 3000 * 2048  # the migrated context, in the mini model's KV bytes

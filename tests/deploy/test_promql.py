@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.promql import PromqlError, check, metric_names
+from tests.deploy.promql import PromqlError, check, label_names, metric_names
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,15 @@ from tests.deploy.promql import PromqlError, check, metric_names
 )
 def test_it_finds_every_selected_metric_and_nothing_else(expr: str, names: set[str]) -> None:
     assert metric_names(expr) == names
+
+
+def test_it_finds_the_labels_matched_grouped_and_joined_on() -> None:
+    expr = (
+        'sum by (namespace, le) (rate(x_bucket{kind="a", outcome=~"b"}[5m]))'
+        " and on (pod) group_left (node) y"
+    )
+    assert label_names(expr) == {"namespace", "le", "kind", "outcome", "pod", "node"}
+    assert label_names("sum(rate(x[5m])) / 2") == set()
 
 
 @pytest.mark.parametrize(
