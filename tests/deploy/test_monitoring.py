@@ -139,46 +139,56 @@ def test_a_field_the_crd_does_not_name_is_an_error() -> None:
 
 def test_the_monitors_scrape_each_component_on_its_port_named_http() -> None:
     scraped = {}
-    for obj in monitoring_objects():
+    for obj in custom_resources():
         if obj["kind"] not in ("ServiceMonitor", "PodMonitor"):
             continue
         assert LABELS.items() <= obj["metadata"]["labels"].items()
         selector = obj["spec"]["selector"]
-        components = [selector.get("matchLabels", {}).get("app.kubernetes.io/component")]
-        for expression in selector.get("matchExpressions", []):
-            if expression["key"] == "app.kubernetes.io/component":
-                components = expression["values"]
+        component = selector["matchLabels"].get("app.kubernetes.io/component")
         endpoints = obj["spec"].get("endpoints") or obj["spec"]["podMetricsEndpoints"]
-        assert [e["port"] for e in endpoints] == ["http"]
-        for component in components:
+        if component is not None:
+            assert [e["port"] for e in endpoints] == ["http"]
             scraped[component] = obj["kind"]
     assert scraped == {
         "conductor": "ServiceMonitor",
         "router": "ServiceMonitor",
         "messenger": "PodMonitor",
-        "engine": "PodMonitor",
-        "vllm": "PodMonitor",
     }
 
 
-def test_prometheus_may_reach_the_isolated_components_metrics_port_only() -> None:
-    (policy,) = [o for o in monitoring_objects() if o["kind"] == "NetworkPolicy"]
-    spec = policy["spec"]
-    (selected,) = spec["podSelector"]["matchExpressions"]
-    # The base isolates these; selecting any other pod would isolate it (shutting its callers out).
-    assert selected["values"] == ["conductor", "messenger"]
-    assert spec["policyTypes"] == ["Ingress"]
-    (rule,) = spec["ingress"]
-    assert [p["port"] for p in rule["ports"]] == ["http"]
-    (peer,) = rule["from"]  # one peer: Prometheus's pods AND its namespace
-    assert {"namespaceSelector", "podSelector"} == peer.keys()
+@pytest.mark.parametrize(
+    ("component", "port", "kept"),
+    [
+        ("vllm", "http", True),
+        ("engine", "http", True),
+        ("messenger", "engine-0", True),  # dev: simulated engines in the Messenger's pod
+        ("messenger", "engine-12", True),
+        ("messenger", "http", False),  # the Messenger's own metrics: its PodMonitor's
+        ("messenger", "grpc", False),
+        ("vllm", "kv-events", False),
+        ("router", "http", False),
+    ],
+)
+def test_the_engine_monitor_keeps_each_engines_port_only(
+    component: str, port: str, kept: bool
+) -> None:
+    (monitor,) = [o for o in custom_resources() if o["metadata"]["name"] == "kvsched-engine"]
+    (expression,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert expression["key"] == "app.kubernetes.io/component"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert "port" not in endpoint  # every container port is a candidate: the relabeling keeps
+    (keep,) = endpoint["relabelings"]
+    assert keep["action"] == "keep"
+    # Prometheus anchors a relabeling's regex at both ends.
+    matched = re.fullmatch(keep["regex"], f"{component}{keep['separator']}{port}") is not None
+    assert matched == kept and (not kept or component in expression["values"])
 
 
 def test_the_component_renders_with_the_dashboard_in_a_labelled_configmap(tmp_path: Path) -> None:
     objects = render_with_stub_base(tmp_path, "monitoring")
     kinds = sorted(o["kind"] for o in objects)
     assert kinds.count("ServiceMonitor") == 2 and kinds.count("PodMonitor") == 2
-    assert "PrometheusRule" in kinds and "NetworkPolicy" in kinds
+    assert "PrometheusRule" in kinds
     (board,) = [o for o in objects if o["metadata"]["name"] == "kvsched-dashboard"]
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert board["data"]["kvsched.json"] == DASHBOARD.read_text()
