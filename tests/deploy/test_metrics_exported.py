@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.deploy.exposition import component_of, families, sample_names, total, unknown_labels
 from tests.deploy.monitoring import alert_queries, dashboard_queries, used_metrics
-from tests.deploy.promql import label_names, metric_names
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.e2e.test_transfers import nodes, tokens, transfers, turn
 from tests.fixtures.poll import wait_for
@@ -30,26 +28,6 @@ T_HOT = 10_000  # pending prefill tokens beyond which a session's host is hot (e
 POOL_BYTES = 512 << 20  # a node's KV pool: the session's context and the flood's prompts
 FLOOD_PROMPTS, FLOOD_TOKENS = 8, 12_000  # about 2.5 s of the modelled GPU's prefill
 _FLOODS = itertools.count(2000)
-
-# The scrape target that exports each family, by its name's prefix.
-COMPONENT = {
-    "kvsched_conductor_": "conductor",
-    "kvsched_router_": "router",
-    "kvsched_messenger_": "messenger",
-    "vllm:": "engine",
-}
-# The sample names a family of each type can have (the family named without them).
-SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_sum", "_count", "_created"),
-    "summary": ("", "_sum", "_count", "_created"),
-    "info": ("_info",),
-}
-
-# The labels Prometheus gives every series it scrapes through prometheus-operator's monitors.
-TARGET_LABELS = frozenset(
-    {"namespace", "pod", "instance", "job", "service", "endpoint", "container"}
-)
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +43,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield up
 
 
-def component_of(name: str) -> str:
-    return next(c for prefix, c in COMPONENT.items() if name.startswith(prefix))
-
-
-def sample_names(families: list[Metric]) -> set[str]:
-    """Every sample name the families can export, whether or not a sample was observed yet
-    (a labelled counter nobody incremented is declared, with no sample)."""
-    names: set[str] = set()
-    for family in families:
-        names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
-        names.update(sample.name for sample in family.samples)
-    return names
-
-
 async def scrape(http: aiohttp.ClientSession, url: str) -> list[Metric]:
     async with http.get(f"{url}/metrics") as resp:
         assert resp.status == 200, url
-        return list(text_string_to_metric_families(await resp.text()))
+        return families(await resp.text())
 
 
 async def scrape_all(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, list[Metric]]:
@@ -98,45 +62,6 @@ async def scrape_all(http: aiohttp.ClientSession, cluster: LocalCluster) -> dict
         assert urls, component
         scraped[component] = [f for url in urls for f in await scrape(http, url)]
     return scraped
-
-
-def labels_by_sample(scraped: dict[str, list[Metric]]) -> dict[str, set[str]]:
-    """Each observed sample name's label names as Prometheus stores them: the monitors rename
-    a kvsched `instance` label `kvsched_instance`."""
-    labels: dict[str, set[str]] = {}
-    for families in scraped.values():
-        for family in families:
-            for sample in family.samples:
-                names = {"kvsched_instance" if k == "instance" else k for k in sample.labels}
-                labels.setdefault(sample.name, set()).update(names)
-    return labels
-
-
-def unknown_labels(scraped: dict[str, list[Metric]]) -> dict[str, set[str]]:
-    """Per query, the labels it matches, groups by or shows in its legend that none of its
-    metrics' samples has (queries whose metrics have no sample yet cannot be told)."""
-    observed = labels_by_sample(scraped)
-    unknown = {}
-    for query in alert_queries() + dashboard_queries():
-        names = [n for n in metric_names(query.expr) if n in observed]
-        if not names:
-            continue
-        seen = set().union(*(observed[n] for n in names)) | TARGET_LABELS
-        legend = re.findall(r"\{\{\s*(\w+)\s*\}\}", query.legend)
-        wanted = label_names(query.expr) | set(legend)
-        if wanted - seen:
-            unknown[query.where] = wanted - seen
-    return unknown
-
-
-def total(families: list[Metric], sample_name: str, **labels: str) -> float:
-    """The sum of the samples named `sample_name` whose labels include `labels`."""
-    return sum(
-        s.value
-        for family in families
-        for s in family.samples
-        if s.name == sample_name and labels.items() <= s.labels.items()
-    )
 
 
 async def flood(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> list[Any]:
@@ -178,13 +103,14 @@ async def test_every_metric_the_dashboard_and_the_alerts_use_is_exported(
 
         scraped = await scrape_all(http, cluster)
 
-    exported = {component: sample_names(families) for component, families in scraped.items()}
+    exported = {component: sample_names(found) for component, found in scraped.items()}
     used = used_metrics()
     missing = {
         name: where for name, where in used.items() if name not in exported[component_of(name)]
     }
     assert not missing, f"used by the dashboard or the alerts, exported by no service: {missing}"
-    unknown = unknown_labels(scraped)
+    everything = [family for component in scraped.values() for family in component]
+    unknown = unknown_labels(everything, alert_queries() + dashboard_queries())
     assert not unknown, f"labels a query names that its metrics do not have: {unknown}"
     # The traffic above shows in what the dashboard plots, not only in declared families.
     moved = total(scraped["conductor"], "kvsched_conductor_transfer_bytes_total")
