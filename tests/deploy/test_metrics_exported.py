@@ -25,8 +25,8 @@ from tests.fixtures.poll import wait_for
 pytestmark = pytest.mark.slow
 
 T_HOT = 10_000  # pending prefill tokens beyond which a session's host is hot (ear)
-POOL_BYTES = 512 << 20  # a node's KV pool: the session's context and the flood's prompts
-FLOOD_PROMPTS, FLOOD_TOKENS = 8, 12_000  # about 2.5 s of the modelled GPU's prefill
+POOL_BYTES = 768 << 20  # a node's KV pool: the session's context and the flood's prompts
+FLOOD_PROMPTS, FLOOD_TOKENS = 12, 12_000  # about 4 s of the modelled GPU's prefill
 _FLOODS = itertools.count(2000)
 
 
