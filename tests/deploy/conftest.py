@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.render import Doc, checkov, render, targets
+from tests.deploy.render import Doc, render, targets
+from tests.deploy.scan import checkov
 from tests.deploy.tools import DEPLOY, ROOT, tool
 
 NODES = {"kind-worker": "172.18.0.3", "kind-worker2": "172.18.0.4"}  # the stand-in cluster's

@@ -35,6 +35,7 @@ PARSERS: dict[str, Callable[[list[str]], Any]] = {
 THIRD_PARTY_PATHS = {
     "kvsched-vllm": {"/health", "/metrics", "/load"},  # vLLM's OpenAI server (Dockerfile.vllm)
     "quay.io/coreos/etcd": {"/livez", "/readyz", "/health", "/metrics"},  # --listen-metrics-urls
+    "jaegertracing/all-in-one": {"/", "/metrics"},  # its admin port (14269): health at /
 }
 # What the downward API gives a pod, as stand-ins of the right shape.
 FIELD_VALUES = {
@@ -51,7 +52,10 @@ def is_kvsched(container: Doc) -> bool:
 
 
 def image_name(container: Doc) -> str:
-    return str(container["image"]).rsplit(":", 1)[0]
+    """The image's repository: without its digest (`@sha256:...`) and its tag."""
+    image = str(container["image"]).split("@", 1)[0]
+    repository, _, tag = image.rpartition(":")
+    return repository if repository and "/" not in tag else image
 
 
 @cache

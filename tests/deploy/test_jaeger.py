@@ -5,13 +5,12 @@ container has."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from services.common.telemetry.settings import TelemetrySettings
 from tests.conftest import REPO
-from tests.deploy.kustomize_tool import render_with_stub_base
 from tests.deploy.monitoring import load_yaml
+from tests.deploy.render import Target, render
 
 JAEGER = REPO / "deploy" / "components" / "jaeger"
 
@@ -66,11 +65,19 @@ def test_the_service_and_the_network_policy_name_the_containers_ports() -> None:
     assert {p["port"] for p in rule["ports"]} == {"otlp-grpc", "otlp-http"} <= ports
 
 
-def test_the_component_points_the_base_telemetry_configmap_at_jaeger(tmp_path: Path) -> None:
-    objects = render_with_stub_base(tmp_path, "jaeger")
+def test_the_dev_overlay_points_its_telemetry_configmap_at_its_jaeger() -> None:
+    objects = render(Target(REPO / "deploy" / "overlays" / "dev"))
     (telemetry,) = [o for o in objects if o["metadata"]["name"] == "kvsched-telemetry"]
     assert telemetry["data"] == {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317"}
-    assert sorted(o["kind"] for o in objects) == [
-        "ConfigMap", "Deployment", "NetworkPolicy", "Service",
+    jaegers = [o for o in objects if o["metadata"]["name"] == "jaeger"]
+    assert sorted(o["kind"] for o in jaegers) == [
+        "Deployment", "NetworkPolicy", "Service", "ServiceAccount",
     ]  # fmt: skip
-    assert all(o["metadata"]["namespace"] == "kvsched" for o in objects)
+    assert all(o["metadata"]["namespace"] == "kvsched" for o in jaegers)
+
+
+def test_production_exports_no_spans_until_its_operator_names_a_collector() -> None:
+    objects = render(Target(REPO / "deploy" / "overlays" / "production"))
+    (telemetry,) = [o for o in objects if o["metadata"]["name"] == "kvsched-telemetry"]
+    assert telemetry["data"] == {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}
+    assert not [o for o in objects if o["metadata"]["name"] == "jaeger"]

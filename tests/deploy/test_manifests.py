@@ -1,7 +1,7 @@
-"""deploy/ renders and validates: every overlay (and component on the dev overlay) renders
-with kustomize, every built-in object passes kubernetes-validate --strict, every custom
-resource its CRD's schema, checkov finds nothing (each skip says why), and every pod has its
-resources, probes and a locked-down security context."""
+"""deploy/ renders and validates: every overlay (as it ships, and with each component it
+leaves out) renders with kustomize, every built-in object passes kubernetes-validate
+--strict, every custom resource its CRD's schema, checkov finds nothing (each skip says why),
+and every pod has its resources, probes and a locked-down security context."""
 
 from __future__ import annotations
 
@@ -12,37 +12,53 @@ import pytest
 from tests.deploy.render import (
     Doc,
     Target,
-    builtin_errors,
     containers,
-    crd_schemas,
-    custom_errors,
-    is_custom,
+    overlay_components,
     pod_templates,
     render,
     targets,
 )
+from tests.deploy.tools import DEPLOY
+from tests.deploy.validation import builtin_errors, crd_schemas, custom_errors, is_custom
 
 TARGETS = [t.name for t in targets()]
 NAMESPACED_EXCEPT = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
 COMPONENTS = {"conductor", "router", "messenger", "engine", "vllm", "etcd", "jaeger"}
 
 
-def test_the_overlays_are_there() -> None:
-    assert {"overlays/dev", "overlays/production"} <= set(TARGETS)
+def test_the_overlays_ship_their_components_and_the_others_are_checked_added() -> None:
+    """dev ships Jaeger (it runs on any cluster), production the monitoring component (its
+    cluster has prometheus-operator); each is also rendered with the component it leaves
+    out, as deploy/README.md says to add one."""
+    components = {c.name: c.resolve() for c in (DEPLOY / "components").iterdir()}
+    assert overlay_components(DEPLOY / "overlays" / "dev") == {components["jaeger"]}
+    assert overlay_components(DEPLOY / "overlays" / "production") == {components["monitoring"]}
+    assert TARGETS == [
+        "overlays/dev",
+        "overlays/production",
+        "overlays/dev+monitoring",
+        "overlays/production+jaeger",
+    ]
 
 
-def test_a_component_renders_on_the_dev_overlay(tmp_path: Path) -> None:
-    """What `targets()` finds in deploy/components/ is checked applied to the dev overlay."""
+def test_a_component_added_to_an_overlay_is_in_its_namespace(tmp_path: Path) -> None:
+    """A component added beside an overlay gets the overlay's namespace (the added
+    kustomization sets it again)."""
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\npatches:\n"
         "  - patch: |-\n      apiVersion: v1\n      kind: ConfigMap\n      metadata:\n"
         "        name: kvsched-telemetry\n      data:\n"
-        "        OTEL_EXPORTER_OTLP_ENDPOINT: http://jaeger:4317\n"
+        "        OTEL_EXPORTER_OTLP_ENDPOINT: http://collector:4317\n"
+        "resources: [extra.yaml]\n"
     )
-    docs = render(Target("components/test", tmp_path))
+    (tmp_path / "extra.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: extra\ndata: {}\n"
+    )
+    docs = render(Target(DEPLOY / "overlays" / "production", (tmp_path,)))
     (telemetry,) = [d for d in docs if d["metadata"]["name"] == "kvsched-telemetry"]
-    assert telemetry["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-    assert telemetry["metadata"]["namespace"] == "kvsched"
+    assert telemetry["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
+    (extra,) = [d for d in docs if d["metadata"]["name"] == "extra"]
+    assert extra["metadata"]["namespace"] == "kvsched"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -106,7 +122,7 @@ def test_a_custom_resource_breaking_its_schema_is_caught() -> None:
             }
         },
     }
-    schemas = {("example.com", "v1", "Thing"): schema}
+    schemas = {("example.com/v1", "Thing"): schema}
     good = {"apiVersion": "example.com/v1", "kind": "Thing", "metadata": {"name": "a"}}
     assert is_custom(good, schemas)
     assert custom_errors({**good, "spec": {"size": 3}}, schemas) == []

@@ -8,13 +8,11 @@ running cluster."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.deploy.crd_validation import crd_schemas, validation_errors
-from tests.deploy.kustomize_tool import render_with_stub_base
+from tests.conftest import REPO
 from tests.deploy.monitoring import (
     DASHBOARD,
     MONITORING,
@@ -27,6 +25,8 @@ from tests.deploy.monitoring import (
     used_metrics,
 )
 from tests.deploy.promql import check
+from tests.deploy.render import Target, render
+from tests.deploy.validation import crd_schemas, custom_errors
 
 # Where each metric family comes from: the scrape target whose /metrics exports it.
 SERVICE_PREFIXES = ("kvsched_conductor_", "kvsched_router_", "kvsched_messenger_", "vllm:")
@@ -126,15 +126,13 @@ def custom_resources() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("obj", custom_resources(), ids=_name)
 def test_each_custom_resource_validates_against_its_crd(obj: dict[str, Any]) -> None:
-    schema = crd_schemas()[obj["apiVersion"], obj["kind"]]
-    assert validation_errors(obj, schema) == []
+    assert custom_errors(obj, crd_schemas()) == []
 
 
 def test_a_field_the_crd_does_not_name_is_an_error() -> None:
     monitor = next(o for o in custom_resources() if o["kind"] == "ServiceMonitor")
     monitor["spec"]["endpoints"][0]["metricRelabeling"] = []  # a typo: ...Relabelings
-    schema = crd_schemas()[monitor["apiVersion"], monitor["kind"]]
-    assert any("metricRelabeling" in e for e in validation_errors(monitor, schema))
+    assert any("metricRelabeling" in e for e in custom_errors(monitor, crd_schemas()))
 
 
 def test_the_monitors_scrape_each_component_on_its_port_named_http() -> None:
@@ -184,20 +182,12 @@ def test_the_engine_monitor_keeps_each_engines_port_only(
     assert matched == kept and (not kept or component in expression["values"])
 
 
-def test_the_component_renders_with_the_dashboard_in_a_labelled_configmap(tmp_path: Path) -> None:
-    objects = render_with_stub_base(tmp_path, "monitoring")
-    kinds = sorted(o["kind"] for o in objects)
+def test_production_ships_the_component_with_the_dashboard_in_a_labelled_configmap() -> None:
+    objects = render(Target(REPO / "deploy" / "overlays" / "production"))
+    kinds = [o["kind"] for o in objects]
     assert kinds.count("ServiceMonitor") == 2 and kinds.count("PodMonitor") == 2
-    assert "PrometheusRule" in kinds
+    assert kinds.count("PrometheusRule") == 1
     (board,) = [o for o in objects if o["metadata"]["name"] == "kvsched-dashboard"]
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["namespace"] == "kvsched"
     assert board["data"]["kvsched.json"] == DASHBOARD.read_text()
-    schemas = crd_schemas()
-    for obj in objects:
-        assert obj["metadata"]["namespace"] == "kvsched"
-        assert (
-            LABELS.items() <= obj["metadata"].get("labels", {}).items()
-            or obj["metadata"]["name"] == "kvsched-telemetry"
-        )  # the stub base's
-        if (obj["apiVersion"], obj["kind"]) in schemas:
-            assert validation_errors(obj, schemas[obj["apiVersion"], obj["kind"]]) == []
