@@ -1,7 +1,7 @@
 """The Jaeger component (`deploy/components/jaeger`): the telemetry ConfigMap it patches makes
 every service export its spans to Jaeger over plaintext OTLP/gRPC, as the services read it;
 Jaeger's pod is pinned, non-root and bounded; its Service and NetworkPolicy name ports the
-container has."""
+container has; the dev overlay ships it, production exports no spans until told where."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 expression is well-formed PromQL over the services' metric families, the dashboard is a
 Grafana dashboard (panels with targets, unique ids, laid out on the grid), the monitors and
 the rule validate against prometheus-operator's CRD schemas (`deploy/crds/`), and the
-component renders with kustomize. `test_metrics_exported.py` checks the names against a
-running cluster."""
+production overlay ships the component. `test_metrics_exported.py` checks the names against
+a running cluster; `test_scrapes.py` that the NetworkPolicies let Prometheus scrape."""
 
 from __future__ import annotations
 
