@@ -18,6 +18,7 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
     settings = ConductorSettings(policy=policy, max_instances=work.n, persist_blocks=False)
     term = Term.build(settings, "baseline")
     state, cursors = term.state, term.cursors
+    limit = state.scheduler.limits.max_blocks
     for slot in range(work.n):
         spec = instance_spec(slot)
         record = InstanceRecord(
@@ -25,14 +26,14 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
         )
         state.add_instance(record)
     for batch in work.batches:
-        cursors.apply(batch.instance_id, batch.sequence, False, convert.kv_events(batch))
+        cursors.apply(batch.instance_id, batch.sequence, False, convert.kv_events(batch, limit))
     clock = time.perf_counter
     for op in log:
         res = results[op.mode]
         req = op.request
         if op.finish is None:
             t = clock()
-            info = convert.request_info(req)
+            info = convert.request_info(req, limit)
             decision = state.scheduler.place(info, op.now)
             dt = clock() - t
             res.base_latencies.append(dt)
@@ -50,7 +51,7 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
             # Reports of one instance sent on different streams may be logged out of order:
             # the replay applies them in log order, so it numbers them itself.
             seq = state.instances[b.instance_id].next_sequence
-            cursors.apply(b.instance_id, seq, False, convert.kv_events(b))
+            cursors.apply(b.instance_id, seq, False, convert.kv_events(b, limit))
             res.base_work_s += clock() - t
     for res in results.values():
         if res.base_latencies:

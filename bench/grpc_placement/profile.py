@@ -21,7 +21,10 @@ _INNER = (
     ("metrics (prometheus_client)", ("prometheus_client",)),
     ("tracing (interceptor, OpenTelemetry)", ("opentelemetry", "common/telemetry/")),
     # Before the rest of convert.py, which it is part of: its own line in the summary.
-    ("request_info: tuple(hashes) from proto", ("request_info (",)),
+    (
+        "block hashes out of the message (convert.block_hashes)",
+        ("block_hashes (", "request_info (", "packed_hashes.py"),
+    ),
     ("proto <-> core conversion (convert.py)", ("conductor/convert.py",)),
     ("persister + etcd client + watch", ("persist.py", "common/store.py", "replica.py")),
     ("grpc.aio Python layer", ("grpc/aio/", "grpc/_")),

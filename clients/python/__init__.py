@@ -3,6 +3,7 @@
 from clients.python.channels import Interceptor, tls_credentials
 from clients.python.conductor import ConductorClient
 from clients.python.errors import ConductorError, InvalidRequest, NotFound, Rejected, Unavailable
+from clients.python.packed_hashes import pack_hashes, unpack_hashes
 from clients.python.placement_stream import PlacementStream
 
 __all__ = [
@@ -14,5 +15,7 @@ __all__ = [
     "PlacementStream",
     "Rejected",
     "Unavailable",
+    "pack_hashes",
     "tls_credentials",
+    "unpack_hashes",
 ]

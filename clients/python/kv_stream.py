@@ -37,6 +37,7 @@ from grpc import aio
 from clients.python.conductor import ConductorClient
 from clients.python.errors import ConductorError, NotFound, Unavailable
 from clients.python.kv_mirror import DEFAULT_MIRROR_BATCHES, KvEventMirror
+from clients.python.packed_hashes import HASH_BYTES
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -474,14 +475,16 @@ class KvEventStream:
 
 
 def _blocks(batch: pb.KvEventBatch) -> int:
-    """Blocks a batch names (stored or removed)."""
+    """Blocks a batch names (stored or removed), in either form."""
     n = 0
     for event in batch.events:
         which = event.WhichOneof("event")
         if which == "blocks_stored":
-            n += len(event.blocks_stored.block_hashes)
+            stored = event.blocks_stored
+            n += len(stored.block_hashes) + len(stored.packed_block_hashes) // HASH_BYTES
         elif which == "blocks_removed":
-            n += len(event.blocks_removed.block_hashes)
+            removed = event.blocks_removed
+            n += len(removed.block_hashes) + len(removed.packed_block_hashes) // HASH_BYTES
     return n
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from clients.python.packed_hashes import hash_count, unpack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
@@ -95,18 +96,48 @@ def load_message(state: ConductorState, slot: int) -> common.LoadReport:
     )
 
 
-def kv_events(batch: pb.KvEventBatch) -> list[KvEvent]:
-    """Decode a batch's events; raises RequestError on an unset event or enum."""
+def block_hashes(
+    repeated: Sequence[int], packed: bytes, max_blocks: int, where: str = ""
+) -> Sequence[int]:
+    """A message's block hashes from whichever of its two fields is set: `repeated`
+    (`block_hashes`, copied out as today; the core checks its length) or `packed`
+    (`packed_block_hashes`, its length checked before a single int is made, then unpacked in
+    one C loop). Raises RequestError when both are set, or when the packed bytes are not a
+    whole number of 8-byte hashes or hold more than `max_blocks`; `where` prefixes the
+    field names in the message (e.g. "event 3: ")."""
+    if not packed:
+        return repeated[:]  # a list copy: the fastest way out of a repeated field
+    if repeated:
+        raise RequestError(
+            "invalid", f"{where}block_hashes and packed_block_hashes are both set; give one"
+        )
+    try:
+        n = hash_count(packed)
+    except ValueError as exc:
+        raise RequestError("invalid", f"{where}packed_block_hashes: {exc}") from None
+    if n > max_blocks:
+        raise RequestError(
+            "invalid", f"{where}packed_block_hashes holds {n} block hashes; at most {max_blocks}"
+        )
+    return unpack_hashes(packed)
+
+
+def kv_events(batch: pb.KvEventBatch, max_blocks: int) -> list[KvEvent]:
+    """Decode a batch's events; raises RequestError on an unset event or enum, or on an
+    event's block hashes as `block_hashes` refuses them (`max_blocks` bounds a packed
+    list; the core checks the others)."""
     out: list[KvEvent] = []
     for i, event in enumerate(batch.events):
         kind = event.WhichOneof("event")
         if kind == "blocks_stored":
             s = event.blocks_stored
             parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-            out.append(BlocksStored(tuple(s.block_hashes), parent, tier(s.tier)))
+            hashes = block_hashes(s.block_hashes, s.packed_block_hashes, max_blocks, f"event {i}: ")
+            out.append(BlocksStored(tuple(hashes), parent, tier(s.tier)))
         elif kind == "blocks_removed":
             r = event.blocks_removed
-            out.append(BlocksRemoved(tuple(r.block_hashes), tier(r.tier)))
+            hashes = block_hashes(r.block_hashes, r.packed_block_hashes, max_blocks, f"event {i}: ")
+            out.append(BlocksRemoved(tuple(hashes), tier(r.tier)))
         elif kind == "all_blocks_cleared":
             out.append(AllBlocksCleared())
         elif kind == "load":
@@ -234,10 +265,13 @@ def _request_info(
     )
 
 
-def request_info(request: pb.ScheduleRequest, time_scale: float = 1.0) -> RequestInfo:
+def request_info(
+    request: pb.ScheduleRequest, max_blocks: int, time_scale: float = 1.0
+) -> RequestInfo:
     """A placement request as the core takes it (the core checks its limits when it places
     it), its `queued` wall time in policy seconds (over `time_scale`); raises RequestError
-    without an id, or with a negative or non-finite `queued`."""
+    without an id, with a negative or non-finite `queued`, or with block hashes that
+    `block_hashes` refuses (`max_blocks`: the cluster's `Limits.max_blocks`)."""
     waited_s = 0.0
     if request.HasField("queued"):
         waited_s = request.queued.seconds + request.queued.nanos / 1e9
@@ -247,7 +281,7 @@ def request_info(request: pb.ScheduleRequest, time_scale: float = 1.0) -> Reques
         request.request_id,
         request.prompt_tokens,
         request.output_tokens,
-        request.block_hashes[:],  # a list copy: the fastest way out of the message
+        block_hashes(request.block_hashes, request.packed_block_hashes, max_blocks),
         request.session_id,
         waited_s=waited_s / time_scale,
     )
@@ -258,10 +292,11 @@ def explain_request(
 ) -> RequestInfo:
     """The placement request an Explain describes (token ids hashed by `hasher`, as the
     engines do); raises RequestError."""
-    if request.block_hashes and request.token_ids:
+    if (request.block_hashes or request.packed_block_hashes) and request.token_ids:
         raise RequestError("invalid", "give block_hashes or token_ids, not both")
     bs = state.scheduler.config.block_size
-    hashes: list[int] = list(request.block_hashes)
+    limit = state.scheduler.limits.max_blocks
+    hashes = block_hashes(request.block_hashes, request.packed_block_hashes, limit)
     if request.token_ids:
         hashes = hasher.hash_prompt(request.token_ids)
     prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
@@ -287,7 +322,13 @@ def completion(state: ConductorState, request: pb.FinishRequest, now: float) -> 
         prompt_tokens=request.prompt_tokens,
         output_tokens=request.output_tokens,
         cached_tokens=request.cached_tokens,
-        block_hashes=tuple(request.block_hashes),
+        block_hashes=tuple(
+            block_hashes(
+                request.block_hashes,
+                request.packed_block_hashes,
+                state.scheduler.limits.max_blocks,
+            )
+        ),
         arrival=arrival,
         first_token_at=arrival + max(ttft_s, 0.0),
         finished_at=now,

@@ -43,8 +43,9 @@ class KvEventRpcs:
         RequestError."""
         metrics = self.metrics
         try:
-            events = convert.kv_events(batch)
-            nxt = self.current().cursors.apply(
+            term = self.current()
+            events = convert.kv_events(batch, term.state.scheduler.limits.max_blocks)
+            nxt = term.cursors.apply(
                 batch.instance_id, batch.sequence, batch.resync, events, merge=batch.merge
             )
         except RequestError:

@@ -77,9 +77,10 @@ class PlacementRpcs:
         `TransferRunner.landing`). Raises RequestError."""
         metrics = self.metrics
         started = time.perf_counter()
+        scheduler = self.current().state.scheduler
         try:
-            info = convert.request_info(request, self.time_scale)
-            decision = self.current().state.scheduler.place(info, self.clock())
+            info = convert.request_info(request, scheduler.limits.max_blocks, self.time_scale)
+            decision = scheduler.place(info, self.clock())
         except RequestError:
             metrics.decisions.labels("error").inc()
             raise

@@ -58,7 +58,7 @@ def finish_report(outcome: RequestOutcome) -> cpb.FinishRequest | None:
         prompt_tokens=query.prompt_tokens,
         output_tokens=output,
         cached_tokens=min(cached, query.prompt_tokens),
-        block_hashes=query.block_hashes,
+        packed_block_hashes=query.packed_hashes,
         time_to_first_token=duration(ttft),
         end_to_end=duration(outcome.ended - outcome.arrived),
         ok=relayed is not None and relayed.ok,

@@ -81,7 +81,7 @@ class PlacementQuery:
     request_id: str
     prompt_tokens: int
     output_tokens: int
-    block_hashes: Sequence[int]
+    packed_hashes: bytes  # the prompt's block hashes, packed (`clients.python.pack_hashes`)
     session_id: str  # tenant-scoped ("tenant/session"); empty for none
 
 
@@ -282,7 +282,7 @@ class Placer:
             request_id=query.request_id,
             prompt_tokens=query.prompt_tokens,
             output_tokens=query.output_tokens,
-            block_hashes=query.block_hashes,
+            packed_block_hashes=query.packed_hashes,
             session_id=query.session_id,
         )
         if arrived is not None:
@@ -412,7 +412,7 @@ class Placer:
                 session_id=query.session_id,
                 instance_id=decision.instance_id,
                 prompt_tokens=query.prompt_tokens,
-                block_hashes=query.block_hashes,
+                packed_block_hashes=query.packed_hashes,
                 ok=False,
             )
         )

@@ -28,6 +28,7 @@ from urllib.parse import quote
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
+from clients.python.packed_hashes import hash_count, pack_hashes
 from services.common.openai_api import (
     CompletionRequest,
     Kind,
@@ -56,7 +57,7 @@ class Tokenized:
 
     prompt_tokens: int
     output_tokens: int  # at most, within the context
-    block_hashes: list[int]
+    packed_hashes: bytes  # the prompt's block hashes, packed (`clients.python.pack_hashes`)
     body: bytes  # what the engine gets
 
 
@@ -134,11 +135,11 @@ class Preparer:
                     self._pool, self._tokenize, req, raw, body, salt
                 )
             span.set_attribute("kvsched.prompt_tokens", tokenized.prompt_tokens)
-            span.set_attribute("kvsched.blocks", len(tokenized.block_hashes))
+            span.set_attribute("kvsched.blocks", hash_count(tokenized.packed_hashes))
         rid = uuid.uuid4().hex
         reply["x-kvsched-request-id"] = rid
         query = PlacementQuery(
-            rid, tokenized.prompt_tokens, tokenized.output_tokens, tokenized.block_hashes, scoped
+            rid, tokenized.prompt_tokens, tokenized.output_tokens, tokenized.packed_hashes, scoped
         )
         return Call(req, query, tokenized.body, arrived, reply)
 
@@ -160,7 +161,9 @@ class Preparer:
             raw = json.dumps(body).encode()
         ids = self.tokenizer.prompt_ids(req)
         output = output_budget(req, len(ids), self.max_model_len)
-        hashes = self.hasher.hash_prompt(ids, salt or None)
+        # Packed once here (off the event loop for a long prompt): the placement and the
+        # completion report both carry these bytes as they are.
+        hashes = pack_hashes(self.hasher.hash_prompt(ids, salt or None))
         return Tokenized(len(ids), output, hashes, with_cache_salt(raw, body, salt))
 
 

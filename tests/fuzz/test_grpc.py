@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
+from clients.python import pack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2
 from kvsched.api.messenger.v1 import messenger_service_pb2
 from kvsched.api.router.v1 import router_service_pb2
@@ -129,6 +130,11 @@ def value_of(field: pbd.FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
         return st.booleans()
     if field.type == F.TYPE_STRING:
         return texts
+    if field.type == F.TYPE_BYTES and field.name.startswith("packed_"):
+        # Packed u64 hashes: well-formed lists (up to past a prompt's blocks) and ragged bytes.
+        return st.one_of(
+            st.lists(ints(0, 2**64 - 1), max_size=12).map(pack_hashes), st.binary(max_size=64)
+        )
     if field.type == F.TYPE_BYTES:
         return st.binary(max_size=64)
     assert field.type == F.TYPE_MESSAGE and field.message_type is not None, field

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from clients.python import ConductorClient
+from clients.python import ConductorClient, unpack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.index import Tier
 from kvsched.core.vllm_hashing import VllmBlockHasher
@@ -223,7 +223,7 @@ def expected_hashes(snapshot: Any) -> set[int]:
     """The hashes of every block in an engine snapshot (its JSON), as the index holds them."""
     snap = parse_snapshot(snapshot)
     events = EventTranslator(snap.block_size).translate(snap.events)
-    return {h for e in events for h in e.blocks_stored.block_hashes}
+    return {h for e in events for h in unpack_hashes(e.blocks_stored.packed_block_hashes)}
 
 
 def indexed(conductor: Conductor, instance_id: str) -> set[int] | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgpack
 
+from clients.python import unpack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_frames
@@ -21,20 +22,21 @@ def test_stored_blocks_keep_their_names_as_64_bits_and_their_parent() -> None:
     digest = bytes(range(32))
     out = t.translate([BlockStored((2**64 - 5, digest), 1 << 70 | 9, TOKENS[:32], 16, "CPU")])
     stored = out[0].blocks_stored
-    assert list(stored.block_hashes) == [2**64 - 5, int.from_bytes(digest[-8:], "big")]
+    want = [2**64 - 5, int.from_bytes(digest[-8:], "big")]
+    assert unpack_hashes(stored.packed_block_hashes) == want and not stored.block_hashes
     assert stored.parent_block_hash == 9 and stored.tier == common.TIER_CPU
 
 
 def test_a_child_whose_parent_was_never_seen_is_still_indexed() -> None:
     out = EventTranslator(16).translate([BlockStored((5,), 12345, TOKENS[:16], 16, "GPU")])
-    assert list(out[0].blocks_stored.block_hashes) == [5]
+    assert unpack_hashes(out[0].blocks_stored.packed_block_hashes) == [5]
     assert out[0].blocks_stored.parent_block_hash == 12345
 
 
 def test_removals_and_clears_pass_through() -> None:
     t = EventTranslator(16)
     out = t.translate([BlockRemoved((2, 99), "GPU"), AllBlocksCleared()])
-    assert list(out[0].blocks_removed.block_hashes) == [2, 99]
+    assert unpack_hashes(out[0].blocks_removed.packed_block_hashes) == [2, 99]
     assert out[1].HasField("all_blocks_cleared")
 
 
@@ -48,7 +50,7 @@ def test_long_events_are_cut_into_continuing_pieces() -> None:
     out = EventTranslator(16, max_blocks=2).translate(
         [BlockStored((1, 2, 3, 4, 5), None, tuple(range(80)), 16, "GPU")]
     )
-    parts = [list(e.blocks_stored.block_hashes) for e in out]
+    parts = [unpack_hashes(e.blocks_stored.packed_block_hashes) for e in out]
     assert parts == [[1, 2], [3, 4], [5]]
     assert [e.blocks_stored.parent_block_hash for e in out[1:]] == [2, 4]
     assert not out[0].blocks_stored.HasField("parent_block_hash")
@@ -70,7 +72,11 @@ def test_a_real_vllms_salted_chain_is_indexed_under_the_routers_hashes() -> None
             break  # the next prompt
         chain.append(event)
     t = EventTranslator(32)
-    indexed = [h for e in chain for h in t.translate([e])[0].blocks_stored.block_hashes]
+    indexed = [
+        h
+        for e in chain
+        for h in unpack_hashes(t.translate([e])[0].blocks_stored.packed_block_hashes)
+    ]
     prompt = [token for e in chain for token in e.token_ids]
     assert salt and len(indexed) >= 3
     assert indexed == VllmBlockHasher(32).hash_prompt(prompt, salt)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clients.python import ConductorClient
+from clients.python import ConductorClient, unpack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.messenger.app import Messenger
 from services.messenger.engines import EngineTarget
@@ -52,19 +52,21 @@ async def test_a_tenants_prefix_is_found_again_and_only_by_that_tenant(
             return reported[-1]
 
         first = await ask("acme", "What is a fox?")
-        assert first.cached_tokens == 0 and len(first.block_hashes) >= 10
+        first_hashes = unpack_hashes(first.packed_block_hashes)
+        assert first.cached_tokens == 0 and len(first_hashes) >= 10
         async with ConductorClient([c.url]) as client:
 
             async def indexed() -> int:
                 answer = await client.explain(
                     pb.ExplainRequest(
-                        block_hashes=first.block_hashes, prompt_tokens=first.prompt_tokens
+                        packed_block_hashes=first.packed_block_hashes,
+                        prompt_tokens=first.prompt_tokens,
                     )
                 )
                 return int(answer.decision.cached_tokens)
 
             # The engine's KV events, translated by the Messenger, hold the Router's hashes.
-            full = len(first.block_hashes) * 16
+            full = len(first_hashes) * 16
 
             async def all_indexed() -> bool:
                 return await indexed() >= full - 16
@@ -72,7 +74,8 @@ async def test_a_tenants_prefix_is_found_again_and_only_by_that_tenant(
             await wait_for(all_indexed, 10.0, message="the prefix indexed")
         again = await ask("acme", "What is a wolf?")  # the same system prompt
         common = 0
-        for a, b in zip(first.block_hashes, again.block_hashes, strict=False):
+        again_hashes = unpack_hashes(again.packed_block_hashes)
+        for a, b in zip(first_hashes, again_hashes, strict=False):
             if a != b:
                 break
             common += 1
@@ -80,6 +83,6 @@ async def test_a_tenants_prefix_is_found_again_and_only_by_that_tenant(
         assert again.cached_tokens >= (common - 1) * 16  # as the engine counted them
         other = await ask("globex", "What is a fox?")  # the same prompt, another tenant
         assert other.cached_tokens == 0
-        assert not set(other.block_hashes) & set(first.block_hashes)
+        assert not set(unpack_hashes(other.packed_block_hashes)) & set(first_hashes)
     finally:
         await messenger.stop(0)

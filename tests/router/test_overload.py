@@ -99,7 +99,7 @@ def _placer(
 
 
 def _query(rid: str = "r1", session: str = "") -> PlacementQuery:
-    return PlacementQuery(rid, 16, 4, [], session)
+    return PlacementQuery(rid, 16, 4, b"", session)
 
 
 async def test_a_late_placement_is_shed_and_released_never_placed_alone() -> None:

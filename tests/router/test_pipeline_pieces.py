@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from clients.python import pack_hashes, unpack_hashes
 from kvsched.core.turn_host import HANDOFF_FAILED, MIGRATION_FAILED, TurnHost
 from services.common.durations import seconds
 from services.common.openai_api import ApiError, Kind, parse_request
@@ -17,7 +18,7 @@ from services.router.prepare import output_budget
 from services.router.proxy import Relayed
 from services.router.usage import Usage
 
-QUERY = PlacementQuery("r1", 100, 16, [11, 22], "acme/s1")
+QUERY = PlacementQuery("r1", 100, 16, pack_hashes([11, 22]), "acme/s1")
 PLACED = Placement("r1", "e1", "http://e1", "cache_aware", "min TTFT", 64)
 FALLBACK = Placement("r1", "e1", "http://e1", "", "fewest in flight", 0, fallback="timeout")
 
@@ -90,7 +91,7 @@ def test_the_finish_report_of_an_outcome(
     )
     assert got == want
     assert (report.request_id, report.session_id, report.prompt_tokens) == ("r1", "acme/s1", 100)
-    assert list(report.block_hashes) == [11, 22]
+    assert unpack_hashes(report.packed_block_hashes) == [11, 22] and not report.block_hashes
     assert seconds(report.end_to_end) == 2.5
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.python import ConductorClient
+from clients.python import ConductorClient, unpack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.openai_api import PromptTokenizer
@@ -183,7 +183,8 @@ async def test_finish_reports_what_the_engine_counted(stack: Stack, include_usag
     assert done.ok and done.output_tokens == 12 and done.session_id == "anonymous/s"
     ids = PromptTokenizer().encode(prompt, add_special_tokens=True)  # a completion: BOS first
     assert done.prompt_tokens == len(ids)
-    assert list(done.block_hashes) == VllmBlockHasher(16).hash_prompt(ids)  # anonymous: no salt
+    hashes = unpack_hashes(done.packed_block_hashes)  # the Router sends the packed form
+    assert hashes == VllmBlockHasher(16).hash_prompt(ids)  # anonymous: no salt
     assert 0 < done.time_to_first_token.ToNanoseconds() <= done.end_to_end.ToNanoseconds()
 
 

@@ -136,7 +136,7 @@ def test_least_in_flight_and_suspects() -> None:
     )
     now = 0.0
     placer._instances = tuple(KnownInstance(f"i{i}", f"http://h{i}") for i in range(3))
-    q = PlacementQuery("r", 10, 1, [], "")
+    q = PlacementQuery("r", 10, 1, b"", "")
     placer.begin("i0")
     placer.begin("i1")
     assert placer.fallback(q, "timeout").instance_id == "i2"
@@ -155,7 +155,7 @@ def test_the_fallback_keeps_a_session_where_the_conductor_last_placed_it() -> No
     client: Any = _NoClient()
     placer = Placer(client, RouterMetrics(), timeout_s=0.1, refresh_s=1.0)
     placer._instances = tuple(KnownInstance(f"i{i}", f"http://h{i}") for i in range(4))
-    q = PlacementQuery("r", 10, 1, [], "tenant/s")
+    q = PlacementQuery("r", 10, 1, b"", "tenant/s")
     hashed = placer.fallback(q, "timeout")
     assert hashed.rule == "fallback_session_hash"
     bound = next(i.instance_id for i in placer._instances if i.instance_id != hashed.instance_id)

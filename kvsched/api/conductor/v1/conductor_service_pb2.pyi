@@ -395,12 +395,18 @@ class BlocksStored(_message.Message):
     PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """Hash of the block the chain continues; absent for a chain from the root."""
     tier: _common_pb2.Tier.ValueType
     """Where the blocks are."""
     session_id: _builtins.str
     """Session the blocks belong to, when the engine says."""
+    packed_block_hashes: _builtins.bytes
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
+    (read without a message object per hash). Set at most one of the two: both is
+    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Our chained hashes of the stored blocks, parent first."""
@@ -412,10 +418,11 @@ class BlocksStored(_message.Message):
         parent_block_hash: _builtins.int | None = ...,
         tier: _common_pb2.Tier.ValueType = ...,
         session_id: _builtins.str = ...,
+        packed_block_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "parent_block_hash", b"parent_block_hash", "session_id", b"session_id", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "packed_block_hashes", b"packed_block_hashes", "parent_block_hash", b"parent_block_hash", "session_id", b"session_id", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parent_block_hash: _TypeAlias = _typing.Literal["parent_block_hash"]  # noqa: Y015
     _WhichOneofArgType__parent_block_hash: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash"]  # noqa: Y015
@@ -431,8 +438,14 @@ class BlocksRemoved(_message.Message):
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     tier: _common_pb2.Tier.ValueType
     """Where they were."""
+    packed_block_hashes: _builtins.bytes
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
+    (read without a message object per hash). Set at most one of the two: both is
+    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Hashes of the removed blocks (their descendants go too)."""
@@ -442,10 +455,11 @@ class BlocksRemoved(_message.Message):
         *,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         tier: _common_pb2.Tier.ValueType = ...,
+        packed_block_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "packed_block_hashes", b"packed_block_hashes", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -708,6 +722,7 @@ class ScheduleRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     EXPLAIN_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's identifier; also the idempotency key: a retry with the same id gets the same
     decision without a second placement.
@@ -720,6 +735,11 @@ class ScheduleRequest(_message.Message):
     """Session the request belongs to; empty for none."""
     explain: _builtins.bool
     """Include every candidate's cost terms in the decision."""
+    packed_block_hashes: _builtins.bytes
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
+    (read without a message object per hash). Set at most one of the two: both is
+    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Chained hashes of the prompt's full blocks (tenant-salted by the Router)."""
@@ -741,10 +761,11 @@ class ScheduleRequest(_message.Message):
         session_id: _builtins.str = ...,
         explain: _builtins.bool = ...,
         queued: _duration_pb2.Duration | None = ...,
+        packed_block_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1068,6 +1089,7 @@ class FinishRequest(_message.Message):
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     END_TO_END_FIELD_NUMBER: _builtins.int
     OK_FIELD_NUMBER: _builtins.int
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     session_id: _builtins.str
@@ -1084,6 +1106,11 @@ class FinishRequest(_message.Message):
     """Prompt tokens the engine found cached."""
     ok: _builtins.bool
     """False when the request failed or was cancelled."""
+    packed_block_hashes: _builtins.bytes
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
+    (read without a message object per hash). Set at most one of the two: both is
+    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's block hashes (the session's context for migration planning)."""
@@ -1110,10 +1137,11 @@ class FinishRequest(_message.Message):
         time_to_first_token: _duration_pb2.Duration | None = ...,
         end_to_end: _duration_pb2.Duration | None = ...,
         ok: _builtins.bool = ...,
+        packed_block_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_to_end", b"end_to_end", "time_to_first_token", b"time_to_first_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cached_tokens", b"cached_tokens", "decode_instance_id", b"decode_instance_id", "end_to_end", b"end_to_end", "instance_id", b"instance_id", "ok", b"ok", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "session_id", b"session_id", "time_to_first_token", b"time_to_first_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cached_tokens", b"cached_tokens", "decode_instance_id", b"decode_instance_id", "end_to_end", b"end_to_end", "instance_id", b"instance_id", "ok", b"ok", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "session_id", b"session_id", "time_to_first_token", b"time_to_first_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1491,12 +1519,17 @@ class ExplainRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Prompt length in tokens; 0 takes the length the hashes or tokens imply."""
     output_tokens: _builtins.int
     """Expected output tokens."""
     session_id: _builtins.str
     """Session, to see affinity and migration rules."""
+    packed_block_hashes: _builtins.bytes
+    """The hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes` (and
+    not with it, nor with `token_ids`).
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Chained block hashes of the prompt; or"""
@@ -1513,10 +1546,11 @@ class ExplainRequest(_message.Message):
         prompt_tokens: _builtins.int = ...,
         output_tokens: _builtins.int = ...,
         session_id: _builtins.str = ...,
+        packed_block_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
