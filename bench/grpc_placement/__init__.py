@@ -17,6 +17,14 @@ random part of an indexed chain, then new blocks; every fourth request in one of
   every request is rejected);
 * S streams: --streams ScheduleStreams of K in flight each, from the same client.
 
+With `--hashes repeated,packed` (the default) each phase runs twice, its requests (and their
+Finish) carrying their hashes as the repeated `block_hashes` and as `packed_block_hashes`,
+on fresh requests drawn alike, the two forms' order alternating from phase to phase; a table
+sets each phase's packed run against its repeated run. `--rounds R` runs every timed phase R
+times (all phases in turn, then again; the forms' order alternating by round too) and pools
+each phase's rounds in one row: the two forms then share the machine's drifting load alike.
+The replay is exact only for a sequential phase run before any streamed one.
+
 Latency is send to answer per decision; decisions/s is decisions over the phase's wall time
 (unary: 1 / mean Schedule latency). The baseline is the same decisions in process: after the
 gRPC phases the client replays its own log (every placement, finish and load report in the
@@ -33,7 +41,8 @@ ones, so agreement there only says how far they drifted.
 Client and Conductor run as separate processes sharing the machine's cores (with etcd).
 
     .venv/bin/python -m bench.grpc_placement [--quick] [--policy elastic,cache_aware]
-        [--requests 1000] [--concurrency 16] [--streams 4] [--profile DIR]
+        [--requests 1000] [--concurrency 16] [--streams 4] [--hashes repeated,packed]
+        [--rounds 1] [--profile DIR]
 
 --profile DIR attaches py-spy (`pip install py-spy`) to the Conductor for the unary and the
 stream K phases of each policy, writes the folded stacks there and prints where the GIL

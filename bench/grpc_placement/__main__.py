@@ -19,7 +19,7 @@ from bench.grpc_placement.baseline import baseline
 from bench.grpc_placement.measure import Plan, measure
 from bench.grpc_placement.report import print_policy, verdicts
 from bench.grpc_placement.results import ModeResult
-from bench.grpc_placement.workload import BLOCK, SESSIONS, build_workload
+from bench.grpc_placement.workload import BLOCK, HASH_FORMS, SESSIONS, build_workload
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -48,6 +48,18 @@ def main() -> None:
         default=0.5,
         help="share of indexed chains under the shared system prefix (bench.placement: 0.5)",
     )
+    parser.add_argument(
+        "--hashes",
+        default=",".join(HASH_FORMS),
+        help="how requests carry their block hashes, comma-separated: repeated (block_hashes), "
+        "packed (packed_block_hashes); with both, each phase runs once in each",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times each timed phase runs (interleaved with the others), pooled in its row",
+    )
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--profile", type=Path, help="py-spy the Conductor into this folder")
     args = parser.parse_args()
@@ -59,6 +71,9 @@ def main() -> None:
             parser.error("--profile needs py-spy: .venv/bin/pip install py-spy")
         args.profile.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    forms = tuple(dict.fromkeys(f.strip() for f in args.hashes.split(",") if f.strip()))
+    if not forms or any(f not in HASH_FORMS for f in forms):
+        parser.error(f"--hashes takes {' and/or '.join(HASH_FORMS)}")
     started = time.perf_counter()
     work = build_workload(
         args.instances,
@@ -68,7 +83,9 @@ def main() -> None:
         seed=args.seed,
         share=args.system_share,
     )
-    plan = Plan(args.warmup, args.requests, args.concurrency, args.streams)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    plan = Plan(args.warmup, args.requests, args.concurrency, args.streams, forms, args.rounds)
     cores = os.cpu_count() or 1
     print(
         f"{args.instances} instances, {work.blocks:,} indexed blocks in {len(work.batches)} "
@@ -95,7 +112,9 @@ def main() -> None:
         "in-process rate. srv place: the Conductor's own decision_seconds histogram. "
         "agree: same instance as in process. rebinds: decisions that waited for etcd "
         "(their session's binding changed), with the gRPC latency p50 of those and of the "
-        "others."
+        "others. packed vs repeated: each phase run with the hashes as packed_block_hashes "
+        "and as block_hashes (their Finish too), on the same Conductor, the order alternating "
+        "phase by phase; x: packed over repeated."
     )
     print(f"wall time {time.perf_counter() - started:.0f} s")
     flags = " ".join(a for a in sys.argv[1:])

@@ -71,8 +71,9 @@ def print_profile(res: ModeResult) -> None:
         return
     rows = profile_summary(res.profile)
     total = sum(n for _, n in rows)
-    n = max(len(res.latencies), 1)
-    busy = total / PROFILE_HZ / res.wall_s if res.wall_s else 0.0
+    decisions, wall_s = res.profile_span  # (one round of a phase run in several)
+    n = max(decisions, 1)
+    busy = total / PROFILE_HZ / wall_s if wall_s else 0.0
     print(
         f"\nConductor profile, {res.name} (py-spy --gil {PROFILE_HZ} Hz, {res.profile}): "
         f"the GIL was held {busy:.0%} of the phase, {total / PROFILE_HZ / n * 1e3:.2f} ms per "

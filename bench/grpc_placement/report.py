@@ -8,6 +8,7 @@ from bench.grpc_placement.results import ModeResult
 
 GOAL_P99_MS = 1.0
 GOAL_RATE = 10_000.0
+W = 31  # the mode column's width
 
 
 def _p50(values: list[float]) -> str:
@@ -25,7 +26,7 @@ def print_policy(policy: str, results: list[ModeResult], info: dict[str, float])
         f"{info['server_rss_mb']:.0f} MB after load, {info['server_rss_end_mb']:.0f} MB at the end"
     )
     head = (
-        f"{'mode':<24} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'decisions/s':>11} "
+        f"{'mode':<{W}} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'decisions/s':>11} "
         f"{'p50 x':>6} {'p99 x':>6} {'rate x':>6}"
     )
     print(head)
@@ -35,34 +36,65 @@ def print_policy(policy: str, results: list[ModeResult], info: dict[str, float])
             continue
         b50, b99 = percentile(r.base_latencies, 50), percentile(r.base_latencies, 99)
         print(
-            f"{'  in-process, same':<24} {len(r.base_latencies):>5} {ms(b50):>8} {ms(b99):>8} "
+            f"{'  in-process, same':<{W}} {len(r.base_latencies):>5} {ms(b50):>8} {ms(b99):>8} "
             f"{r.base_rate:>11,.0f} {1.0:>6.2f} {1.0:>6.2f} {1.0:>6.2f}"
         )
         p50, p99 = percentile(r.latencies, 50), percentile(r.latencies, 99)
         print(
-            f"{r.name:<24} {len(r.latencies):>5} {ms(p50):>8} {ms(p99):>8} {r.rate:>11,.0f} "
+            f"{r.name:<{W}} {len(r.latencies):>5} {ms(p50):>8} {ms(p99):>8} {r.rate:>11,.0f} "
             f"{p50 / b50:>6.1f} {p99 / b99:>6.1f} {r.rate / r.base_rate:>6.2f}"
         )
+    print_forms(results)
     for r in results:
         print_profile(r)
     print(
-        f"\n{'mode':<24} {'srv CPU':>8} {'srv place':>9} {'in-proc':>8} {'client CPU':>10} "
+        f"\n{'mode':<{W}} {'srv CPU':>8} {'srv place':>9} {'in-proc':>8} {'client CPU':>10} "
         f"{'etcd CPU':>8} {'agree':>6} {'rejected':>8} {'errors':>6} {'rebinds':>7} "
         f"{'rebind p50':>10} {'others p50':>10}"
     )
-    print(f"{'(mean per decision)':<24} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>10} {'ms':>8}")
+    print(f"{'(mean per decision)':<{W}} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>10} {'ms':>8}")
     for r in results:
         if r.name.startswith("warm"):
             continue
         n = max(len(r.latencies), 1)
         base_mean = sum(r.base_latencies) / max(len(r.base_latencies), 1)
         print(
-            f"{r.name:<24} {r.server_cpu_s / n * 1e3:>8.3f} {r.server_place_s / n * 1e3:>9.3f} "
+            f"{r.name:<{W}} {r.server_cpu_s / n * 1e3:>8.3f} {r.server_place_s / n * 1e3:>9.3f} "
             f"{base_mean * 1e3:>8.3f} {r.client_cpu_s / n * 1e3:>10.3f} "
             f"{r.etcd_cpu_s / n * 1e3:>8.3f} "
             f"{r.agree / n:>6.0%} {r.rejected:>8} {r.errors:>6} {r.rebinds:>7} "
             f"{_p50([v for k, v in r.by_id.items() if k in r.rebound_ids]):>10} "
             f"{_p50([v for k, v in r.by_id.items() if k not in r.rebound_ids]):>10}"
+        )
+
+
+def print_forms(results: list[ModeResult]) -> None:
+    """Each phase's packed-hash run against its repeated-hash run (the baseline), when the
+    run measured both."""
+    pairs: dict[str, dict[str, ModeResult]] = {}
+    for r in results:
+        if not r.name.startswith("warm"):
+            pairs.setdefault(r.name.rpartition(", ")[0], {})[r.form] = r
+    rows = [(name, p["repeated"], p["packed"]) for name, p in pairs.items() if len(p) == 2]
+    if not rows:
+        return
+    print(
+        f"\n{'packed vs repeated hashes':<{W}} {'p50 ms':>15} {'p99 ms':>15} "
+        f"{'decisions/s':>15} {'srv CPU ms':>13} {'srv place ms':>13} {'p50 x':>6} "
+        f"{'p99 x':>6} {'rate x':>6} {'CPU x':>6} {'place x':>7}"
+    )
+    print(f"{'(repeated / packed)':<{W}}")
+    for name, rep, packed in rows:
+        (r50, r99), (p50, p99) = (
+            (percentile(r.latencies, 50), percentile(r.latencies, 99)) for r in (rep, packed)
+        )
+        rcpu, pcpu = (r.server_cpu_s / max(len(r.latencies), 1) for r in (rep, packed))
+        rplace, pplace = (r.server_place_s / max(len(r.latencies), 1) for r in (rep, packed))
+        print(
+            f"{name:<{W}} {ms(r50):>7}/{ms(p50):<7} {ms(r99):>7}/{ms(p99):<7} "
+            f"{rep.rate:>7,.0f}/{packed.rate:<7,.0f} {ms(rcpu):>6}/{ms(pcpu):<6} "
+            f"{ms(rplace):>6}/{ms(pplace):<6} {p50 / r50:>6.2f} {p99 / r99:>6.2f} "
+            f"{packed.rate / rep.rate:>6.2f} {pcpu / rcpu:>6.2f} {pplace / rplace:>7.2f}"
         )
 
 

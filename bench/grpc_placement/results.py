@@ -41,3 +41,31 @@ class ModeResult:
     rebound_ids: set[str] = field(default_factory=set)
     by_id: dict[str, float] = field(default_factory=dict)  # request id -> gRPC latency
     profile: Path | None = None
+    profile_span: tuple[int, float] = (0, 0.0)  # decisions and wall seconds it covers
+    form: str = "repeated"  # how its requests carried their hashes (workload.HASH_FORMS)
+    unary: bool = False  # Schedule calls one at a time (else placement streams)
+
+
+def pooled(results: list[ModeResult]) -> list[ModeResult]:
+    """One result per phase name, in first-run order: a phase run in several rounds gets its
+    rounds' latencies, answers, counts and times together, its rate over their sum."""
+    out: dict[str, ModeResult] = {}
+    for r in results:
+        into = out.get(r.name)
+        if into is None:
+            out[r.name] = r
+            continue
+        into.requests += r.requests
+        into.latencies += r.latencies
+        into.wall_s += r.wall_s
+        into.answers.update(r.answers)
+        into.by_id.update(r.by_id)
+        into.rejected += r.rejected
+        into.errors += r.errors
+        into.server_cpu_s += r.server_cpu_s
+        into.client_cpu_s += r.client_cpu_s
+        into.etcd_cpu_s += r.etcd_cpu_s
+        into.server_place_s += r.server_place_s
+        # (as each phase measures it: unary one call at a time, streams over their wall time)
+        into.rate = len(into.latencies) / (sum(into.latencies) if into.unary else into.wall_s)
+    return list(out.values())

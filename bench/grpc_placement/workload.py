@@ -8,6 +8,7 @@ import re
 from array import array
 from dataclasses import dataclass
 
+from clients.python.packed_hashes import pack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common import durations
@@ -90,10 +91,14 @@ def build_workload(
     return Workload(n, prompt_tokens, chains, batches, loads, stored)
 
 
+HASH_FORMS = ("repeated", "packed")  # block_hashes, or packed_block_hashes
+
+
 def make_requests(
-    work: Workload, count: int, tag: str, rng: random.Random
+    work: Workload, count: int, tag: str, rng: random.Random, form: str = "repeated"
 ) -> list[pb.ScheduleRequest]:
-    """Like bench.placement.requests: a random part of an indexed chain, then new blocks."""
+    """Like bench.placement.requests: a random part of an indexed chain, then new blocks;
+    their hashes in `form` (HASH_FORMS)."""
     total = work.prompt_tokens // BLOCK
     out = []
     for i in range(count):
@@ -105,8 +110,11 @@ def make_requests(
             output_tokens=OUTPUT_TOKENS,
             session_id=f"s{rng.randrange(SESSIONS)}" if i % 4 == 0 else "",
         )
-        req.block_hashes.extend(shared)
-        req.block_hashes.extend(tail)
+        if form == "packed":
+            req.packed_block_hashes = pack_hashes([*shared, *tail])
+        else:
+            req.block_hashes.extend(shared)
+            req.block_hashes.extend(tail)
         out.append(req)
     return out
 
@@ -125,7 +133,8 @@ def finish_message(req: pb.ScheduleRequest, decision: pb.Decision) -> pb.FinishR
         ok=True,
     )
     if req.session_id:  # the session's context, for the policy's migration planning
-        msg.block_hashes.extend(req.block_hashes)
+        msg.block_hashes.extend(req.block_hashes)  # in the request's form: one is empty
+        msg.packed_block_hashes = req.packed_block_hashes
     return msg
 
 
