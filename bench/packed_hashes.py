@@ -14,7 +14,7 @@ on the same hashes, at both ends of a placement.
 
 Prints the median time per call of each (--repeats calls of each form, timed in blocks of 50,
 the two forms' blocks interleaved),
-the ratio packed / repeated, and both messages' sizes. The last 256 results of each are kept
+the ratio packed / repeated, and both messages' sizes. The last 64 results of each are kept
 alive, as the Conductor's index keeps the hashes it is given: otherwise each call would reuse
 the memory of the ints the previous one freed, which the Conductor does not.
 """
@@ -22,6 +22,7 @@ the memory of the ints the previous one freed, which the Conductor does not.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -34,7 +35,7 @@ from services.conductor import convert
 
 BLOCK = 16
 CHUNK = 50  # calls timed together (one call is a few µs: the clock's own cost would show)
-KEPT = 256  # results kept alive (see the docstring)
+KEPT = 64  # results kept alive (see the docstring)
 
 
 def median_calls_s(runs: tuple[Callable[[], object], ...], repeats: int) -> list[float]:
@@ -46,7 +47,21 @@ def median_calls_s(runs: tuple[Callable[[], object], ...], repeats: int) -> list
         for _ in range(KEPT):
             ring.append(run())  # warm, and the ring full
     times: list[list[float]] = [[] for _ in runs]
-    for block in range(max(repeats // CHUNK, 1)):
+    gc.disable()  # as timeit does: a collection would land in whichever block it fell in
+    try:
+        _timed_blocks(runs, kept, times, max(repeats // CHUNK, 1))
+    finally:
+        gc.enable()
+    return [statistics.median(t) for t in times]
+
+
+def _timed_blocks(
+    runs: tuple[Callable[[], object], ...],
+    kept: list[deque[object]],
+    times: list[list[float]],
+    blocks: int,
+) -> None:
+    for block in range(blocks):
         order = range(len(runs)) if block % 2 == 0 else reversed(range(len(runs)))
         for i in order:
             run, ring = runs[i], kept[i]
@@ -54,7 +69,6 @@ def median_calls_s(runs: tuple[Callable[[], object], ...], repeats: int) -> list
             for _ in range(CHUNK):
                 ring.append(run())
             times[i].append((time.perf_counter() - started) / CHUNK)
-    return [statistics.median(t) for t in times]
 
 
 def _request(hashes: list[int], *, packed: bool) -> pb.ScheduleRequest:
