@@ -2,9 +2,10 @@
 each, one after the other.
 
 The same bytes as the repeated `block_hashes` field's payload on the wire, but a reader gets
-them as one `bytes` object: `unpack_hashes` turns 2,048 of them into Python ints in one C
-loop (about 3× faster than copying them out of the repeated field), and `hash_count` needs
-no int at all.
+them as one `bytes` object: `hash_count` checks them without a single int, `unpack_hashes`
+turns them into Python ints in one C loop (0.65-0.85× the time of copying them out of the
+repeated field, `bench.packed_hashes`), and `pack_hashes` writes them in one (0.6× the
+repeated field's).
 """
 
 from __future__ import annotations

@@ -114,13 +114,19 @@ func TestLiveConductorsRegisterScheduleFollowTheLeaderAndReject(t *testing.T) {
 			BlockHashes: hashes, Tier: commonv1.Tier_TIER_GPU,
 		}},
 	})
-	schedule := func(id string) (*conductorv1.Decision, error) {
-		return client.Schedule(ctx, &conductorv1.ScheduleRequest{
-			RequestId: id, PromptTokens: 2*liveBlockSize + 3, OutputTokens: 8,
-			BlockHashes: hashes, SessionId: "go-session",
-		})
+	// The first placement sends them packed, the second as the repeated field.
+	schedule := func(id string, packed bool) (*conductorv1.Decision, error) {
+		request := &conductorv1.ScheduleRequest{
+			RequestId: id, PromptTokens: 2*liveBlockSize + 3, OutputTokens: 8, SessionId: "go-session",
+		}
+		if packed {
+			request.PackedBlockHashes = kvsched.PackHashes(hashes)
+		} else {
+			request.BlockHashes = hashes
+		}
+		return client.Schedule(ctx, request)
 	}
-	decision, err := schedule("go-1")
+	decision, err := schedule("go-1", true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +146,7 @@ func TestLiveConductorsRegisterScheduleFollowTheLeaderAndReject(t *testing.T) {
 		t.Fatalf("stopping the leader answered %d %q; the client believed %s leads", answer.StatusCode, stopped, leader)
 	}
 	stoppedAt := time.Now()
-	decision, err = schedule("go-2")
+	decision, err = schedule("go-2", false)
 	followed := time.Since(stoppedAt)
 	if err != nil {
 		t.Fatal(err)

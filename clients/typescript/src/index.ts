@@ -23,7 +23,16 @@ export {
   Unavailable,
 } from "./errors.js";
 export { LeaderFinder } from "./leader.js";
-export { badHash, blockHash, duration, milliseconds, U64_MAX } from "./values.js";
+export {
+  badHash,
+  blockHash,
+  duration,
+  HASH_BYTES,
+  milliseconds,
+  packHashes,
+  U64_MAX,
+  unpackHashes,
+} from "./values.js";
 export * as common from "./gen/kvsched/common/v1/common_pb.js";
 export * as conductor from "./gen/kvsched/conductor/v1/conductor_service_pb.js";
 export * as messenger from "./gen/kvsched/messenger/v1/messenger_service_pb.js";

@@ -26,6 +26,7 @@ import {
   ConductorClient,
   duration,
   milliseconds,
+  packHashes,
   Rejected,
   type TlsOptions,
 } from "../src/index.js";
@@ -114,7 +115,14 @@ test(
         });
         assert.equal(published.nextSequence, sequences.get(holder)! + 1n);
         sequences.set(holder, published.nextSequence);
-        const decision = await router.schedule({ ...prompt, sessionId: `ts-${run}` });
+        // The hashes packed (later placements send the repeated field): every block a hit
+        // only if they arrived intact.
+        const decision = await router.schedule({
+          promptTokens: prompt.promptTokens,
+          outputTokens: prompt.outputTokens,
+          packedBlockHashes: packHashes(HIGH_HASHES),
+          sessionId: `ts-${run}`,
+        });
         assert.equal(decision.instanceId, holder, "placed where the blocks are");
         assert.equal(decision.cachedTokens, HIGH_HASHES.length * blockTokens, "every block hit");
         assert.match(decision.requestId, /^[0-9a-f]{32}$/, "a fresh idempotency key");

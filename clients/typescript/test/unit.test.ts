@@ -21,9 +21,11 @@ import {
   InvalidRequest,
   milliseconds,
   normalizeAddress,
+  packHashes,
   Rejected,
   U64_MAX,
   Unavailable,
+  unpackHashes,
 } from "../src/index.js";
 import { FakeConductor } from "./fake.js";
 
@@ -53,6 +55,17 @@ describe("uint64 block hashes", () => {
       "0a017210212210fbffffffffffffff0100000000000080",
     );
     assert.deepEqual(fromBinary(conductor.ScheduleRequestSchema, bytes).blockHashes, HIGH);
+  });
+
+  test("pack little-endian as the Python client does, and read back", () => {
+    const packed = packHashes(HIGH);
+    // clients.python.pack_hashes(HIGH).hex()
+    assert.equal(Buffer.from(packed).toString("hex"), "fbffffffffffffff0100000000000080");
+    assert.deepEqual(unpackHashes(packed), HIGH);
+    assert.deepEqual(unpackHashes(packed.subarray(8)), [HIGH[1]]);
+    assert.equal(packHashes([]).length, 0);
+    assert.throws(() => packHashes([U64_MAX + 1n]), RangeError);
+    assert.throws(() => unpackHashes(new Uint8Array(9)), RangeError);
   });
 });
 
