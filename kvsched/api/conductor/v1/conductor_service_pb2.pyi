@@ -403,9 +403,9 @@ class BlocksStored(_message.Message):
     session_id: _builtins.str
     """Session the blocks belong to, when the engine says."""
     packed_block_hashes: _builtins.bytes
-    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-    (read without a message object per hash). Set at most one of the two: both is
-    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+    field, checked by its length before any hash is decoded. Set at most one of the two: both
+    is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -442,9 +442,9 @@ class BlocksRemoved(_message.Message):
     tier: _common_pb2.Tier.ValueType
     """Where they were."""
     packed_block_hashes: _builtins.bytes
-    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-    (read without a message object per hash). Set at most one of the two: both is
-    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+    field, checked by its length before any hash is decoded. Set at most one of the two: both
+    is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -736,9 +736,9 @@ class ScheduleRequest(_message.Message):
     explain: _builtins.bool
     """Include every candidate's cost terms in the decision."""
     packed_block_hashes: _builtins.bytes
-    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-    (read without a message object per hash). Set at most one of the two: both is
-    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+    field, checked by its length before any hash is decoded. Set at most one of the two: both
+    is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1107,9 +1107,9 @@ class FinishRequest(_message.Message):
     ok: _builtins.bool
     """False when the request failed or was cancelled."""
     packed_block_hashes: _builtins.bytes
-    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-    (read without a message object per hash). Set at most one of the two: both is
-    INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+    field, checked by its length before any hash is decoded. Set at most one of the two: both
+    is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -827,9 +827,9 @@ type BlocksStored struct {
 	Tier v1.Tier `protobuf:"varint,3,opt,name=tier,proto3,enum=kvsched.common.v1.Tier" json:"tier,omitempty"`
 	// Session the blocks belong to, when the engine says.
 	SessionId string `protobuf:"bytes,4,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
-	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-	// (read without a message object per hash). Set at most one of the two: both is
-	// INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+	// field, checked by its length before any hash is decoded. Set at most one of the two: both
+	// is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
 	PackedBlockHashes []byte `protobuf:"bytes,5,opt,name=packed_block_hashes,json=packedBlockHashes,proto3" json:"packed_block_hashes,omitempty"`
 }
 
@@ -910,9 +910,9 @@ type BlocksRemoved struct {
 	BlockHashes []uint64 `protobuf:"fixed64,1,rep,packed,name=block_hashes,json=blockHashes,proto3" json:"block_hashes,omitempty"`
 	// Where they were.
 	Tier v1.Tier `protobuf:"varint,2,opt,name=tier,proto3,enum=kvsched.common.v1.Tier" json:"tier,omitempty"`
-	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-	// (read without a message object per hash). Set at most one of the two: both is
-	// INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+	// field, checked by its length before any hash is decoded. Set at most one of the two: both
+	// is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
 	PackedBlockHashes []byte `protobuf:"bytes,3,opt,name=packed_block_hashes,json=packedBlockHashes,proto3" json:"packed_block_hashes,omitempty"`
 }
 
@@ -1499,9 +1499,9 @@ type ScheduleRequest struct {
 	// tokenizing, queueing): SLO admission counts it against the time-to-first-token
 	// objective, which the client measures from its own send. Unset: none.
 	Queued *durationpb.Duration `protobuf:"bytes,7,opt,name=queued,proto3" json:"queued,omitempty"`
-	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-	// (read without a message object per hash). Set at most one of the two: both is
-	// INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+	// field, checked by its length before any hash is decoded. Set at most one of the two: both
+	// is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
 	PackedBlockHashes []byte `protobuf:"bytes,8,opt,name=packed_block_hashes,json=packedBlockHashes,proto3" json:"packed_block_hashes,omitempty"`
 }
 
@@ -2241,9 +2241,9 @@ type FinishRequest struct {
 	EndToEnd *durationpb.Duration `protobuf:"bytes,10,opt,name=end_to_end,json=endToEnd,proto3" json:"end_to_end,omitempty"`
 	// False when the request failed or was cancelled.
 	Ok bool `protobuf:"varint,11,opt,name=ok,proto3" json:"ok,omitempty"`
-	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-	// (read without a message object per hash). Set at most one of the two: both is
-	// INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+	// The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+	// field, checked by its length before any hash is decoded. Set at most one of the two: both
+	// is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
 	PackedBlockHashes []byte `protobuf:"bytes,12,opt,name=packed_block_hashes,json=packedBlockHashes,proto3" json:"packed_block_hashes,omitempty"`
 }
 

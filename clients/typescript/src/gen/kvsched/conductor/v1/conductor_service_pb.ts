@@ -415,9 +415,9 @@ export type BlocksStored = Message<"kvsched.conductor.v1.BlocksStored"> & {
   sessionId: string;
 
   /**
-   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-   * (read without a message object per hash). Set at most one of the two: both is
-   * INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+   * field, checked by its length before any hash is decoded. Set at most one of the two: both
+   * is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
    *
    * @generated from field: bytes packed_block_hashes = 5;
    */
@@ -452,9 +452,9 @@ export type BlocksRemoved = Message<"kvsched.conductor.v1.BlocksRemoved"> & {
   tier: Tier;
 
   /**
-   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-   * (read without a message object per hash). Set at most one of the two: both is
-   * INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+   * field, checked by its length before any hash is decoded. Set at most one of the two: both
+   * is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
    *
    * @generated from field: bytes packed_block_hashes = 3;
    */
@@ -770,9 +770,9 @@ export type ScheduleRequest = Message<"kvsched.conductor.v1.ScheduleRequest"> & 
   queued?: Duration | undefined;
 
   /**
-   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-   * (read without a message object per hash). Set at most one of the two: both is
-   * INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+   * field, checked by its length before any hash is decoded. Set at most one of the two: both
+   * is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
    *
    * @generated from field: bytes packed_block_hashes = 8;
    */
@@ -1200,9 +1200,9 @@ export type FinishRequest = Message<"kvsched.conductor.v1.FinishRequest"> & {
   ok: boolean;
 
   /**
-   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`
-   * (read without a message object per hash). Set at most one of the two: both is
-   * INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+   * The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
+   * field, checked by its length before any hash is decoded. Set at most one of the two: both
+   * is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
    *
    * @generated from field: bytes packed_block_hashes = 12;
    */
