@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -12,3 +13,11 @@ def percentile(values: list[float], q: float) -> float:
     """The q-th percentile of `values` (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(int(q / 100 * len(ordered)), len(ordered) - 1)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a process (all its threads) has used so far, from
+    /proc/<pid>/stat (utime and stime, fields 14 and 15, in clock ticks)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -1,17 +1,28 @@
-"""Router benchmarks on a live local cluster (`kvsched up`'s processes, started here):
+"""kvsched's Router side by side with vLLM's and SGLang's Rust routers (`bench.peer_routers`)
+and direct calls, in front of the same simulated engines, interleaved round by round in one run:
 
-1. overhead: time to first token through a Router against straight to the engine, requests
-   one at a time and interleaved, so both see the same engine and machine (goal: p50 added
-   ≤ 1 ms);
-2. throughput: requests per second from concurrent closed-loop clients, direct against one
-   Router against two Routers;
-3. streams: S streaming requests held open at once through one Router, against the same S
-   straight to the engine (goal: S ≥ 2,000 without an error).
+1. time to first token: requests one at a time, each target in turn (so all see the same
+   engines and machine), streamed (first chunk) and not (`max_tokens` 1: the whole answer is
+   the first token); reported as p50/p99 and added over direct;
+2. throughput: requests per second from 32 closed-loop streaming clients per target (kvsched
+   also with both its Routers), the order rotated each round, with the CPU seconds each
+   router process used per request (/proc/<pid>/stat utime+stime before and after; for
+   kvsched also its Conductor, Messenger and etcd, apart);
+3. cached share of prompt tokens on two multi-turn workloads (`bench.router_workloads`), each
+   router with its cache-aware policy (kvsched: `--policy`, elastic without SLO admission by
+   default; the peers:
+   `cache_aware`): roomy caches, and a shared prefix with engines short of memory
+   (`--short-capacity-blocks`, a second set of engines); direct calls there keep session i on
+   engine i mod n (a sticky client, for reference);
+4. streams: S streams held open at once through one kvsched Router against the same S straight
+   to an engine (goal: S >= 2,000 without an error).
 
 The engines run at `--time-scale` (default 0.001: a modelled GPU step takes microseconds), so
-the Router's own cost is not hidden behind the engine's.
+the routers' own cost is not hidden behind the engine's. kvsched runs as `bench.router` has
+always started it (etcd, a Conductor, two Routers, a Messenger, mutual TLS). The peers'
+virtual environments are created on first use (`out/bench-venvs/`, pip, network needed once).
 
-    .venv/bin/python -m bench.router [--quick] [--streams 2000]
+    .venv/bin/python -m bench.router [--quick] [--rounds 3] [--peers vllm-router,sglang-router]
 """
 
 from __future__ import annotations
@@ -19,213 +30,157 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
-import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.common import percentile
-from services.launcher.__main__ import demo_keys
-from services.launcher.plan import ClusterOptions, plan_cluster
-from services.launcher.supervisor import Supervisor
-
-
-async def ttft(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str) -> float:
-    """Seconds to the first streamed chunk; the stream is read to its end."""
-    start = time.perf_counter()
-    first = 0.0
-    async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if line.startswith(b"data: ") and not first:
-                first = time.perf_counter() - start
-    return first
-
-
-async def overhead(
-    http: aiohttp.ClientSession, router: str, engine: str, key: str, n: int
-) -> dict[str, float]:
-    direct, routed = [], []
-    for i in range(n):
-        body = {"prompt": f"overhead probe {i % 8} " * 24, "max_tokens": 4, "stream": True}
-        direct.append(await ttft(http, f"{engine}/v1/completions", body, key))
-        routed.append(await ttft(http, f"{router}/v1/completions", body, key))
-    d50, r50 = statistics.median(direct), statistics.median(routed)
-    return {
-        "direct_p50_ms": d50 * 1e3,
-        "router_p50_ms": r50 * 1e3,
-        "direct_p99_ms": percentile(direct, 99) * 1e3,
-        "router_p99_ms": percentile(routed, 99) * 1e3,
-        "added_p50_ms": (r50 - d50) * 1e3,
-        "ratio_p50": r50 / d50,
-    }
-
-
-async def throughput(
-    http: aiohttp.ClientSession, urls: list[str], key: str, clients: int, seconds: float
-) -> float:
-    """Completed requests per second from `clients` closed-loop clients spread over `urls`."""
-    done = 0
-    stop = time.perf_counter() + seconds
-
-    async def client(i: int) -> None:
-        nonlocal done
-        url = f"{urls[i % len(urls)]}/v1/completions"
-        body = {"prompt": f"throughput {i} " * 16, "max_tokens": 8, "stream": True}
-        while time.perf_counter() < stop:
-            await ttft(http, url, body, key)
-            done += 1
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(clients)))
-    return done / (time.perf_counter() - start)
-
-
-async def streams(
-    http: aiohttp.ClientSession, url: str, key: str, count: int, tokens: int
-) -> dict[str, float]:
-    """Open `count` streams at once and read them all to [DONE]; errors are counted."""
-    open_now = peak = errors = 0
-
-    async def one(i: int) -> None:
-        nonlocal open_now, peak, errors
-        body = {"prompt": f"stream {i}", "max_tokens": tokens, "stream": True}
-        last = b""
-        try:
-            async with http.post(
-                f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-            ) as resp:
-                open_now += 1
-                peak = max(peak, open_now)
-                try:
-                    if resp.status == 200:
-                        async for line in resp.content:
-                            if line.strip():
-                                last = line
-                finally:
-                    open_now -= 1
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        if last.strip() != b"data: [DONE]":
-            errors += 1
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(count)))
-    return {
-        "streams": count,
-        "errors": errors,
-        "peak_open": peak,
-        "seconds": time.perf_counter() - start,
-    }
+from bench.common import REPO
+from bench.peer_routers import PEERS, ensure_installed
+from bench.router_measures import cache_shares, first_token, streams, throughput, ttft_round
+from bench.router_report import print_report, summarize
+from bench.router_stack import KVSCHED_2, Stack
+from bench.router_workloads import ROOMY, SHARED_PREFIX
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything, in two stacks (roomy engines, then engines short of memory); every process
+    is stopped on the way out, on failure and Ctrl-C too."""
+    for name in args.peer_names:
+        ensure_installed(PEERS[name])
+    out: dict[str, Any] = {
+        "policy": args.policy,
+        "time_scale": args.time_scale,
+        "engines": args.engines,
+        "peers": {n: PEERS[n].version for n in args.peer_names},
+    }
+    scale = 0.25 if args.quick else 1.0
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
     with tempfile.TemporaryDirectory(prefix="kvsched-bench-") as tmp:
-        run_dir = Path(tmp)
-        key = demo_keys(run_dir / "api-keys.json")
-        opts = ClusterOptions(
-            routers=2,
-            nodes=1,
-            engines_per_node=1,
-            policy="cache_aware",
-            time_scale=args.time_scale,
-            engine_flags=(
-                "--max-running",
-                str(max(args.streams, 256)),
-                "--capacity-blocks",
-                "200000",
-            ),
-        )
-        plan = plan_cluster(opts, run_dir, run_dir / "api-keys.json", key)
-        sup = Supervisor(plan, run_dir / "logs")
-        try:
-            await sup.start()
-            routers = [c.endpoint["url"] for c in plan.stage("router")]
-            engine = plan.stage("engine")[0].endpoint["url"]
-            connector = aiohttp.TCPConnector(limit=0)
-            timeout = aiohttp.ClientTimeout(total=600)
-            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-                for _ in range(20):  # warm up connections, the tokenizer and the placement stream
-                    await ttft(
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            stack = Stack(args, Path(tmp) / "roomy", args.capacity_blocks)
+            try:
+                await stack.start(http)
+                targets = stack.targets()
+                for t in targets:  # warm up connections, tokenizers, placement streams
+                    for i in range(20):
+                        body = {
+                            "model": stack.model,
+                            "prompt": "warm",
+                            "max_tokens": 2,
+                            "stream": True,
+                        }
+                        await first_token(
+                            http, f"{t.urls[i % len(t.urls)]}/v1/completions", body, stack.key
+                        )
+                probes: dict[str, dict[str, list[float]]] = {}
+                runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+                single = [t for t in targets if t.name != KVSCHED_2]
+                for r in range(args.rounds):
+                    order = targets[r % len(targets) :] + targets[: r % len(targets)]
+                    got = await ttft_round(
                         http,
-                        f"{routers[0]}/v1/completions",
-                        {"prompt": "warm", "max_tokens": 2, "stream": True},
-                        key,
+                        [t for t in order if t in single],
+                        stack.model,
+                        stack.key,
+                        args.requests,
                     )
-                    await ttft(
-                        http,
-                        f"{routers[1]}/v1/completions",
-                        {"prompt": "warm", "max_tokens": 2, "stream": True},
-                        key,
+                    for name, modes in got.items():
+                        for mode, values in modes.items():
+                            probes.setdefault(name, {}).setdefault(mode, []).extend(values)
+                    for t in order:
+                        runs[t.name].append(
+                            await throughput(
+                                http,
+                                t,
+                                stack.model,
+                                stack.key,
+                                clients=args.clients,
+                                secs=args.seconds,
+                            )
+                        )
+                    stack.check()
+                out["probes_per_target"] = args.requests * args.rounds
+                out["rounds"] = runs
+                out["summary"] = summarize(probes, runs)
+                out["cache_share"] = {"roomy": await cache_shares(http, stack, ROOMY.scaled(scale))}
+                if args.streams:
+                    engine, router = stack.engines[0], targets[1].urls[0]
+                    out["streams_direct"] = await streams(
+                        http, engine, stack.key, args.streams, args.stream_tokens
                     )
-                out: dict[str, Any] = {
-                    "overhead": await overhead(http, routers[0], engine, key, args.requests)
-                }
-                secs = args.seconds
-                direct = await throughput(http, [engine], key, args.clients, secs)
-                one = await throughput(http, routers[:1], key, args.clients, secs)
-                two = await throughput(http, routers, key, args.clients, secs)
-                out["throughput"] = {
-                    "direct_rps": direct,
-                    "one_router_rps": one,
-                    "two_routers_rps": two,
-                    "one_router_over_direct": one / direct,
-                    "two_over_one_router": two / one,
-                }
-                out["streams_direct"] = await streams(
-                    http, engine, key, args.streams, args.stream_tokens
+                    out["streams_router"] = await streams(
+                        http, router, stack.key, args.streams, args.stream_tokens
+                    )
+            finally:
+                stack.stop()
+            short = Stack(args, Path(tmp) / "short", args.short_capacity_blocks)
+            try:
+                await short.start(http)
+                out["cache_share"]["shared_prefix_short_memory"] = await cache_shares(
+                    http, short, SHARED_PREFIX.scaled(scale)
                 )
-                out["streams_router"] = await streams(
-                    http, routers[0], key, args.streams, args.stream_tokens
-                )
-            return out
-        finally:
-            sup.stop()
+            finally:
+                short.stop()
+    return out
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="fewer requests, shorter runs (CI smoke)")
-    p.add_argument("--requests", type=int, default=400, help="overhead: request pairs")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--requests", type=int, default=100, help="TTFT probes a round, target, mode")
     p.add_argument("--clients", type=int, default=32, help="throughput: concurrent clients")
-    p.add_argument("--seconds", type=float, default=10.0, help="throughput: seconds per setup")
-    p.add_argument("--streams", type=int, default=2000, help="streams held open at once")
+    p.add_argument("--seconds", type=float, default=5.0, help="throughput: seconds a target")
+    p.add_argument("--streams", type=int, default=2000, help="streams held open (0: skip)")
     p.add_argument("--stream-tokens", type=int, default=1024, help="tokens per held stream")
     p.add_argument("--time-scale", type=float, default=0.001, help="engine wall s per model s")
-    args = p.parse_args()
+    p.add_argument("--engines", type=int, default=2, help="simulated engines")
+    # No SLO admission: at time scale 0.001 a millisecond the Router queues is a policy second
+    # (the Conductor counts a request's wait over the time scale), so a loaded Router's
+    # requests would be refused as late; the peers admit everything too.
+    p.add_argument("--policy", default="elastic:admission=false", help="kvsched's placement policy")
+    p.add_argument("--capacity-blocks", type=int, default=200_000, help="roomy engines' KV")
+    p.add_argument(
+        "--short-capacity-blocks",
+        type=int,
+        default=1_024,
+        help="KV blocks of each engine short of memory",
+    )
+    p.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"peers to run, comma-separated ('': none; {', '.join(PEERS)})",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=REPO / "out" / "bench" / "router.json",
+        help="where the results go",
+    )
+    args = p.parse_args(argv)
+    args.peer_names = [n for n in args.peers.split(",") if n]
+    unknown = [n for n in args.peer_names if n not in PEERS]
+    if unknown:
+        p.error(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
     if args.quick:
-        args.requests, args.seconds, args.streams, args.stream_tokens = 50, 2.0, 200, 16
+        args.rounds, args.requests, args.seconds = 1, 20, 2.0
+        args.streams, args.stream_tokens = min(args.streams, 200), 16
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     out = asyncio.run(run(args))
-    o, t = out["overhead"], out["throughput"]
-    print(f"overhead (TTFT, {args.requests} interleaved pairs):")
-    print(
-        f"  direct p50 {o['direct_p50_ms']:.2f} ms p99 {o['direct_p99_ms']:.2f} ms; "
-        f"router p50 {o['router_p50_ms']:.2f} ms p99 {o['router_p99_ms']:.2f} ms"
-    )
-    print(
-        f"  added p50 {o['added_p50_ms']:.2f} ms ({o['ratio_p50']:.2f}x direct; goal <= 1 ms added)"
-    )
-    print(f"throughput ({args.clients} closed-loop clients, {args.seconds:g} s each):")
-    print(
-        f"  direct {t['direct_rps']:.0f}/s, 1 router {t['one_router_rps']:.0f}/s "
-        f"({t['one_router_over_direct']:.2f}x direct), 2 routers {t['two_routers_rps']:.0f}/s "
-        f"({t['two_over_one_router']:.2f}x one)"
-    )
-    for name in ("streams_direct", "streams_router"):
-        s = out[name]
-        print(
-            f"{name}: {s['streams']} at once, {s['errors']} errors, "
-            f"peak open {s['peak_open']}, {s['seconds']:.1f} s"
-        )
-    ratio = out["streams_router"]["seconds"] / out["streams_direct"]["seconds"]
-    print(f"  router / direct time for the streams: {ratio:.2f}x")
-    print(json.dumps(out))
+    print_report(out, args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
+    print(f"results: {args.json}")
 
 
 if __name__ == "__main__":

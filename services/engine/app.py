@@ -1,5 +1,6 @@
 """The engine's HTTP API: vLLM's routes (`/v1/completions`, `/v1/chat/completions`,
-`/v1/models`, `/tokenize`, `/health`, `/metrics`) plus the JSON views a Messenger reads
+`/v1/models`, `/tokenize`, `/health`, `/metrics`), SGLang's `/server_info` and `/model_info`
+(what sglang-router reads to learn a worker's model), plus the JSON views a Messenger reads
 (`/kvsched/info`, `/kvsched/load`, `/kvsched/kv/snapshot`) and the step counters the load
 generator reads (`/kvsched/stats`). KV leaves and enters the engine only through its node's
 KV pool (`services.engine.pool_link`), as a vLLM engine's does through kvsched's connector.
@@ -79,6 +80,8 @@ class EngineApp:
                 web.get("/metrics", self.prometheus),
                 web.get("/load", self.server_load),
                 web.get("/kv_event_sources", self.kv_event_sources),
+                web.get("/server_info", self.server_info),
+                web.get("/model_info", self.model_info),
                 web.get("/kvsched/info", self.info),
                 web.get("/kvsched/load", self.load),
                 web.get("/kvsched/kv/snapshot", self.snapshot),
@@ -244,6 +247,41 @@ class EngineApp:
         source = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub.endpoint,
                   "replay_endpoint": pub.replay_endpoint, "topic": pub.topic.decode()}  # fmt: skip
         return web.json_response({"0": source})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's `/server_info`: the server's settings. sglang-router names a worker's model
+        after `served_model_name` (else `model_path`); without it, requests that name the model
+        find no worker."""
+        s, model = self.settings, self.live.model
+        return web.json_response(
+            {
+                "model_path": s.model,
+                "tokenizer_path": s.tokenizer,
+                "served_model_name": s.model,
+                "dp_size": 1,
+                "page_size": model.block_size,
+                "context_length": model.max_model_len,
+                "max_total_num_tokens": model.capacity_blocks * model.block_size,
+                "max_running_requests": s.max_running,
+                "chunked_prefill_size": s.chunk_tokens,
+                "version": "kvsched-sim",
+            }
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's `/model_info`: what the served model is (a text generator)."""
+        s = self.settings
+        return web.json_response(
+            {
+                "model_path": s.model,
+                "tokenizer_path": s.tokenizer,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
 
     async def load(self, request: web.Request) -> web.Response:
         """`Engine.report()`: the load a scheduler reads (seconds are model seconds)."""

@@ -236,3 +236,17 @@ async def test_kvsched_info_and_load(start_engine: Any) -> None:
     load = await eng.get_json("/kvsched/load")
     assert load == {"pending_prefill_tokens": 0, "pending_prefill_s": 0.0, "waiting": 0,
                     "running": 0, "decode_tokens": 0, "free_blocks": 500}  # fmt: skip
+
+
+async def test_sglang_server_and_model_info(start_engine: Any) -> None:
+    """What sglang-router reads when it registers a worker: the served name (else it routes
+    requests naming the model nowhere), the page size and the KV capacity."""
+    eng: RunningEngine = await start_engine(capacity_blocks=500, max_running=64)
+    server = await eng.get_json("/server_info")
+    assert server["served_model_name"] == MODEL and server["model_path"] == MODEL
+    assert server["dp_size"] == 1 and server["page_size"] == 16
+    assert server["max_total_num_tokens"] == 500 * 16 and server["max_running_requests"] == 64
+    assert server["context_length"] == 131_072
+    model = await eng.get_json("/model_info")
+    assert model["model_path"] == MODEL and model["is_generation"] is True
+    assert model["has_image_understanding"] is False
