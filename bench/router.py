@@ -15,7 +15,8 @@ and direct calls, in front of the same simulated engines, interleaved round by r
    (`--short-capacity-blocks`, a second set of engines); direct calls there keep session i on
    engine i mod n (a sticky client, for reference);
 4. streams: S streams held open at once through one kvsched Router against the same S straight
-   to an engine (goal: S >= 2,000 without an error).
+   to an engine (goal: S >= 2,000 without an error), opened `--stream-wave` at a time: a
+   burst of all S at once is shed by design beyond the Router's `--max-placing` (256).
 
 The engines run at `--time-scale` (default 0.001: a modelled GPU step takes microseconds), so
 the routers' own cost is not hidden behind the engine's. kvsched runs as `bench.router` has
@@ -45,6 +46,47 @@ from bench.router_stack import KVSCHED_2, Stack
 from bench.router_workloads import ROOMY, SHARED_PREFIX
 
 
+async def warm_up(http: aiohttp.ClientSession, stack: Stack) -> None:
+    """Connections, tokenizers and placement streams warm on every target."""
+    body = {"model": stack.model, "prompt": "warm", "max_tokens": 2, "stream": True}
+    for t in stack.targets():
+        for i in range(20):
+            await first_token(http, f"{t.urls[i % len(t.urls)]}/v1/completions", body, stack.key)
+
+
+async def speed_rounds(
+    http: aiohttp.ClientSession, stack: Stack, args: argparse.Namespace
+) -> dict[str, Any]:
+    """`args.rounds` rounds, the target order rotated each round: TTFT probes (the targets
+    taking turns request by request), then each target's throughput in turn."""
+    targets = stack.targets()
+    probes: dict[str, dict[str, list[float]]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+    for r in range(args.rounds):
+        order = targets[r % len(targets) :] + targets[: r % len(targets)]
+        single = [t for t in order if t.name != KVSCHED_2]  # one Router: the same as kvsched's
+        got = await ttft_round(http, single, stack.model, stack.key, args.requests)
+        for name, modes in got.items():
+            for mode, values in modes.items():
+                probes.setdefault(name, {}).setdefault(mode, []).extend(values)
+        for t in order:
+            runs[t.name].append(
+                await throughput(
+                    http, t, stack.model, stack.key, clients=args.clients, secs=args.seconds
+                )
+            )
+        stack.check()
+    return {
+        "probes_per_target": args.requests * args.rounds,
+        "summary": summarize(probes, runs),
+        "rounds": runs,
+        "probes_ms": {
+            name: {mode: [round(v * 1e3, 3) for v in values] for mode, values in modes.items()}
+            for name, modes in probes.items()
+        },
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Everything, in two stacks (roomy engines, then engines short of memory); every process
     is stopped on the way out, on failure and Ctrl-C too."""
@@ -64,57 +106,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stack = Stack(args, Path(tmp) / "roomy", args.capacity_blocks)
             try:
                 await stack.start(http)
-                targets = stack.targets()
-                for t in targets:  # warm up connections, tokenizers, placement streams
-                    for i in range(20):
-                        body = {
-                            "model": stack.model,
-                            "prompt": "warm",
-                            "max_tokens": 2,
-                            "stream": True,
-                        }
-                        await first_token(
-                            http, f"{t.urls[i % len(t.urls)]}/v1/completions", body, stack.key
-                        )
-                probes: dict[str, dict[str, list[float]]] = {}
-                runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
-                single = [t for t in targets if t.name != KVSCHED_2]
-                for r in range(args.rounds):
-                    order = targets[r % len(targets) :] + targets[: r % len(targets)]
-                    got = await ttft_round(
-                        http,
-                        [t for t in order if t in single],
-                        stack.model,
-                        stack.key,
-                        args.requests,
-                    )
-                    for name, modes in got.items():
-                        for mode, values in modes.items():
-                            probes.setdefault(name, {}).setdefault(mode, []).extend(values)
-                    for t in order:
-                        runs[t.name].append(
-                            await throughput(
-                                http,
-                                t,
-                                stack.model,
-                                stack.key,
-                                clients=args.clients,
-                                secs=args.seconds,
-                            )
-                        )
-                    stack.check()
-                out["probes_per_target"] = args.requests * args.rounds
-                out["rounds"] = runs
-                out["summary"] = summarize(probes, runs)
+                await warm_up(http, stack)
+                out |= await speed_rounds(http, stack, args)
                 out["cache_share"] = {"roomy": await cache_shares(http, stack, ROOMY.scaled(scale))}
                 if args.streams:
-                    engine, router = stack.engines[0], targets[1].urls[0]
-                    out["streams_direct"] = await streams(
-                        http, engine, stack.key, args.streams, args.stream_tokens
-                    )
-                    out["streams_router"] = await streams(
-                        http, router, stack.key, args.streams, args.stream_tokens
-                    )
+                    engine, router = stack.engines[0], stack.targets()[1].urls[0]
+                    for name, url in (("streams_direct", engine), ("streams_router", router)):
+                        out[name] = await streams(
+                            http,
+                            url,
+                            stack.key,
+                            args.streams,
+                            args.stream_tokens,
+                            wave=args.stream_wave,
+                        )
             finally:
                 stack.stop()
             short = Stack(args, Path(tmp) / "short", args.short_capacity_blocks)
@@ -138,6 +143,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=32, help="throughput: concurrent clients")
     p.add_argument("--seconds", type=float, default=5.0, help="throughput: seconds a target")
     p.add_argument("--streams", type=int, default=2000, help="streams held open (0: skip)")
+    p.add_argument(
+        "--stream-wave",
+        type=int,
+        default=128,
+        help="streams opened at once (the Router's --max-placing is 256)",
+    )
     p.add_argument("--stream-tokens", type=int, default=1024, help="tokens per held stream")
     p.add_argument("--time-scale", type=float, default=0.001, help="engine wall s per model s")
     p.add_argument("--engines", type=int, default=2, help="simulated engines")

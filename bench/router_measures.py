@@ -88,15 +88,18 @@ async def throughput(
 
 
 async def streams(
-    http: aiohttp.ClientSession, url: str, key: str, count: int, tokens: int
+    http: aiohttp.ClientSession, url: str, key: str, count: int, tokens: int, *, wave: int
 ) -> dict[str, Any]:
-    """Open `count` streams at once and read them all to [DONE]; errors are counted, by HTTP
-    status ("cut": a stream that ended without [DONE] or a failed connection)."""
+    """Open `count` streams, `wave` at a time (the next wave once every stream of this one has
+    its answer's headers, so the streams pile up as long-lived ones do rather than arrive in
+    one burst), hold them all open and read each to [DONE]. `peak_open` counts the streams
+    answered 200 and not yet ended; errors are counted by HTTP status ("cut": a stream that
+    ended without [DONE], or a failed connection), with the first answer of each status."""
     open_now = peak = errors = 0
     why: dict[str, int] = {}
-    samples: dict[str, str] = {}  # the first answer of each failing status
+    samples: dict[str, str] = {}
 
-    async def one(i: int) -> None:
+    async def one(i: int, answered: asyncio.Future[None]) -> None:
         nonlocal open_now, peak, errors
         body = {"prompt": f"stream {i}", "max_tokens": tokens, "stream": True}
         last, status = b"", "cut"
@@ -104,28 +107,39 @@ async def streams(
             async with http.post(
                 f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
             ) as resp:
-                open_now += 1
-                peak = max(peak, open_now)
-                try:
-                    if resp.status == 200:
+                answered.set_result(None)
+                if resp.status == 200:
+                    open_now += 1
+                    peak = max(peak, open_now)
+                    try:
                         async for line in resp.content:
                             if line.strip():
                                 last = line
-                    else:
-                        status = str(resp.status)
-                        samples.setdefault(status, (await resp.text())[:200])
-                finally:
-                    open_now -= 1
+                    finally:
+                        open_now -= 1
+                else:
+                    status = str(resp.status)
+                    samples.setdefault(status, (await resp.text())[:200])
         except (aiohttp.ClientError, TimeoutError):
             pass
+        finally:
+            if not answered.done():
+                answered.set_result(None)
         if last.strip() != b"data: [DONE]":
             errors += 1
             why[status] = why.get(status, 0) + 1
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(count)))
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+    for first in range(0, count, wave):
+        answers = [loop.create_future() for _ in range(first, min(first + wave, count))]
+        tasks += [loop.create_task(one(first + j, a)) for j, a in enumerate(answers)]
+        await asyncio.gather(*answers)
+    await asyncio.gather(*tasks)
     return {
         "streams": count,
+        "wave": wave,
         "errors": errors,
         "error_statuses": why,
         "error_samples": samples,

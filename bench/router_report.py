@@ -88,6 +88,7 @@ def print_report(out: dict[str, Any], args: argparse.Namespace) -> None:
         for name in ("streams_direct", "streams_router"):
             r = out[name]
             print(
-                f"{name}: {r['streams']} at once, {r['errors']} errors {r['error_statuses']}, "
+                f"{name}: {r['streams']} held open ({r['wave']} opened at a time), "
+                f"{r['errors']} errors {r['error_statuses']}, "
                 f"peak open {r['peak_open']}, {r['seconds']:.1f} s"
             )
