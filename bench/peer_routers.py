@@ -4,10 +4,12 @@ under `out/bench-venvs/` (benchmark dependencies, not kvsched's), started in fro
 engines on loopback.
 
 Both run their own cache-aware policy (`cache_aware`, their default: an approximate radix tree
-of the prompt text per worker, balanced when loads differ by more than 64 requests and 1.5×).
-Each needs a `--prometheus-port` of its own (both default to 29000). sglang-router learns a
-worker's model from SGLang's `/server_info` and `/model_info` (the simulated engine serves
-both) and refuses a completion without `model`.
+of the prompt text per worker, balanced when loads differ by more than 64 requests and 1.5×);
+vllm-router also runs as `vllm-router-kv` with its `kv_aware` policy, which indexes the
+blocks the engines report in their KV events (as kvsched's Conductor does) and tokenizes the
+prompt with the engines' tokenizer to match them. Each needs a `--prometheus-port` of its own
+(both default to 29000). sglang-router learns a worker's model from SGLang's `/server_info`
+and `/model_info` (the simulated engine serves both) and refuses a completion without `model`.
 """
 
 from __future__ import annotations
@@ -27,44 +29,80 @@ VENVS = REPO / "out" / "bench-venvs"
 STOP_TIMEOUT_S = 5.0
 INSTALL_TIMEOUT_S = 600.0
 
-# (port, prometheus port, engine URLs) -> the arguments after the executable
-Argv = Callable[[int, int, list[str]], list[str]]
+TOKENIZER = REPO / "kvsched" / "data" / "tokenizer" / "tokenizer.json"  # the engines' own
 
 
-def _vllm_router_argv(port: int, metrics_port: int, engines: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Worker:
+    """A simulated engine as a peer router sees it: its URL and its KV-event sockets."""
+
+    url: str
+    model: str  # the served model name
+    kv_events: str  # ZMQ PUB
+    kv_replay: str  # ZMQ ROUTER answering replay requests
+
+
+# (port, prometheus port, workers) -> the arguments after the executable
+Argv = Callable[[int, int, list[Worker]], list[str]]
+
+
+def _common(port: int, metrics_port: int, workers: list[Worker]) -> list[str]:
     return [
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         "--worker-urls",
-        *engines,
-        "--policy",
-        "cache_aware",
+        *(w.url for w in workers),
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
         str(metrics_port),
+    ]
+
+
+def _vllm_router_argv(port: int, metrics_port: int, workers: list[Worker]) -> list[str]:
+    return [
+        *_common(port, metrics_port, workers),
+        "--policy",
+        "cache_aware",
         "--log-level",
         "warning",
     ]
 
 
-def _sglang_router_argv(port: int, metrics_port: int, engines: list[str]) -> list[str]:
+def _vllm_router_kv_argv(port: int, metrics_port: int, workers: list[Worker]) -> list[str]:
+    """kv_aware: an index of the blocks the engines report in their KV events (vLLM's ZMQ
+    events, replayed from the engines' replay sockets on a gap), matched against the prompt's
+    blocks as the router tokenizes it (`VLLM_ROUTER_TOKENIZER`)."""
+    sources: list[str] = []
+    for w in workers:
+        sources += [
+            "--kv-event-source",
+            f"{w.url}={w.kv_events}",
+            "--kv-event-replay-source",
+            f"{w.url}={w.kv_replay}",
+        ]
+    return [
+        *_common(port, metrics_port, workers),
+        "--policy",
+        "kv_aware",
+        *sources,
+        "--kv-event-block-size",
+        "16",
+        "--kv-event-model",
+        workers[0].model,
+        "--log-level",
+        "warning",
+    ]
+
+
+def _sglang_router_argv(port: int, metrics_port: int, workers: list[Worker]) -> list[str]:
     return [
         "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *engines,
+        *_common(port, metrics_port, workers),
         "--policy",
         "cache_aware",
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
         "--log-level",
         "warn",
     ]
@@ -74,14 +112,16 @@ def _sglang_router_argv(port: int, metrics_port: int, engines: list[str]) -> lis
 class PeerRouter:
     """A peer router: the PyPI package (pinned), its executable and how to start it."""
 
-    name: str  # also the package name
+    name: str  # as the bench reports it
+    package: str
     version: str
     executable: str
     argv: Argv
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def venv(self) -> Path:
-        return VENVS / f"{self.name}-{self.version}"
+        return VENVS / f"{self.package}-{self.version}"
 
     @property
     def binary(self) -> Path:
@@ -100,8 +140,16 @@ class PeerRouter:
 PEERS: dict[str, PeerRouter] = {
     p.name: p
     for p in (
-        PeerRouter("vllm-router", "0.1.17", "vllm-router", _vllm_router_argv),
-        PeerRouter("sglang-router", "0.3.2", "sglang-router", _sglang_router_argv),
+        PeerRouter("vllm-router", "vllm-router", "0.1.17", "vllm-router", _vllm_router_argv),
+        PeerRouter(
+            "vllm-router-kv",
+            "vllm-router",
+            "0.1.17",
+            "vllm-router",
+            _vllm_router_kv_argv,
+            (("VLLM_ROUTER_TOKENIZER", str(TOKENIZER)),),
+        ),
+        PeerRouter("sglang-router", "sglang-router", "0.3.2", "sglang-router", _sglang_router_argv),
     )
 }
 
@@ -112,7 +160,7 @@ def ensure_installed(peer: PeerRouter, say: Callable[[str], None] = print) -> No
     leaves no marker, so the next run tries again."""
     if peer.installed():
         return
-    say(f"installing {peer.name}=={peer.version} into {peer.venv.relative_to(REPO)} ...")
+    say(f"installing {peer.package}=={peer.version} into {peer.venv.relative_to(REPO)} ...")
     peer.venv.parent.mkdir(parents=True, exist_ok=True)
     steps = [
         [sys.executable, "-m", "venv", "--clear", str(peer.venv)],
@@ -123,7 +171,7 @@ def ensure_installed(peer: PeerRouter, say: Callable[[str], None] = print) -> No
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            f"{peer.name}=={peer.version}",
+            f"{peer.package}=={peer.version}",
         ],
     ]
     for argv in steps:
@@ -139,7 +187,7 @@ class PeerProcess:
     """One running peer router; `stop()` is idempotent and leaves no process behind."""
 
     def __init__(
-        self, peer: PeerRouter, port: int, metrics_port: int, engines: list[str], log: Path
+        self, peer: PeerRouter, port: int, metrics_port: int, workers: list[Worker], log: Path
     ) -> None:
         self.peer = peer
         self.url = f"http://127.0.0.1:{port}"
@@ -149,12 +197,12 @@ class PeerProcess:
             # A session of its own, like the cluster's processes: Ctrl-C reaches the bench,
             # which stops it.
             self.process = subprocess.Popen(
-                [str(peer.binary), *peer.argv(port, metrics_port, engines)],
+                [str(peer.binary), *peer.argv(port, metrics_port, workers)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "RUST_LOG": "warn"},
+                env={**os.environ, "RUST_LOG": "warn", **dict(peer.env)},
             )
 
     @property

@@ -10,20 +10,22 @@ and direct calls, in front of the same simulated engines, interleaved round by r
    kvsched also its Conductor, Messenger and etcd, apart);
 3. cached share of prompt tokens on two multi-turn workloads (`bench.router_workloads`), each
    router with its cache-aware policy (kvsched: `--policy`, elastic without SLO admission by
-   default; the peers:
-   `cache_aware`): roomy caches, and a shared prefix with engines short of memory
-   (`--short-capacity-blocks`, a second set of engines); direct calls there keep session i on
-   engine i mod n (a sticky client, for reference);
+   default; the peers: `cache_aware`, and vllm-router also `kv_aware` as `vllm-router-kv`):
+   roomy caches, and a shared prefix with engines short of memory (`--short-capacity-blocks`,
+   a second set of engines); direct calls there keep session i on engine i mod n (a sticky
+   client, for reference);
 4. streams: S streams held open at once through one kvsched Router against the same S straight
    to an engine (goal: S >= 2,000 without an error), opened `--stream-wave` at a time: a
    burst of all S at once is shed by design beyond the Router's `--max-placing` (256).
 
-The engines run at `--time-scale` (default 0.001: a modelled GPU step takes microseconds), so
-the routers' own cost is not hidden behind the engine's. kvsched runs as `bench.router` has
-always started it (etcd, a Conductor, two Routers, a Messenger, mutual TLS). The peers'
-virtual environments are created on first use (`out/bench-venvs/`, pip, network needed once).
+The peers keep that policy in every round (the speed rounds too). The engines run at
+`--time-scale` (default 0.001: a modelled GPU step takes microseconds), so the routers' own
+cost is not hidden behind the engine's. kvsched runs as `bench.router` has always started it
+(etcd, a Conductor, two Routers, a Messenger, mutual TLS). The peers' virtual environments are
+created on first use (`out/bench-venvs/`, pip, network needed once).
 
-    .venv/bin/python -m bench.router [--quick] [--rounds 3] [--peers vllm-router,sglang-router]
+    .venv/bin/python -m bench.router [--quick] [--rounds 3]
+        [--peers vllm-router,vllm-router-kv,sglang-router]
 """
 
 from __future__ import annotations

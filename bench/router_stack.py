@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.peer_routers import PEERS, PeerProcess
+from bench.peer_routers import PEERS, PeerProcess, Worker
 from services.launcher.__main__ import demo_keys
 from services.launcher.plan import ClusterOptions, plan_cluster
 from services.launcher.ports import free_port
@@ -30,6 +30,14 @@ class Target:
     name: str
     urls: list[str]
     pids: dict[str, int] = field(default_factory=dict)
+
+
+async def _worker(http: aiohttp.ClientSession, url: str) -> Worker:
+    """The engine's KV-event sockets, from its `/kvsched/info`."""
+    async with http.get(f"{url}/kvsched/info") as resp:
+        info = await resp.json()
+    kv = info["kv_events"]
+    return Worker(url, info["model"], kv["endpoint"], kv["replay_endpoint"])
 
 
 @dataclass
@@ -67,16 +75,10 @@ class Stack:
         self.sup = Supervisor(plan, self.run_dir / "logs", say=lambda _: None)
         await self.sup.start()
         self.engines = [c.endpoint["url"] for c in plan.stage("engine")]
+        workers = [await _worker(http, url) for url in self.engines]
         for name in self.args.peer_names:
-            self.peers.append(
-                PeerProcess(
-                    PEERS[name],
-                    free_port(),
-                    free_port(),
-                    self.engines,
-                    self.run_dir / "logs" / f"{name}.log",
-                )
-            )
+            log = self.run_dir / "logs" / f"{name}.log"
+            self.peers.append(PeerProcess(PEERS[name], free_port(), free_port(), workers, log))
         for peer in self.peers:
             await self._wait_serves(http, peer)
 

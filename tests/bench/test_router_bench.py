@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from bench.common import cpu_seconds
-from bench.peer_routers import PEERS, PeerProcess, ensure_installed
+from bench.peer_routers import PEERS, PeerProcess, Worker, ensure_installed
 from bench.router import parse_args, run
 from bench.router_report import summarize
 from bench.router_stack import DIRECT, KVSCHED
@@ -66,7 +66,10 @@ async def test_peer_routes_to_the_simulated_engine(
         pytest.skip(f"{peer.venv} not installed (`python -m bench.router` installs it)")
     ensure_installed(peer)  # present: returns without pip
     eng = await start_engine()
-    proc = PeerProcess(peer, free_port(), free_port(), [eng.url], tmp_path / "peer.log")
+    info = await eng.get_json("/kvsched/info")
+    kv = info["kv_events"]
+    worker = Worker(eng.url, info["model"], kv["endpoint"], kv["replay_endpoint"])
+    proc = PeerProcess(peer, free_port(), free_port(), [worker], tmp_path / "peer.log")
     try:
         async with aiohttp.ClientSession() as http:
 
