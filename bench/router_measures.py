@@ -63,8 +63,8 @@ async def throughput(
     http: aiohttp.ClientSession, target: Target, model: str, key: str, *, clients: int, secs: float
 ) -> dict[str, Any]:
     """Completed requests per second from `clients` closed-loop streaming clients spread over
-    the target's URLs, the requests refused (429/503: counted, not retried sooner), and the
-    CPU seconds each of its processes used meanwhile."""
+    the target's URLs, the requests refused (429/503: counted, and the client goes on with its
+    next request), and the CPU seconds each of the target's processes used meanwhile."""
     done = refused = 0
     stop = time.perf_counter() + secs
 
