@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsched.core.claims import common_prefix
+from kvsched.core.holdings import PyHoldings
 from kvsched.core.index import PrefixIndex, Tier
 
 # A fixed forest of chains: 3 roots, every node has up to 2 children, depth ≤ 8.
@@ -131,10 +133,11 @@ op = st.one_of(
 )
 
 
+@pytest.mark.parametrize("pure", [True, False], ids=["pure", "compiled"])
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=40))
-def test_index_matches_brute_force(ops: list[tuple[str, int, int, int, Tier]]) -> None:
-    index, model = PrefixIndex(4), Model(4)
+def test_index_matches_brute_force(pure: bool, ops: list[tuple[str, int, int, int, Tier]]) -> None:
+    index, model = PrefixIndex(4, pure=pure), Model(4)
     now = 0.0
     for name, slot, node, k, tier in ops:
         now += 1.0
@@ -183,12 +186,14 @@ class CountingDict(dict[int, int]):
 def test_match_cost_does_not_grow_with_instances_times_length() -> None:
     # 64 instances, a 4,096-block prompt: every instance holds a different-length prefix.
     n, length = 64, 4096
-    index = PrefixIndex(n)
+    index = PrefixIndex(n, pure=True)  # the reference walk; the compiled one walks alike
     hashes = list(range(1, length + 1))
     for slot in range(n):
         index.store(slot, hashes[: (slot + 1) * 37], None)
-    counting = CountingDict(index._masks[Tier.GPU])
-    index._masks = (counting, *index._masks[1:])  # count lookups (white box: cost only)
+    blocks = index._blocks
+    assert isinstance(blocks, PyHoldings)
+    counting = CountingDict(blocks._masks[Tier.GPU])
+    blocks._masks = (counting, *blocks._masks[1:])  # count lookups (white box: cost only)
     result = index.match(hashes)
     assert result == {slot: (slot + 1) * 37 for slot in range(n)}
     # k distinct holder sets × O(log L) probes each: far below instances × L = 262,144.
@@ -198,16 +203,18 @@ def test_match_cost_does_not_grow_with_instances_times_length() -> None:
     assert CountingDict.lookups <= 2 * 13
 
 
-def test_unknown_parent_is_counted_not_raised() -> None:
-    index = PrefixIndex(2)
+@pytest.mark.parametrize("pure", [True, False], ids=["pure", "compiled"])
+def test_unknown_parent_is_counted_not_raised(pure: bool) -> None:
+    index = PrefixIndex(2, pure=pure)
     index.store(0, [2, 3], parent=1)
     assert index.counters.unknown_parents == 1
     assert index.match([1, 2, 3]) == {}
     index.check_integrity()
 
 
-def test_removing_a_block_drops_its_descendants_on_that_instance_only() -> None:
-    index = PrefixIndex(2)
+@pytest.mark.parametrize("pure", [True, False], ids=["pure", "compiled"])
+def test_removing_a_block_drops_its_descendants_on_that_instance_only(pure: bool) -> None:
+    index = PrefixIndex(2, pure=pure)
     index.store(0, [1, 2, 3], None)
     index.store(1, [1, 2, 3], None)
     index.remove(0, [2])
@@ -216,8 +223,9 @@ def test_removing_a_block_drops_its_descendants_on_that_instance_only() -> None:
     index.check_integrity()
 
 
-def test_speculative_claims_extend_matches_until_they_expire() -> None:
-    index = PrefixIndex(2)
+@pytest.mark.parametrize("pure", [True, False], ids=["pure", "compiled"])
+def test_speculative_claims_extend_matches_until_they_expire(pure: bool) -> None:
+    index = PrefixIndex(2, pure=pure)
     index.store(0, [1, 2], None)
     index.speculate(1, [1, 2, 3], expires_at=5.0)
     assert index.match([1, 2, 3, 4]) == {0: 2, 1: 3}

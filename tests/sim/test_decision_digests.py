@@ -4,6 +4,9 @@ a change meant to alter decisions updates them in the same commit, saying why.""
 
 from __future__ import annotations
 
+import pytest
+
+from kvsched.core.holdings import PURE_ENV
 from tools.decision_digest import POLICIES, SLICES, TRACES, digests
 
 PINNED = {
@@ -20,7 +23,11 @@ PINNED = {
 }
 
 
-def test_the_replay_decides_and_reports_as_pinned() -> None:
+@pytest.mark.parametrize("pure", ["1", "0"], ids=["pure index", "compiled index"])
+def test_the_replay_decides_and_reports_as_pinned(
+    pure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PURE_ENV, pure)  # the compiled index must decide as the reference does
     assert set(PINNED) == set(TRACES)
     for name in TRACES:
         got = {

@@ -1,0 +1,760 @@
+/* Compiled block holdings of the prefix index: block -> holder bitset per tier, the chain
+ * links between blocks, and the chain match. Same behaviour as the pure-Python reference in
+ * kvsched/core/holdings.py (a property test drives both with the same operations); see that
+ * module for what each method means.
+ *
+ * Layout (per block, 64 slots or fewer, GPU tier only): a 20-byte entry (hash, parent, first
+ * child, next sibling), one 8-byte holder word per tier in use, and a 4-byte bucket in an
+ * open-addressing table at most 3/4 full. Entries and holder words live in fixed-size pages, so
+ * growth never copies them and a freed entry is reused. A block's entry lives while some slot
+ * holds it in some tier or some block names it as parent (a parent an engine never reported:
+ * its children must still leave with it if it is stored and removed later, as the reference
+ * does).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NONE UINT32_MAX
+#define N_TIERS 3
+#define PAGE_BITS 16
+#define PAGE_SIZE (1u << PAGE_BITS)
+#define PAGE_MASK (PAGE_SIZE - 1)
+
+#pragma pack(push, 4)
+typedef struct {
+    uint64_t hash;
+    uint32_t parent;       /* entry of the parent block, NONE at the root or while unheld */
+    uint32_t first_child;  /* children: blocks stored with this one as parent, newest first */
+    uint32_t next_sibling;
+} Entry;
+#pragma pack(pop)
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n_slots;
+    Py_ssize_t words;            /* u64 words per holder bitset */
+    Entry **pages;               /* entry i is pages[i >> PAGE_BITS][i & PAGE_MASK] */
+    uint64_t **mask_pages[N_TIERS]; /* holder words of entry i in tier t, NULL until used */
+    uint32_t n_pages;
+    uint32_t page_cap;
+    uint32_t n_entries;          /* entries ever handed out (the free list reuses them) */
+    uint32_t free_head;
+    uint32_t *table;             /* open addressing, linear probing: entry ids, NONE = empty */
+    uint64_t table_cap;          /* a power of two */
+    uint64_t table_used;
+    Py_ssize_t held;             /* blocks held anywhere (in any tier by any slot) */
+    int64_t *counts;             /* counts[tier * n_slots + slot] */
+    uint64_t *scratch;           /* 3 bitsets of `words` words for match */
+    uint64_t unknown_parents, duplicate_stores, absent_removals, cascaded_removals;
+} Holdings;
+
+static inline uint64_t mix(uint64_t x) {
+    /* splitmix64's finalizer: test hashes are small integers, real ones already random. */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static inline Entry *entry(Holdings *self, uint32_t i) {
+    return &self->pages[i >> PAGE_BITS][i & PAGE_MASK];
+}
+
+static inline uint64_t *masks_of(Holdings *self, int tier, uint32_t i) {
+    uint64_t **pages = self->mask_pages[tier];
+    if (pages == NULL || pages[i >> PAGE_BITS] == NULL) return NULL;
+    return pages[i >> PAGE_BITS] + (size_t)(i & PAGE_MASK) * self->words;
+}
+
+/* The holder words of entry i in tier t, allocated (zeroed) on first use; NULL if out of
+ * memory (with the Python error set). */
+static uint64_t *masks_for_write(Holdings *self, int tier, uint32_t i) {
+    if (self->mask_pages[tier] == NULL) {
+        self->mask_pages[tier] = PyMem_Calloc(self->page_cap, sizeof(uint64_t *));
+        if (self->mask_pages[tier] == NULL) { PyErr_NoMemory(); return NULL; }
+    }
+    uint64_t **pages = self->mask_pages[tier];
+    if (pages[i >> PAGE_BITS] == NULL) {
+        pages[i >> PAGE_BITS] = PyMem_Calloc((size_t)PAGE_SIZE * self->words, sizeof(uint64_t));
+        if (pages[i >> PAGE_BITS] == NULL) { PyErr_NoMemory(); return NULL; }
+    }
+    return pages[i >> PAGE_BITS] + (size_t)(i & PAGE_MASK) * self->words;
+}
+
+static inline int any_bits(const uint64_t *m, Py_ssize_t words) {
+    if (m == NULL) return 0;
+    for (Py_ssize_t w = 0; w < words; w++) if (m[w]) return 1;
+    return 0;
+}
+
+static inline int has_bit(const uint64_t *m, Py_ssize_t slot) {
+    return m != NULL && (m[slot >> 6] >> (slot & 63)) & 1;
+}
+
+static int held_anywhere(Holdings *self, uint32_t i) {
+    for (int t = 0; t < N_TIERS; t++)
+        if (any_bits(masks_of(self, t, i), self->words)) return 1;
+    return 0;
+}
+
+/* ---- hash table ------------------------------------------------------------------------ */
+
+static uint32_t lookup(Holdings *self, uint64_t h) {
+    uint64_t cap_mask = self->table_cap - 1;
+    for (uint64_t b = mix(h) & cap_mask;; b = (b + 1) & cap_mask) {
+        uint32_t i = self->table[b];
+        if (i == NONE) return NONE;
+        if (entry(self, i)->hash == h) return i;
+    }
+}
+
+static void table_put(uint32_t *table, uint64_t cap, uint64_t h, uint32_t i) {
+    uint64_t b = mix(h) & (cap - 1);
+    while (table[b] != NONE) b = (b + 1) & (cap - 1);
+    table[b] = i;
+}
+
+static int grow_table(Holdings *self) {
+    uint64_t cap = self->table_cap * 2;
+    uint32_t *table = PyMem_Malloc(cap * sizeof(uint32_t));
+    if (table == NULL) { PyErr_NoMemory(); return -1; }
+    memset(table, 0xff, cap * sizeof(uint32_t));
+    for (uint64_t b = 0; b < self->table_cap; b++)
+        if (self->table[b] != NONE) table_put(table, cap, entry(self, self->table[b])->hash,
+                                              self->table[b]);
+    PyMem_Free(self->table);
+    self->table = table;
+    self->table_cap = cap;
+    return 0;
+}
+
+/* Delete h's bucket; backward-shift the probe run behind it (no tombstones). */
+static void table_delete(Holdings *self, uint64_t h) {
+    uint64_t cap_mask = self->table_cap - 1;
+    uint64_t b = mix(h) & cap_mask;
+    while (entry(self, self->table[b])->hash != h) b = (b + 1) & cap_mask;
+    uint64_t hole = b;
+    for (uint64_t j = (hole + 1) & cap_mask; self->table[j] != NONE; j = (j + 1) & cap_mask) {
+        uint64_t home = mix(entry(self, self->table[j])->hash) & cap_mask;
+        /* Move j into the hole unless its home lies cyclically in (hole, j]. */
+        if (((j - home) & cap_mask) >= ((j - hole) & cap_mask)) {
+            self->table[hole] = self->table[j];
+            hole = j;
+        }
+    }
+    self->table[hole] = NONE;
+    self->table_used--;
+}
+
+/* The entry of h, created unheld and unlinked if absent; NONE if out of memory. */
+static uint32_t intern(Holdings *self, uint64_t h) {
+    uint32_t i = lookup(self, h);
+    if (i != NONE) return i;
+    if ((self->table_used + 1) * 4 > self->table_cap * 3 && grow_table(self) < 0) return NONE;
+    if (self->free_head != NONE) {
+        i = self->free_head;
+        self->free_head = entry(self, i)->parent;
+    } else {
+        if (self->n_entries == NONE - 1) { PyErr_SetString(PyExc_MemoryError, "index full"); return NONE; }
+        i = self->n_entries;
+        if ((i >> PAGE_BITS) >= self->n_pages) {
+            if (self->n_pages == self->page_cap) {
+                uint32_t cap = self->page_cap * 2;
+                Entry **pages = PyMem_Realloc(self->pages, cap * sizeof(Entry *));
+                if (pages == NULL) { PyErr_NoMemory(); return NONE; }
+                self->pages = pages;
+                for (int t = 0; t < N_TIERS; t++) {
+                    if (self->mask_pages[t] == NULL) continue;
+                    uint64_t **mp = PyMem_Realloc(self->mask_pages[t], cap * sizeof(uint64_t *));
+                    if (mp == NULL) { PyErr_NoMemory(); return NONE; }
+                    memset(mp + self->page_cap, 0, (cap - self->page_cap) * sizeof(uint64_t *));
+                    self->mask_pages[t] = mp;
+                }
+                self->page_cap = cap;
+            }
+            self->pages[self->n_pages] = PyMem_Malloc(PAGE_SIZE * sizeof(Entry));
+            if (self->pages[self->n_pages] == NULL) { PyErr_NoMemory(); return NONE; }
+            self->n_pages++;
+        }
+        self->n_entries++;
+    }
+    Entry *e = entry(self, i);
+    e->hash = h;
+    e->parent = e->first_child = e->next_sibling = NONE;
+    table_put(self->table, self->table_cap, h, i);
+    self->table_used++;
+    return i;
+}
+
+/* Forget entry i (unheld and childless): its bucket goes, the entry joins the free list. */
+static void release(Holdings *self, uint32_t i) {
+    Entry *e = entry(self, i);
+    table_delete(self, e->hash);
+    e->parent = self->free_head;
+    self->free_head = i;
+}
+
+static void release_if_unused(Holdings *self, uint32_t i) {
+    Entry *e = entry(self, i);
+    if (e->first_child == NONE && e->parent == NONE && !held_anywhere(self, i)) release(self, i);
+}
+
+/* ---- links ----------------------------------------------------------------------------- */
+
+/* Entry i is held nowhere any more: take it off its parent's children (the reference's
+ * `_unlink_if_unheld`), and forget the parent and i where nothing keeps them. */
+static void unlink_if_unheld(Holdings *self, uint32_t i) {
+    if (held_anywhere(self, i)) return;
+    Entry *e = entry(self, i);
+    self->held--;
+    uint32_t p = e->parent;
+    if (p != NONE) {
+        Entry *pe = entry(self, p);
+        if (pe->first_child == i) {
+            pe->first_child = e->next_sibling;
+        } else {
+            uint32_t c = pe->first_child;
+            while (entry(self, c)->next_sibling != i) c = entry(self, c)->next_sibling;
+            entry(self, c)->next_sibling = e->next_sibling;
+        }
+        e->parent = e->next_sibling = NONE;
+        if (p != i) release_if_unused(self, p);
+    }
+    release_if_unused(self, i);
+}
+
+/* Clear `slot` in entry i's holder words of `tier`; unlink i if nothing holds it now. */
+static void unset(Holdings *self, int tier, Py_ssize_t slot, uint32_t i) {
+    uint64_t *m = masks_of(self, tier, i);
+    m[slot >> 6] &= ~(1ULL << (slot & 63));
+    self->counts[tier * self->n_slots + slot]--;
+    if (!any_bits(m, self->words)) unlink_if_unheld(self, i);
+}
+
+/* ---- argument helpers ------------------------------------------------------------------ */
+
+static int read_hash(PyObject *obj, uint64_t *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    uint64_t h = PyLong_AsUnsignedLongLong(obj);
+    if (h == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_OverflowError, "a block hash must be an unsigned 64-bit integer");
+        return -1;
+    }
+    *out = h;
+    return 0;
+}
+
+static int check_slot_tier(Holdings *self, Py_ssize_t slot, int tier) {
+    if (slot < 0 || slot >= self->n_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %zd out of range (%zd slots)", slot, self->n_slots);
+        return -1;
+    }
+    if (tier < 0 || tier >= N_TIERS) {
+        PyErr_Format(PyExc_ValueError, "tier %d out of range", tier);
+        return -1;
+    }
+    return 0;
+}
+
+/* The hashes of `seq` as a C array (caller frees); NULL on error. */
+static uint64_t *read_hashes(PyObject *seq, Py_ssize_t *n) {
+    PyObject *fast = PySequence_Fast(seq, "block hashes must be a sequence");
+    if (fast == NULL) return NULL;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    uint64_t *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    if (out == NULL) { Py_DECREF(fast); PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t k = 0; k < *n; k++) {
+        if (read_hash(items[k], &out[k]) < 0) { PyMem_Free(out); Py_DECREF(fast); return NULL; }
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+static PyObject *hash_obj(uint64_t h) { return PyLong_FromUnsignedLongLong(h); }
+
+/* ---- type ------------------------------------------------------------------------------ */
+
+static void Holdings_dealloc(Holdings *self) {
+    for (uint32_t p = 0; p < self->n_pages; p++) PyMem_Free(self->pages[p]);
+    PyMem_Free(self->pages);
+    for (int t = 0; t < N_TIERS; t++) {
+        if (self->mask_pages[t] == NULL) continue;
+        for (uint32_t p = 0; p < self->page_cap; p++) PyMem_Free(self->mask_pages[t][p]);
+        PyMem_Free(self->mask_pages[t]);
+    }
+    PyMem_Free(self->table);
+    PyMem_Free(self->counts);
+    PyMem_Free(self->scratch);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Holdings_init(Holdings *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"n_slots", NULL};
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n", kwlist, &n)) return -1;
+    if (self->table != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "holdings are initialized once");
+        return -1;
+    }
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "an index needs at least one instance slot");
+        return -1;
+    }
+    self->n_slots = n;
+    self->words = (n + 63) / 64;
+    self->page_cap = 4;
+    self->pages = PyMem_Calloc(self->page_cap, sizeof(Entry *));
+    self->table_cap = 1024;
+    self->table = PyMem_Malloc(self->table_cap * sizeof(uint32_t));
+    self->counts = PyMem_Calloc((size_t)N_TIERS * n, sizeof(int64_t));
+    self->scratch = PyMem_Calloc((size_t)3 * self->words, sizeof(uint64_t));
+    if (!self->pages || !self->table || !self->counts || !self->scratch) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(self->table, 0xff, self->table_cap * sizeof(uint32_t));
+    self->free_head = NONE;
+    return 0;
+}
+
+static PyObject *Holdings_holders(Holdings *self, PyObject *args) {
+    PyObject *hobj;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "O|i", &hobj, &tier)) return NULL;
+    uint64_t h;
+    if (check_slot_tier(self, 0, tier) < 0 || read_hash(hobj, &h) < 0) return NULL;
+    uint32_t i = lookup(self, h);
+    uint64_t *m = i == NONE ? NULL : masks_of(self, tier, i);
+    if (m == NULL) return PyLong_FromLong(0);
+    if (self->words == 1) return PyLong_FromUnsignedLongLong(m[0]);
+    /* Build the int from its little-endian bytes. */
+    return _PyLong_FromByteArray((const unsigned char *)m, self->words * 8, 1, 0);
+}
+
+static PyObject *Holdings_count(Holdings *self, PyObject *args) {
+    Py_ssize_t slot;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "n|i", &slot, &tier)) return NULL;
+    if (check_slot_tier(self, slot, tier) < 0) return NULL;
+    return PyLong_FromLongLong(self->counts[tier * self->n_slots + slot]);
+}
+
+static Py_ssize_t Holdings_len(Holdings *self) { return self->held; }
+
+/* Whether every slot of `alive` holds hashes[k] in `tier`. */
+static int read_covers(Holdings *self, PyObject **items, Py_ssize_t k, int tier,
+                       const uint64_t *alive, uint64_t **found, int *err) {
+    uint64_t h;
+    *found = NULL;
+    if (read_hash(items[k], &h) < 0) { *err = 1; return 0; }
+    uint32_t i = lookup(self, h);
+    if (i == NONE) return 0;
+    uint64_t *m = masks_of(self, tier, i);
+    *found = m;
+    if (m == NULL) return 0;
+    for (Py_ssize_t w = 0; w < self->words; w++)
+        if ((m[w] & alive[w]) != alive[w]) return 0;
+    return 1;
+}
+
+static PyObject *Holdings_match(Holdings *self, PyObject *args) {
+    PyObject *seq;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "O|i", &seq, &tier)) return NULL;
+    if (check_slot_tier(self, 0, tier) < 0) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "block hashes must be a sequence");
+    if (fast == NULL) return NULL;
+    PyObject *result = PyDict_New();
+    if (result == NULL) { Py_DECREF(fast); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), words = self->words;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    if (n == 0) { Py_DECREF(fast); return result; }
+    uint64_t *alive = self->scratch, *nxt = self->scratch + words;
+    int err = 0;
+    uint64_t *m;
+    read_covers(self, items, 0, tier, alive, &m, &err);
+    if (err) goto fail;
+    for (Py_ssize_t w = 0; w < words; w++) alive[w] = m ? m[w] : 0;
+    Py_ssize_t pos = 0;  /* every slot in `alive` holds blocks [0, pos] */
+    while (any_bits(alive, words)) {
+        /* Gallop then bisect for the last position still held by all of `alive`. */
+        Py_ssize_t lo = pos, step = 1, hi = n;
+        while (lo + step < hi) {
+            int covers = read_covers(self, items, lo + step, tier, alive, &m, &err);
+            if (err) goto fail;
+            if (covers) { lo += step; step <<= 1; }
+            else { hi = lo + step; break; }
+        }
+        while (hi - lo > 1) {
+            Py_ssize_t mid = (lo + hi) >> 1;
+            int covers = read_covers(self, items, mid, tier, alive, &m, &err);
+            if (err) goto fail;
+            if (covers) lo = mid; else hi = mid;
+        }
+        if (lo + 1 < n) {
+            read_covers(self, items, lo + 1, tier, alive, &m, &err);
+            if (err) goto fail;
+            for (Py_ssize_t w = 0; w < words; w++) nxt[w] = m ? m[w] & alive[w] : 0;
+        } else {
+            memset(nxt, 0, words * sizeof(uint64_t));
+        }
+        PyObject *length = PyLong_FromSsize_t(lo + 1);
+        if (length == NULL) goto fail;
+        for (Py_ssize_t w = 0; w < words; w++) {
+            uint64_t gone = alive[w] & ~nxt[w];
+            while (gone) {
+                int bit = __builtin_ctzll(gone);
+                gone &= gone - 1;
+                PyObject *slot = PyLong_FromSsize_t(w * 64 + bit);
+                if (slot == NULL || PyDict_SetItem(result, slot, length) < 0) {
+                    Py_XDECREF(slot); Py_DECREF(length); goto fail;
+                }
+                Py_DECREF(slot);
+            }
+        }
+        Py_DECREF(length);
+        memcpy(alive, nxt, words * sizeof(uint64_t));
+        pos = lo + 1;
+    }
+    Py_DECREF(fast);
+    return result;
+fail:
+    Py_DECREF(fast);
+    Py_DECREF(result);
+    return NULL;
+}
+
+static PyObject *Holdings_store(Holdings *self, PyObject *args) {
+    Py_ssize_t slot;
+    PyObject *seq, *pobj;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "nOO|i", &slot, &seq, &pobj, &tier)) return NULL;
+    if (check_slot_tier(self, slot, tier) < 0) return NULL;
+    uint64_t parent = 0;
+    int has_parent = pobj != Py_None;
+    if (has_parent && read_hash(pobj, &parent) < 0) return NULL;
+    Py_ssize_t n;
+    uint64_t *hashes = read_hashes(seq, &n);  /* every hash read before anything changes */
+    if (hashes == NULL) return NULL;
+    if (has_parent) {
+        uint32_t p = lookup(self, parent);
+        if (p == NONE || !has_bit(masks_of(self, tier, p), slot)) self->unknown_parents++;
+    }
+    uint64_t bit = 1ULL << (slot & 63);
+    Py_ssize_t word = slot >> 6;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t h = hashes[k];
+        uint32_t i = intern(self, h);
+        if (i == NONE) goto fail;
+        if (!held_anywhere(self, i)) {
+            /* First holder anywhere: link it under its parent (the reference keeps the first
+             * parent a block was stored with). */
+            self->held++;
+            if (has_parent) {
+                uint32_t p = intern(self, parent);
+                if (p == NONE) { self->held--; release_if_unused(self, i); goto fail; }
+                Entry *e = entry(self, i), *pe = entry(self, p);
+                e->parent = p;
+                e->next_sibling = pe->first_child;
+                pe->first_child = i;
+            }
+        }
+        uint64_t *m = masks_for_write(self, tier, i);
+        if (m == NULL) goto fail;  /* only before the first page of a tier: nothing held yet */
+        if (m[word] & bit) {
+            self->duplicate_stores++;
+        } else {
+            m[word] |= bit;
+            self->counts[tier * self->n_slots + slot]++;
+        }
+        parent = h;
+        has_parent = 1;
+    }
+    PyMem_Free(hashes);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(hashes);
+    return NULL;
+}
+
+/* Drop `root` and its descendants held by `slot` in `tier` (the reference's _drop_subtree). */
+static int drop_subtree(Holdings *self, Py_ssize_t slot, int tier, uint64_t root) {
+    Py_ssize_t cap = 64, top = 0;
+    uint64_t *stack = PyMem_Malloc(cap * sizeof(uint64_t));
+    if (stack == NULL) { PyErr_NoMemory(); return -1; }
+    stack[top++] = root;
+    while (top) {
+        uint64_t h = stack[--top];
+        uint32_t i = lookup(self, h);
+        if (i == NONE || !has_bit(masks_of(self, tier, i), slot)) continue;
+        if (h != root) self->cascaded_removals++;
+        for (uint32_t c = entry(self, i)->first_child; c != NONE; c = entry(self, c)->next_sibling) {
+            if (top == cap) {
+                cap *= 2;
+                uint64_t *grown = PyMem_Realloc(stack, cap * sizeof(uint64_t));
+                if (grown == NULL) { PyMem_Free(stack); PyErr_NoMemory(); return -1; }
+                stack = grown;
+            }
+            stack[top++] = entry(self, c)->hash;
+        }
+        unset(self, tier, slot, i);
+    }
+    PyMem_Free(stack);
+    return 0;
+}
+
+static PyObject *Holdings_remove(Holdings *self, PyObject *args) {
+    Py_ssize_t slot;
+    PyObject *seq;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "nO|i", &slot, &seq, &tier)) return NULL;
+    if (check_slot_tier(self, slot, tier) < 0) return NULL;
+    Py_ssize_t n;
+    uint64_t *hashes = read_hashes(seq, &n);
+    if (hashes == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint32_t i = lookup(self, hashes[k]);
+        if (i == NONE || !has_bit(masks_of(self, tier, i), slot)) {
+            self->absent_removals++;
+        } else if (entry(self, i)->first_child != NONE) {
+            if (drop_subtree(self, slot, tier, hashes[k]) < 0) { PyMem_Free(hashes); return NULL; }
+        } else {
+            unset(self, tier, slot, i);
+        }
+    }
+    PyMem_Free(hashes);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Holdings_parent_of(Holdings *self, PyObject *arg) {
+    uint64_t h;
+    if (read_hash(arg, &h) < 0) return NULL;
+    uint32_t i = lookup(self, h);
+    if (i == NONE || entry(self, i)->parent == NONE) Py_RETURN_NONE;
+    return hash_obj(entry(self, entry(self, i)->parent)->hash);
+}
+
+/* Hashes of every entry `slot` holds in `tier`, as a C array (caller frees). */
+static uint64_t *held_by(Holdings *self, Py_ssize_t slot, int tier, Py_ssize_t *n) {
+    int64_t count = self->counts[tier * self->n_slots + slot];
+    uint64_t *out = PyMem_Malloc((count ? count : 1) * sizeof(uint64_t));
+    if (out == NULL) { PyErr_NoMemory(); return NULL; }
+    *n = 0;
+    for (uint64_t b = 0; b < self->table_cap && *n < count; b++) {
+        uint32_t i = self->table[b];
+        if (i != NONE && has_bit(masks_of(self, tier, i), slot)) out[(*n)++] = entry(self, i)->hash;
+    }
+    return out;
+}
+
+static PyObject *Holdings_blocks_of(Holdings *self, PyObject *args) {
+    Py_ssize_t slot, n;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "n|i", &slot, &tier)) return NULL;
+    if (check_slot_tier(self, slot, tier) < 0) return NULL;
+    uint64_t *hashes = held_by(self, slot, tier, &n);
+    if (hashes == NULL) return NULL;
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
+        PyObject *h = hash_obj(hashes[k]);
+        if (h == NULL) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, k, h);
+    }
+    PyMem_Free(hashes);
+    return out;
+}
+
+static PyObject *Holdings_subtree_of(Holdings *self, PyObject *args) {
+    Py_ssize_t slot, n;
+    PyObject *seq;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "nO|i", &slot, &seq, &tier)) return NULL;
+    if (check_slot_tier(self, slot, tier) < 0) return NULL;
+    uint64_t *roots = read_hashes(seq, &n);
+    if (roots == NULL) return NULL;
+    PyObject *out = PyList_New(0), *seen = PySet_New(NULL), *stack = PyList_New(0);
+    if (out == NULL || seen == NULL || stack == NULL) goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint32_t i = lookup(self, roots[k]);
+        if (i != NONE && has_bit(masks_of(self, tier, i), slot)) {
+            PyObject *h = hash_obj(roots[k]);
+            if (h == NULL || PyList_Append(stack, h) < 0) { Py_XDECREF(h); goto fail; }
+            Py_DECREF(h);
+        }
+    }
+    while (PyList_GET_SIZE(stack)) {
+        Py_ssize_t last = PyList_GET_SIZE(stack) - 1;
+        PyObject *h = PyList_GET_ITEM(stack, last);
+        Py_INCREF(h);
+        if (PyList_SetSlice(stack, last, last + 1, NULL) < 0) { Py_DECREF(h); goto fail; }
+        int was_seen = PySet_Contains(seen, h);
+        if (was_seen) { Py_DECREF(h); if (was_seen < 0) goto fail; continue; }
+        if (PySet_Add(seen, h) < 0 || PyList_Append(out, h) < 0) { Py_DECREF(h); goto fail; }
+        uint64_t hv = PyLong_AsUnsignedLongLong(h);
+        Py_DECREF(h);
+        uint32_t i = lookup(self, hv);
+        for (uint32_t c = entry(self, i)->first_child; c != NONE; c = entry(self, c)->next_sibling) {
+            if (!has_bit(masks_of(self, tier, c), slot)) continue;
+            PyObject *ch = hash_obj(entry(self, c)->hash);
+            if (ch == NULL || PyList_Append(stack, ch) < 0) { Py_XDECREF(ch); goto fail; }
+            Py_DECREF(ch);
+        }
+    }
+    PyMem_Free(roots);
+    Py_DECREF(seen);
+    Py_DECREF(stack);
+    return out;
+fail:
+    PyMem_Free(roots);
+    Py_XDECREF(out);
+    Py_XDECREF(seen);
+    Py_XDECREF(stack);
+    return NULL;
+}
+
+static PyObject *Holdings_clear_slot(Holdings *self, PyObject *arg) {
+    Py_ssize_t slot = PyLong_AsSsize_t(arg);
+    if (slot == -1 && PyErr_Occurred()) return NULL;
+    if (check_slot_tier(self, slot, 0) < 0) return NULL;
+    for (int tier = 0; tier < N_TIERS; tier++) {
+        Py_ssize_t n;
+        uint64_t *mine = held_by(self, slot, tier, &n);  /* rare: a full scan is fine */
+        if (mine == NULL) return NULL;
+        for (Py_ssize_t k = 0; k < n; k++) unset(self, tier, slot, lookup(self, mine[k]));
+        PyMem_Free(mine);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Holdings_counters(Holdings *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("KKKK", (unsigned long long)self->unknown_parents,
+                         (unsigned long long)self->duplicate_stores,
+                         (unsigned long long)self->absent_removals,
+                         (unsigned long long)self->cascaded_removals);
+}
+
+static PyObject *Holdings_entries(Holdings *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(self->table_used);
+}
+
+static PyObject *Holdings_memory_bytes(Holdings *self, PyObject *Py_UNUSED(ignored)) {
+    uint64_t total = self->table_cap * sizeof(uint32_t) + self->page_cap * sizeof(Entry *);
+    total += (uint64_t)self->n_pages * PAGE_SIZE * sizeof(Entry);
+    for (int t = 0; t < N_TIERS; t++) {
+        if (self->mask_pages[t] == NULL) continue;
+        total += self->page_cap * sizeof(uint64_t *);
+        for (uint32_t p = 0; p < self->page_cap; p++)
+            if (self->mask_pages[t][p]) total += (uint64_t)PAGE_SIZE * self->words * 8;
+    }
+    total += (uint64_t)N_TIERS * self->n_slots * sizeof(int64_t) + 3 * self->words * 8;
+    return PyLong_FromUnsignedLongLong(total);
+}
+
+/* Everything, as plain dicts, for integrity checks: (masks per tier {hash: holders},
+ * {held hash: parent hash or None}, {hash: [child hashes]}, counts per tier). */
+static PyObject *Holdings_snapshot(Holdings *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *tiers = PyTuple_New(N_TIERS), *parents = PyDict_New(), *children = PyDict_New();
+    PyObject *counts = PyTuple_New(N_TIERS);
+    if (!tiers || !parents || !children || !counts) goto fail;
+    for (int t = 0; t < N_TIERS; t++) {
+        PyObject *d = PyDict_New(), *c = PyList_New(self->n_slots);
+        if (d == NULL || c == NULL) { Py_XDECREF(d); Py_XDECREF(c); goto fail; }
+        PyTuple_SET_ITEM(tiers, t, d);
+        PyTuple_SET_ITEM(counts, t, c);
+        for (Py_ssize_t s = 0; s < self->n_slots; s++)
+            PyList_SET_ITEM(c, s, PyLong_FromLongLong(self->counts[t * self->n_slots + s]));
+    }
+    for (uint64_t b = 0; b < self->table_cap; b++) {
+        uint32_t i = self->table[b];
+        if (i == NONE) continue;
+        Entry *e = entry(self, i);
+        PyObject *h = hash_obj(e->hash);
+        for (int t = 0; t < N_TIERS; t++) {
+            uint64_t *m = masks_of(self, t, i);
+            if (!any_bits(m, self->words)) continue;
+            PyObject *v = _PyLong_FromByteArray((const unsigned char *)m, self->words * 8, 1, 0);
+            PyDict_SetItem(PyTuple_GET_ITEM(tiers, t), h, v);
+            Py_DECREF(v);
+        }
+        if (held_anywhere(self, i)) {
+            PyObject *p = e->parent == NONE ? Py_NewRef(Py_None) : hash_obj(entry(self, e->parent)->hash);
+            PyDict_SetItem(parents, h, p);
+            Py_DECREF(p);
+        }
+        if (e->first_child != NONE) {
+            PyObject *kids = PyList_New(0);
+            for (uint32_t c = e->first_child; c != NONE; c = entry(self, c)->next_sibling) {
+                PyObject *ch = hash_obj(entry(self, c)->hash);
+                PyList_Append(kids, ch);
+                Py_DECREF(ch);
+            }
+            PyDict_SetItem(children, h, kids);
+            Py_DECREF(kids);
+        }
+        Py_DECREF(h);
+    }
+    if (PyErr_Occurred()) goto fail;
+    return Py_BuildValue("NNNN", tiers, parents, children, counts);
+fail:
+    Py_XDECREF(tiers); Py_XDECREF(parents); Py_XDECREF(children); Py_XDECREF(counts);
+    return NULL;
+}
+
+static PyMethodDef Holdings_methods[] = {
+    {"holders", (PyCFunction)Holdings_holders, METH_VARARGS, NULL},
+    {"count", (PyCFunction)Holdings_count, METH_VARARGS, NULL},
+    {"match", (PyCFunction)Holdings_match, METH_VARARGS, NULL},
+    {"store", (PyCFunction)Holdings_store, METH_VARARGS, NULL},
+    {"remove", (PyCFunction)Holdings_remove, METH_VARARGS, NULL},
+    {"parent_of", (PyCFunction)Holdings_parent_of, METH_O, NULL},
+    {"blocks_of", (PyCFunction)Holdings_blocks_of, METH_VARARGS, NULL},
+    {"subtree_of", (PyCFunction)Holdings_subtree_of, METH_VARARGS, NULL},
+    {"clear_slot", (PyCFunction)Holdings_clear_slot, METH_O, NULL},
+    {"counters", (PyCFunction)Holdings_counters, METH_NOARGS, NULL},
+    {"entries", (PyCFunction)Holdings_entries, METH_NOARGS, NULL},
+    {"memory_bytes", (PyCFunction)Holdings_memory_bytes, METH_NOARGS, NULL},
+    {"snapshot", (PyCFunction)Holdings_snapshot, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Holdings_as_sequence = {
+    .sq_length = (lenfunc)Holdings_len,
+};
+
+static PyTypeObject HoldingsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsched.core._holdings.Holdings",
+    .tp_doc = "Compiled block holdings (see kvsched.core.holdings for the reference).",
+    .tp_basicsize = sizeof(Holdings),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Holdings_init,
+    .tp_dealloc = (destructor)Holdings_dealloc,
+    .tp_methods = Holdings_methods,
+    .tp_as_sequence = &Holdings_as_sequence,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_holdings", "Compiled block holdings of the prefix index.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__holdings(void) {
+    if (PyType_Ready(&HoldingsType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Holdings", (PyObject *)&HoldingsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

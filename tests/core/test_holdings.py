@@ -1,0 +1,128 @@
+"""The compiled block holdings against the pure-Python reference: the same random operations
+(lost, duplicated and reordered events, stray parents and cycles included), identical results."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsched.core._holdings import Holdings
+from kvsched.core.holdings import PURE_ENV, BlockHoldings, PyHoldings, make_holdings
+from kvsched.core.index import PrefixIndex
+
+# A few hashes spread over the whole u64 range (the compiled table mixes them) and small ones.
+HASHES = [1, 2, 3, 4, 5, 6, 7, 8, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 0]
+hashes = st.sampled_from(HASHES)
+chains = st.lists(hashes, min_size=0, max_size=6)
+tiers = st.integers(0, 2)
+
+
+def ops(n_slots: int) -> st.SearchStrategy[list[tuple[object, ...]]]:
+    slots = st.integers(0, n_slots - 1)
+    op = st.one_of(
+        st.tuples(st.just("store"), slots, chains, st.none() | hashes, tiers),
+        st.tuples(st.just("remove"), slots, chains, tiers),
+        st.tuples(st.just("clear"), slots),
+    )
+    return st.lists(op, max_size=50)
+
+
+def observe(h: BlockHoldings, n_slots: int) -> tuple[object, ...]:
+    """Everything a caller can read, with unordered lists sorted."""
+    masks, parents, children, counts = h.snapshot()
+    probes = [HASHES, HASHES[::-1], HASHES[:4], [HASHES[8], HASHES[9]], []]
+    return (
+        len(h),
+        h.counters(),
+        [[h.holders(x, t) for x in HASHES] for t in range(3)],
+        [[h.count(s, t) for s in range(n_slots)] for t in range(3)],
+        [h.match(p, t) for p in probes for t in range(3)],
+        [list(h.match(p, 0).items()) for p in probes],  # the same order too
+        [h.parent_of(x) for x in HASHES],
+        [sorted(h.blocks_of(s, t)) for s in range(n_slots) for t in range(3)],
+        [sorted(h.subtree_of(s, [x], t)) for s in range(n_slots) for x in HASHES for t in range(3)],
+        masks,
+        parents,
+        {k: sorted(v) for k, v in children.items()},
+        counts,
+    )
+
+
+def drive(n_slots: int, script: list[tuple[object, ...]]) -> None:
+    ref, fast = PyHoldings(n_slots), Holdings(n_slots)
+    for op in script:
+        for h in (ref, fast):
+            if op[0] == "store":
+                _, slot, chain, parent, tier = op
+                h.store(slot, chain, parent, tier)  # type: ignore[arg-type]
+            elif op[0] == "remove":
+                _, slot, chain, tier = op
+                h.remove(slot, chain, tier)  # type: ignore[arg-type]
+            else:
+                h.clear_slot(op[1])  # type: ignore[arg-type]
+        assert observe(fast, n_slots) == observe(ref, n_slots), op
+        # The compiled table keeps exactly the held blocks and the parents with children.
+        _, parents, children, _ = ref.snapshot()
+        assert fast.entries() == len(set(parents) | set(children)), op
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops(3))
+def test_compiled_holdings_agree_with_the_reference(script: list[tuple[object, ...]]) -> None:
+    drive(3, script)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops(130))
+def test_compiled_holdings_agree_beyond_64_slots(script: list[tuple[object, ...]]) -> None:
+    drive(130, script)  # three words per holder bitset
+
+
+def test_long_chains_grow_the_table_and_shrink_back() -> None:
+    ref, fast = PyHoldings(2), make_holdings(2, pure=False)
+    chain = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 200_001)]
+    for h in (ref, fast):
+        h.store(0, chain, None)
+        h.store(1, chain[:1000], None)
+        h.remove(0, chain[150_000:])
+    assert len(fast) == len(ref) == 150_000
+    assert fast.match(chain) == ref.match(chain) == {0: 150_000, 1: 1000}
+    for h in (ref, fast):
+        h.remove(0, chain[:1])  # the root: everything slot 0 holds goes
+    assert fast.counters() == ref.counters()
+    assert fast.match(chain) == ref.match(chain) == {1: 1000}
+    assert len(fast) == len(ref) == 1000
+    for h in (ref, fast):
+        h.clear_slot(1)
+    assert len(fast) == 0
+    assert fast.snapshot() == ref.snapshot()
+
+
+def test_bad_input_is_refused_before_anything_changes() -> None:
+    fast = make_holdings(4, pure=False)
+    fast.store(0, [1, 2], None)
+    before = fast.snapshot()
+    with pytest.raises(OverflowError):
+        fast.store(0, [3, 2**64], 2)
+    with pytest.raises(OverflowError):
+        fast.store(0, [3, -1], 2)
+    with pytest.raises(TypeError):
+        fast.store(0, [3, "4"], 2)  # type: ignore[list-item]
+    with pytest.raises(IndexError):
+        fast.store(4, [3], None)
+    with pytest.raises(ValueError, match="tier"):
+        fast.store(0, [3], None, 3)
+    with pytest.raises(TypeError):
+        fast.match(5)  # type: ignore[arg-type]
+    assert fast.snapshot() == before
+    with pytest.raises(ValueError, match="slot"):
+        make_holdings(0, pure=False)
+
+
+def test_the_environment_picks_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PURE_ENV, "1")
+    assert not PrefixIndex(2).compiled
+    assert PrefixIndex(2, pure=False).compiled
+    monkeypatch.setenv(PURE_ENV, "0")
+    assert PrefixIndex(2).compiled
