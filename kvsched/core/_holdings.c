@@ -368,15 +368,22 @@ static int read_covers(Holdings *self, PyObject **items, Py_ssize_t k, int tier,
 }
 
 static PyObject *Holdings_match(Holdings *self, PyObject *args) {
-    PyObject *seq;
+    PyObject *seq, *limit_obj = Py_None;
     int tier = 0;
-    if (!PyArg_ParseTuple(args, "O|i", &seq, &tier)) return NULL;
+    if (!PyArg_ParseTuple(args, "O|iO", &seq, &tier, &limit_obj)) return NULL;
     if (check_slot_tier(self, 0, tier) < 0) return NULL;
+    Py_ssize_t limit = PY_SSIZE_T_MAX;
+    if (limit_obj != Py_None) {
+        limit = PyLong_AsSsize_t(limit_obj);
+        if (limit == -1 && PyErr_Occurred()) return NULL;
+        if (limit < 0) limit = 0;
+    }
     PyObject *fast = PySequence_Fast(seq, "block hashes must be a sequence");
     if (fast == NULL) return NULL;
     PyObject *result = PyDict_New();
     if (result == NULL) { Py_DECREF(fast); return NULL; }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), words = self->words;
+    if (n > limit) n = limit;  /* the first `limit` blocks only, without slicing a copy */
     PyObject **items = PySequence_Fast_ITEMS(fast);
     if (n == 0) { Py_DECREF(fast); return result; }
     uint64_t *alive = self->scratch, *nxt = self->scratch + words;

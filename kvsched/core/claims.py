@@ -108,11 +108,12 @@ class ClaimTree:
                 return
             node, pos = child, child.end
 
-    def match(self, hashes: Sequence[int], into: dict[int, int]) -> None:
-        """Raise `into[slot]` to the prompt's longest common prefix with any claim of the
-        slot (slots with no claim along the prompt are left alone)."""
+    def match(self, hashes: Sequence[int], into: dict[int, int], limit: int | None = None) -> None:
+        """Raise `into[slot]` to the prompt's (its first `limit` blocks') longest common prefix
+        with any claim of the slot (slots with no claim along the prompt are left alone)."""
         path: list[tuple[int, int]] = []  # (slots through the node, prompt blocks matched)
-        node, pos, n = self._root, 0, len(hashes)
+        n = len(hashes) if limit is None else max(min(len(hashes), limit), 0)
+        node, pos = self._root, 0
         while pos < n:
             child = node.children.get(hashes[pos])
             if child is None:

@@ -43,8 +43,11 @@ class BlockHoldings(Protocol):
     def __len__(self) -> int:
         """Distinct blocks held anywhere."""
 
-    def match(self, hashes: Sequence[int], tier: int = 0, /) -> dict[int, int]:
-        """Leading blocks of `hashes` held per slot (slots with none absent). Changes nothing."""
+    def match(
+        self, hashes: Sequence[int], tier: int = 0, limit: int | None = None, /
+    ) -> dict[int, int]:
+        """Leading blocks of `hashes` (of its first `limit` when given) held per slot (slots
+        with none absent). Changes nothing."""
 
     def store(self, slot: int, hashes: Sequence[int], parent: int | None, tier: int = 0, /) -> None:
         """`slot` now holds the chain `hashes` (the first continues `parent`) in `tier`."""
@@ -125,11 +128,13 @@ class PyHoldings:
     def __len__(self) -> int:
         return len(self._parent)
 
-    def match(self, hashes: Sequence[int], tier: int = 0, /) -> dict[int, int]:
+    def match(
+        self, hashes: Sequence[int], tier: int = 0, limit: int | None = None, /
+    ) -> dict[int, int]:
         # Holdings are prefix-closed per slot, so along the prompt the set of holders only
         # shrinks: gallop then bisect for each place it shrinks.
         get = self._masks[tier].get
-        n = len(hashes)
+        n = len(hashes) if limit is None else max(min(len(hashes), limit), 0)
         result: dict[int, int] = {}
         if n == 0:
             return result

@@ -110,12 +110,15 @@ class PrefixIndex:
         """Distinct blocks held anywhere."""
         return len(self._blocks)
 
-    def match(self, hashes: Sequence[int], tier: Tier = Tier.GPU) -> dict[int, int]:
-        """Matched leading blocks per slot (slots with no match are absent); on the GPU tier
-        speculative placements count too. Changes nothing."""
-        result = self._blocks.match(hashes, tier)
-        if tier is Tier.GPU and len(hashes):
-            self._claims.match(hashes, result)
+    def match(
+        self, hashes: Sequence[int], tier: Tier = Tier.GPU, limit: int | None = None
+    ) -> dict[int, int]:
+        """Matched leading blocks per slot (slots with no match are absent) of `hashes`, or of
+        its first `limit` (no copy is made); on the GPU tier speculative placements count too.
+        Changes nothing."""
+        result = self._blocks.match(hashes, tier, limit)
+        if tier is Tier.GPU and len(hashes) and limit != 0:
+            self._claims.match(hashes, result, limit)
         return result
 
     # ---- writes ------------------------------------------------------------------------

@@ -41,10 +41,9 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     bs = cluster.block_size
     eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
     max_blocks = max(req.prompt_tokens - 1, 0) // bs
-    hashes = req.block_hashes[:max_blocks]
     blocks = np.zeros(cluster.n)
     for tier in (Tier.CPU, Tier.GPU):
-        for slot, n in cluster.index.match(hashes, tier).items():
+        for slot, n in cluster.index.match(req.block_hashes, tier, max_blocks).items():
             blocks[slot] = max(blocks[slot], n)
     tokens = np.minimum(blocks * bs, max(req.prompt_tokens - 1, 0))
     return RequestView(req, eligible, blocks, tokens, max_blocks)

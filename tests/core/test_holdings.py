@@ -39,6 +39,7 @@ def observe(h: BlockHoldings, n_slots: int) -> tuple[object, ...]:
         [[h.count(s, t) for s in range(n_slots)] for t in range(3)],
         [h.match(p, t) for p in probes for t in range(3)],
         [list(h.match(p, 0).items()) for p in probes],  # the same order too
+        [h.match(HASHES, t, limit) for t in range(3) for limit in (None, 0, 1, 3, 7, 99, -1)],
         [h.parent_of(x) for x in HASHES],
         [sorted(h.blocks_of(s, t)) for s in range(n_slots) for t in range(3)],
         [sorted(h.subtree_of(s, [x], t)) for s in range(n_slots) for x in HASHES for t in range(3)],

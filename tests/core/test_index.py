@@ -167,6 +167,7 @@ def test_index_matches_brute_force(pure: bool, ops: list[tuple[str, int, int, in
             for t in Tier:
                 if model.unknown_parents == 0:
                     assert index.match(probe, t) == model.match(probe, t)
+                    assert index.match(probe, t, 3) == model.match(probe[:3], t)
         assert index.counters.unknown_parents == model.unknown_parents
         if model.unknown_parents == 0:  # with a gap, what hangs below it is unknowable
             for s in range(4):
