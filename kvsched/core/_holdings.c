@@ -3,10 +3,13 @@
  * kvsched/core/holdings.py (a property test drives both with the same operations); see that
  * module for what each method means.
  *
- * Layout (per block, 64 slots or fewer, GPU tier only): a 20-byte entry (hash, parent, first
- * child, next sibling), one 8-byte holder word per tier in use, and a 4-byte bucket in an
- * open-addressing table at most 3/4 full. Entries and holder words live in fixed-size pages, so
- * growth never copies them and a freed entry is reused. A block's entry lives while some slot
+ * Layout (per block, GPU tier only): a 20-byte entry (hash, parent, first child, next sibling),
+ * one 8-byte holder word per tier in use, and a 4-byte bucket in an open-addressing table at
+ * most 3/4 full. Entries and holder words live in fixed-size pages, so growth never copies them
+ * and a freed entry is reused. With 64 slots or fewer the holder word is the holders' bitset;
+ * with more it lists up to three holders inline (21 bits each: slot + 1, 0 for none) and
+ * otherwise points at a full bitset in an overflow pool (top bit set), so a block costs the
+ * same at 1,024 instances as at 64 unless four or more instances hold it. A block's entry lives while some slot
  * holds it in some tier or some block names it as parent (a parent an engine never reported:
  * its children must still leave with it if it is stored and removed later, as the reference
  * does).
@@ -47,6 +50,8 @@ typedef struct {
     Py_ssize_t held;             /* blocks held anywhere (in any tier by any slot) */
     int64_t *counts;             /* counts[tier * n_slots + slot] */
     uint64_t *scratch;           /* 3 bitsets of `words` words for match */
+    uint64_t *pool;              /* overflow bitsets (more than 64 slots): `words` words each */
+    uint32_t pool_cap, pool_next, pool_free, pool_live;
     uint64_t unknown_parents, duplicate_stores, absent_removals, cascaded_removals;
 } Holdings;
 
@@ -64,41 +69,162 @@ static inline Entry *entry(Holdings *self, uint32_t i) {
     return &self->pages[i >> PAGE_BITS][i & PAGE_MASK];
 }
 
-static inline uint64_t *masks_of(Holdings *self, int tier, uint32_t i) {
+/* The holder word of entry i in tier t; NULL while its page was never written. */
+static inline uint64_t *holder_word(Holdings *self, int tier, uint32_t i) {
     uint64_t **pages = self->mask_pages[tier];
     if (pages == NULL || pages[i >> PAGE_BITS] == NULL) return NULL;
-    return pages[i >> PAGE_BITS] + (size_t)(i & PAGE_MASK) * self->words;
+    return pages[i >> PAGE_BITS] + (i & PAGE_MASK);
 }
 
-/* The holder words of entry i in tier t, allocated (zeroed) on first use; NULL if out of
- * memory (with the Python error set). */
-static uint64_t *masks_for_write(Holdings *self, int tier, uint32_t i) {
+static inline uint64_t holders_of(Holdings *self, int tier, uint32_t i) {
+    uint64_t *w = holder_word(self, tier, i);
+    return w == NULL ? 0 : *w;
+}
+
+/* The holder word of entry i in tier t, its page allocated (zeroed) on first use; NULL if out
+ * of memory (with the Python error set). */
+static uint64_t *holder_word_for_write(Holdings *self, int tier, uint32_t i) {
     if (self->mask_pages[tier] == NULL) {
         self->mask_pages[tier] = PyMem_Calloc(self->page_cap, sizeof(uint64_t *));
         if (self->mask_pages[tier] == NULL) { PyErr_NoMemory(); return NULL; }
     }
     uint64_t **pages = self->mask_pages[tier];
     if (pages[i >> PAGE_BITS] == NULL) {
-        pages[i >> PAGE_BITS] = PyMem_Calloc((size_t)PAGE_SIZE * self->words, sizeof(uint64_t));
+        pages[i >> PAGE_BITS] = PyMem_Calloc(PAGE_SIZE, sizeof(uint64_t));
         if (pages[i >> PAGE_BITS] == NULL) { PyErr_NoMemory(); return NULL; }
     }
-    return pages[i >> PAGE_BITS] + (size_t)(i & PAGE_MASK) * self->words;
+    return pages[i >> PAGE_BITS] + (i & PAGE_MASK);
+}
+
+/* ---- holder words ------------------------------------------------------------------------
+ * A word is 0 exactly when nobody holds the block. Above 64 slots: OVERFLOW | pool index, or
+ * up to three inline fields of FIELD_BITS bits, each 0 (free) or slot + 1. */
+
+#define OVERFLOW (1ULL << 63)
+#define FIELD_BITS 21
+#define FIELD_MASK ((1ULL << FIELD_BITS) - 1)
+#define MAX_SPARSE_SLOTS ((Py_ssize_t)FIELD_MASK - 1)
+
+static inline int sparse(Holdings *self) { return self->words > 1; }
+
+static inline uint64_t *pool_bits(Holdings *self, uint64_t w) {
+    return self->pool + (size_t)(uint32_t)w * self->words;
+}
+
+static inline uint64_t field(uint64_t w, int k) { return (w >> (k * FIELD_BITS)) & FIELD_MASK; }
+
+static inline int h_has(Holdings *self, uint64_t w, Py_ssize_t slot) {
+    if (!sparse(self)) return (w >> slot) & 1;
+    if (w & OVERFLOW) return (pool_bits(self, w)[slot >> 6] >> (slot & 63)) & 1;
+    uint64_t want = (uint64_t)slot + 1;
+    return field(w, 0) == want || field(w, 1) == want || field(w, 2) == want;
+}
+
+/* Make sure one overflow bitset is free, so that adding a holder cannot fail. */
+static int pool_reserve(Holdings *self) {
+    if (self->pool_free != NONE || self->pool_next < self->pool_cap) return 0;
+    uint32_t cap = self->pool_cap ? self->pool_cap * 2 : 1024;
+    uint64_t *pool = PyMem_Realloc(self->pool, (size_t)cap * self->words * sizeof(uint64_t));
+    if (pool == NULL) { PyErr_NoMemory(); return -1; }
+    self->pool = pool;
+    self->pool_cap = cap;
+    return 0;
+}
+
+/* Add `slot` (not yet a holder) to *w; pool_reserve must have succeeded first. */
+static void h_add(Holdings *self, uint64_t *w, Py_ssize_t slot) {
+    if (!sparse(self)) { *w |= 1ULL << slot; return; }
+    if (*w & OVERFLOW) { pool_bits(self, *w)[slot >> 6] |= 1ULL << (slot & 63); return; }
+    for (int k = 0; k < 3; k++) {
+        if (field(*w, k) == 0) { *w |= ((uint64_t)slot + 1) << (k * FIELD_BITS); return; }
+    }
+    /* A fourth holder: move the three to a bitset of the pool. */
+    uint32_t idx = self->pool_free;
+    if (idx != NONE) self->pool_free = (uint32_t)self->pool[(size_t)idx * self->words];
+    else idx = self->pool_next++;
+    self->pool_live++;
+    uint64_t *bits = self->pool + (size_t)idx * self->words;
+    memset(bits, 0, self->words * sizeof(uint64_t));
+    for (int k = 0; k < 3; k++) {
+        uint64_t s = field(*w, k) - 1;
+        bits[s >> 6] |= 1ULL << (s & 63);
+    }
+    bits[slot >> 6] |= 1ULL << (slot & 63);
+    *w = OVERFLOW | idx;
+}
+
+/* Remove `slot` (a holder) from *w; returns whether nobody holds the block now. */
+static int h_remove(Holdings *self, uint64_t *w, Py_ssize_t slot) {
+    if (!sparse(self)) { *w &= ~(1ULL << slot); return *w == 0; }
+    if (*w & OVERFLOW) {
+        uint64_t *bits = pool_bits(self, *w);
+        bits[slot >> 6] &= ~(1ULL << (slot & 63));
+        for (Py_ssize_t k = 0; k < self->words; k++) if (bits[k]) return 0;
+        uint32_t idx = (uint32_t)*w;  /* empty: back to the free list */
+        bits[0] = self->pool_free;
+        self->pool_free = idx;
+        self->pool_live--;
+        *w = 0;
+        return 1;
+    }
+    for (int k = 0; k < 3; k++) {
+        if (field(*w, k) == (uint64_t)slot + 1) *w &= ~(FIELD_MASK << (k * FIELD_BITS));
+    }
+    return *w == 0;
+}
+
+/* The holders of w as a bitset of `words` words. */
+static void h_expand(Holdings *self, uint64_t w, uint64_t *out) {
+    if (!sparse(self)) { out[0] = w; return; }
+    if (w & OVERFLOW) { memcpy(out, pool_bits(self, w), self->words * sizeof(uint64_t)); return; }
+    memset(out, 0, self->words * sizeof(uint64_t));
+    for (int k = 0; k < 3; k++) {
+        uint64_t s = field(w, k);
+        if (s) out[(s - 1) >> 6] |= 1ULL << ((s - 1) & 63);
+    }
+}
+
+/* Whether every slot in the bitset `alive` holds the block of word w. */
+static int h_covers(Holdings *self, uint64_t w, const uint64_t *alive) {
+    if (!sparse(self)) return (w & alive[0]) == alive[0];
+    if (w & OVERFLOW) {
+        const uint64_t *bits = pool_bits(self, w);
+        for (Py_ssize_t k = 0; k < self->words; k++)
+            if ((bits[k] & alive[k]) != alive[k]) return 0;
+        return 1;
+    }
+    for (Py_ssize_t k = 0; k < self->words; k++) {
+        uint64_t rest = alive[k];
+        while (rest) {
+            int bit = __builtin_ctzll(rest);
+            rest &= rest - 1;
+            if (!h_has(self, w, k * 64 + bit)) return 0;
+        }
+    }
+    return 1;
+}
+
+/* out = the holders of w that are in `alive`. */
+static void h_and(Holdings *self, uint64_t w, const uint64_t *alive, uint64_t *out) {
+    h_expand(self, w, out);
+    for (Py_ssize_t k = 0; k < self->words; k++) out[k] &= alive[k];
 }
 
 static inline int any_bits(const uint64_t *m, Py_ssize_t words) {
-    if (m == NULL) return 0;
     for (Py_ssize_t w = 0; w < words; w++) if (m[w]) return 1;
     return 0;
 }
 
-static inline int has_bit(const uint64_t *m, Py_ssize_t slot) {
-    return m != NULL && (m[slot >> 6] >> (slot & 63)) & 1;
-}
-
 static int held_anywhere(Holdings *self, uint32_t i) {
     for (int t = 0; t < N_TIERS; t++)
-        if (any_bits(masks_of(self, t, i), self->words)) return 1;
+        if (holders_of(self, t, i)) return 1;
     return 0;
+}
+
+static PyObject *bits_to_int(Holdings *self, const uint64_t *bits) {
+    if (self->words == 1) return PyLong_FromUnsignedLongLong(bits[0]);
+    /* Build the int from its little-endian bytes. */
+    return _PyLong_FromByteArray((const unsigned char *)bits, self->words * 8, 1, 0);
 }
 
 /* ---- hash table ------------------------------------------------------------------------ */
@@ -229,10 +355,9 @@ static void unlink_if_unheld(Holdings *self, uint32_t i) {
 
 /* Clear `slot` in entry i's holder words of `tier`; unlink i if nothing holds it now. */
 static void unset(Holdings *self, int tier, Py_ssize_t slot, uint32_t i) {
-    uint64_t *m = masks_of(self, tier, i);
-    m[slot >> 6] &= ~(1ULL << (slot & 63));
+    int empty = h_remove(self, holder_word(self, tier, i), slot);
     self->counts[tier * self->n_slots + slot]--;
-    if (!any_bits(m, self->words)) unlink_if_unheld(self, i);
+    if (empty) unlink_if_unheld(self, i);
 }
 
 /* ---- argument helpers ------------------------------------------------------------------ */
@@ -295,6 +420,7 @@ static void Holdings_dealloc(Holdings *self) {
     PyMem_Free(self->table);
     PyMem_Free(self->counts);
     PyMem_Free(self->scratch);
+    PyMem_Free(self->pool);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -310,8 +436,13 @@ static int Holdings_init(Holdings *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "an index needs at least one instance slot");
         return -1;
     }
+    if (n > MAX_SPARSE_SLOTS) {
+        PyErr_Format(PyExc_ValueError, "at most %zd instance slots", MAX_SPARSE_SLOTS);
+        return -1;
+    }
     self->n_slots = n;
     self->words = (n + 63) / 64;
+    self->pool_free = NONE;
     self->page_cap = 4;
     self->pages = PyMem_Calloc(self->page_cap, sizeof(Entry *));
     self->table_cap = 1024;
@@ -334,11 +465,9 @@ static PyObject *Holdings_holders(Holdings *self, PyObject *args) {
     uint64_t h;
     if (check_slot_tier(self, 0, tier) < 0 || read_hash(hobj, &h) < 0) return NULL;
     uint32_t i = lookup(self, h);
-    uint64_t *m = i == NONE ? NULL : masks_of(self, tier, i);
-    if (m == NULL) return PyLong_FromLong(0);
-    if (self->words == 1) return PyLong_FromUnsignedLongLong(m[0]);
-    /* Build the int from its little-endian bytes. */
-    return _PyLong_FromByteArray((const unsigned char *)m, self->words * 8, 1, 0);
+    uint64_t *bits = self->scratch + 2 * self->words;
+    h_expand(self, i == NONE ? 0 : holders_of(self, tier, i), bits);
+    return bits_to_int(self, bits);
 }
 
 static PyObject *Holdings_count(Holdings *self, PyObject *args) {
@@ -351,20 +480,12 @@ static PyObject *Holdings_count(Holdings *self, PyObject *args) {
 
 static Py_ssize_t Holdings_len(Holdings *self) { return self->held; }
 
-/* Whether every slot of `alive` holds hashes[k] in `tier`. */
-static int read_covers(Holdings *self, PyObject **items, Py_ssize_t k, int tier,
-                       const uint64_t *alive, uint64_t **found, int *err) {
+/* The holder word of hashes[k] in `tier` (0 when nobody holds it); sets *err on bad input. */
+static uint64_t read_holders(Holdings *self, PyObject **items, Py_ssize_t k, int tier, int *err) {
     uint64_t h;
-    *found = NULL;
     if (read_hash(items[k], &h) < 0) { *err = 1; return 0; }
     uint32_t i = lookup(self, h);
-    if (i == NONE) return 0;
-    uint64_t *m = masks_of(self, tier, i);
-    *found = m;
-    if (m == NULL) return 0;
-    for (Py_ssize_t w = 0; w < self->words; w++)
-        if ((m[w] & alive[w]) != alive[w]) return 0;
-    return 1;
+    return i == NONE ? 0 : holders_of(self, tier, i);
 }
 
 static PyObject *Holdings_match(Holdings *self, PyObject *args) {
@@ -388,41 +509,40 @@ static PyObject *Holdings_match(Holdings *self, PyObject *args) {
     if (n == 0) { Py_DECREF(fast); return result; }
     uint64_t *alive = self->scratch, *nxt = self->scratch + words;
     int err = 0;
-    uint64_t *m;
-    read_covers(self, items, 0, tier, alive, &m, &err);
+    uint64_t w = read_holders(self, items, 0, tier, &err);
     if (err) goto fail;
-    for (Py_ssize_t w = 0; w < words; w++) alive[w] = m ? m[w] : 0;
+    h_expand(self, w, alive);
     Py_ssize_t pos = 0;  /* every slot in `alive` holds blocks [0, pos] */
     while (any_bits(alive, words)) {
         /* Gallop then bisect for the last position still held by all of `alive`. */
         Py_ssize_t lo = pos, step = 1, hi = n;
         while (lo + step < hi) {
-            int covers = read_covers(self, items, lo + step, tier, alive, &m, &err);
+            w = read_holders(self, items, lo + step, tier, &err);
             if (err) goto fail;
-            if (covers) { lo += step; step <<= 1; }
+            if (h_covers(self, w, alive)) { lo += step; step <<= 1; }
             else { hi = lo + step; break; }
         }
         while (hi - lo > 1) {
             Py_ssize_t mid = (lo + hi) >> 1;
-            int covers = read_covers(self, items, mid, tier, alive, &m, &err);
+            w = read_holders(self, items, mid, tier, &err);
             if (err) goto fail;
-            if (covers) lo = mid; else hi = mid;
+            if (h_covers(self, w, alive)) lo = mid; else hi = mid;
         }
         if (lo + 1 < n) {
-            read_covers(self, items, lo + 1, tier, alive, &m, &err);
+            w = read_holders(self, items, lo + 1, tier, &err);
             if (err) goto fail;
-            for (Py_ssize_t w = 0; w < words; w++) nxt[w] = m ? m[w] & alive[w] : 0;
+            h_and(self, w, alive, nxt);
         } else {
             memset(nxt, 0, words * sizeof(uint64_t));
         }
         PyObject *length = PyLong_FromSsize_t(lo + 1);
         if (length == NULL) goto fail;
-        for (Py_ssize_t w = 0; w < words; w++) {
-            uint64_t gone = alive[w] & ~nxt[w];
+        for (Py_ssize_t k = 0; k < words; k++) {
+            uint64_t gone = alive[k] & ~nxt[k];
             while (gone) {
                 int bit = __builtin_ctzll(gone);
                 gone &= gone - 1;
-                PyObject *slot = PyLong_FromSsize_t(w * 64 + bit);
+                PyObject *slot = PyLong_FromSsize_t(k * 64 + bit);
                 if (slot == NULL || PyDict_SetItem(result, slot, length) < 0) {
                     Py_XDECREF(slot); Py_DECREF(length); goto fail;
                 }
@@ -455,33 +575,39 @@ static PyObject *Holdings_store(Holdings *self, PyObject *args) {
     if (hashes == NULL) return NULL;
     if (has_parent) {
         uint32_t p = lookup(self, parent);
-        if (p == NONE || !has_bit(masks_of(self, tier, p), slot)) self->unknown_parents++;
+        if (p == NONE || !h_has(self, holders_of(self, tier, p), slot)) self->unknown_parents++;
     }
-    uint64_t bit = 1ULL << (slot & 63);
-    Py_ssize_t word = slot >> 6;
     for (Py_ssize_t k = 0; k < n; k++) {
         uint64_t h = hashes[k];
-        uint32_t i = intern(self, h);
+        /* Everything this block needs is allocated before anything about it changes. */
+        uint32_t i = intern(self, h), p = NONE;
         if (i == NONE) goto fail;
-        if (!held_anywhere(self, i)) {
+        int first = !held_anywhere(self, i);
+        if (first && has_parent) {
+            p = intern(self, parent);
+            if (p == NONE) { release_if_unused(self, i); goto fail; }
+        }
+        uint64_t *w = holder_word_for_write(self, tier, i);
+        if (w == NULL || (sparse(self) && pool_reserve(self) < 0)) {
+            release_if_unused(self, i);
+            if (p != NONE) release_if_unused(self, p);
+            goto fail;
+        }
+        if (first) {
             /* First holder anywhere: link it under its parent (the reference keeps the first
              * parent a block was stored with). */
             self->held++;
-            if (has_parent) {
-                uint32_t p = intern(self, parent);
-                if (p == NONE) { self->held--; release_if_unused(self, i); goto fail; }
+            if (p != NONE) {
                 Entry *e = entry(self, i), *pe = entry(self, p);
                 e->parent = p;
                 e->next_sibling = pe->first_child;
                 pe->first_child = i;
             }
         }
-        uint64_t *m = masks_for_write(self, tier, i);
-        if (m == NULL) goto fail;  /* only before the first page of a tier: nothing held yet */
-        if (m[word] & bit) {
+        if (h_has(self, *w, slot)) {
             self->duplicate_stores++;
         } else {
-            m[word] |= bit;
+            h_add(self, w, slot);
             self->counts[tier * self->n_slots + slot]++;
         }
         parent = h;
@@ -503,7 +629,7 @@ static int drop_subtree(Holdings *self, Py_ssize_t slot, int tier, uint64_t root
     while (top) {
         uint64_t h = stack[--top];
         uint32_t i = lookup(self, h);
-        if (i == NONE || !has_bit(masks_of(self, tier, i), slot)) continue;
+        if (i == NONE || !h_has(self, holders_of(self, tier, i), slot)) continue;
         if (h != root) self->cascaded_removals++;
         for (uint32_t c = entry(self, i)->first_child; c != NONE; c = entry(self, c)->next_sibling) {
             if (top == cap) {
@@ -531,7 +657,7 @@ static PyObject *Holdings_remove(Holdings *self, PyObject *args) {
     if (hashes == NULL) return NULL;
     for (Py_ssize_t k = 0; k < n; k++) {
         uint32_t i = lookup(self, hashes[k]);
-        if (i == NONE || !has_bit(masks_of(self, tier, i), slot)) {
+        if (i == NONE || !h_has(self, holders_of(self, tier, i), slot)) {
             self->absent_removals++;
         } else if (entry(self, i)->first_child != NONE) {
             if (drop_subtree(self, slot, tier, hashes[k]) < 0) { PyMem_Free(hashes); return NULL; }
@@ -559,7 +685,7 @@ static uint64_t *held_by(Holdings *self, Py_ssize_t slot, int tier, Py_ssize_t *
     *n = 0;
     for (uint64_t b = 0; b < self->table_cap && *n < count; b++) {
         uint32_t i = self->table[b];
-        if (i != NONE && has_bit(masks_of(self, tier, i), slot)) out[(*n)++] = entry(self, i)->hash;
+        if (i != NONE && h_has(self, holders_of(self, tier, i), slot)) out[(*n)++] = entry(self, i)->hash;
     }
     return out;
 }
@@ -593,7 +719,7 @@ static PyObject *Holdings_subtree_of(Holdings *self, PyObject *args) {
     if (out == NULL || seen == NULL || stack == NULL) goto fail;
     for (Py_ssize_t k = 0; k < n; k++) {
         uint32_t i = lookup(self, roots[k]);
-        if (i != NONE && has_bit(masks_of(self, tier, i), slot)) {
+        if (i != NONE && h_has(self, holders_of(self, tier, i), slot)) {
             PyObject *h = hash_obj(roots[k]);
             if (h == NULL || PyList_Append(stack, h) < 0) { Py_XDECREF(h); goto fail; }
             Py_DECREF(h);
@@ -611,7 +737,7 @@ static PyObject *Holdings_subtree_of(Holdings *self, PyObject *args) {
         Py_DECREF(h);
         uint32_t i = lookup(self, hv);
         for (uint32_t c = entry(self, i)->first_child; c != NONE; c = entry(self, c)->next_sibling) {
-            if (!has_bit(masks_of(self, tier, c), slot)) continue;
+            if (!h_has(self, holders_of(self, tier, c), slot)) continue;
             PyObject *ch = hash_obj(entry(self, c)->hash);
             if (ch == NULL || PyList_Append(stack, ch) < 0) { Py_XDECREF(ch); goto fail; }
             Py_DECREF(ch);
@@ -661,8 +787,9 @@ static PyObject *Holdings_memory_bytes(Holdings *self, PyObject *Py_UNUSED(ignor
         if (self->mask_pages[t] == NULL) continue;
         total += self->page_cap * sizeof(uint64_t *);
         for (uint32_t p = 0; p < self->page_cap; p++)
-            if (self->mask_pages[t][p]) total += (uint64_t)PAGE_SIZE * self->words * 8;
+            if (self->mask_pages[t][p]) total += (uint64_t)PAGE_SIZE * 8;
     }
+    total += (uint64_t)self->pool_cap * self->words * 8;
     total += (uint64_t)N_TIERS * self->n_slots * sizeof(int64_t) + 3 * self->words * 8;
     return PyLong_FromUnsignedLongLong(total);
 }
@@ -687,9 +814,10 @@ static PyObject *Holdings_snapshot(Holdings *self, PyObject *Py_UNUSED(ignored))
         Entry *e = entry(self, i);
         PyObject *h = hash_obj(e->hash);
         for (int t = 0; t < N_TIERS; t++) {
-            uint64_t *m = masks_of(self, t, i);
-            if (!any_bits(m, self->words)) continue;
-            PyObject *v = _PyLong_FromByteArray((const unsigned char *)m, self->words * 8, 1, 0);
+            uint64_t w = holders_of(self, t, i);
+            if (w == 0) continue;
+            h_expand(self, w, self->scratch);
+            PyObject *v = bits_to_int(self, self->scratch);
             PyDict_SetItem(PyTuple_GET_ITEM(tiers, t), h, v);
             Py_DECREF(v);
         }
