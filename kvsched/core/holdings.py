@@ -3,8 +3,9 @@ links between blocks, and the chain match — in two implementations with one in
 
 `PyHoldings` below is the reference: plain dicts, easy to read, the oracle of the property
 tests. `kvsched.core._holdings.Holdings` is the same thing compiled from C (built by pip from
-`_holdings.c`): an open-addressing table keyed by the u64 hash with holder bitsets, about 8
-times faster to match and under 40 bytes a block. `make_holdings` picks one: the compiled one
+`_holdings.c`): an open-addressing table keyed by the u64 hash with one holder word per block
+and tier, about 35 bytes a block (8-10 times less than the reference) and about twice as fast
+to match (`bench.index_memory`). `make_holdings` picks one: the compiled one
 unless asked for the reference (`pure=True`, or the environment variable
 `KVSCHED_PURE_INDEX=1` when `pure` is not given). The two agree on every result; the order of
 the lists `blocks_of` and `subtree_of` return is unspecified (callers treat them as sets).
