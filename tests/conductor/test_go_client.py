@@ -20,6 +20,7 @@ from services.common.tls import ServerTls
 from services.conductor.app import Conductor
 from tests.conductor.conftest import REPO
 from tests.fixtures.etcd import make_tls
+from tests.fixtures.process import run_to_end
 
 GO_CLIENT = REPO / "clients" / "go"
 GOTOOL = GO_CLIENT / "gotool"
@@ -58,22 +59,8 @@ def skip_without_go() -> None:
 async def gotool(*args: str, env: dict[str, str] | None = None) -> str:
     """Run `clients/go/gotool ARGS` (the go command, offline, on Debian's packages); its
     output, after asserting it succeeded."""
-    proc = await asyncio.create_subprocess_exec(
-        str(GOTOOL),
-        *args,
-        env=dict(os.environ, **(env or {})),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), GO_TIMEOUT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"gotool {' '.join(args)}:\n{text}"
-    return text
+    environ = dict(os.environ, **(env or {}))
+    return await run_to_end([str(GOTOOL), *args], cwd=REPO, env=environ, timeout_s=GO_TIMEOUT_S)
 
 
 async def serve_stop_leader(conductors: list[Conductor]) -> tuple[str, web.AppRunner]:

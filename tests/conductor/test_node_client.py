@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conductor.conftest import REPO
+from tests.fixtures.process import run_to_end
 
 NODE_CLIENT = REPO / "clients" / "node"
 
@@ -24,16 +24,5 @@ async def test_node_client_registers_schedules_and_lists(
         pytest.fail("clients/node has no node_modules: run `npm ci --prefix clients/node`")
     c = await start_conductor()
     env = dict(os.environ, KVSCHED_CONDUCTOR=c.url)
-    proc = await asyncio.create_subprocess_exec(
-        node,
-        "--test",
-        "test/",
-        cwd=NODE_CLIENT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
+    text = await run_to_end([node, "--test", "test/"], cwd=NODE_CLIENT, env=env, timeout_s=60)
     assert "# fail 0" in text and "# pass 4" in text, text

@@ -6,7 +6,6 @@ this side then checks in etcd that the hashes arrived exact and that the survivo
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import os
 import shutil
@@ -27,6 +26,7 @@ from services.conductor import keys
 from tests.conductor.conftest import REPO, ConductorProcess, leader_of
 from tests.fixtures.etcd import EtcdServer
 from tests.fixtures.poll import wait_for
+from tests.fixtures.process import run_to_end
 
 TS_CLIENT = REPO / "clients" / "typescript"
 HIGH_HASHES = {2**64 - 5, 2**63 + 1}  # test/live.test.ts's HIGH_HASHES
@@ -44,22 +44,7 @@ def _node() -> str:
 
 async def _run(*argv: str, env: dict[str, str] | None = None, timeout_s: float) -> str:
     """Run `argv` in clients/typescript; its output, after asserting it succeeded."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=TS_CLIENT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
-    return text
+    return await run_to_end(argv, cwd=TS_CLIENT, env=env, timeout_s=timeout_s)
 
 
 async def _stored_hashes(etcd: EtcdServer, instance_id: str) -> set[int]:
