@@ -1,7 +1,8 @@
 """Placement-decision time in process: 64 instances, 1M indexed blocks, 32K-token prompts.
 
 Builds a cluster whose index holds 1,000,000 blocks (16-token blocks: 4,096-token chains spread
-over the instances, a shared 2K-token system prefix held by a few of them), then times
+over the instances, half of them under a shared 2K-token system prefix; drawn by
+bench.prefix_workload, as bench.grpc_placement and bench.index_scale draw them), then times
 `recording.place()` — index lookup, scoring every instance, and recording the decision (load
 charge and speculative index entries) — for 32,768-token prompts that share a random part of an
 existing chain. Every measurement runs twice in the same run, on the same cluster and
@@ -20,11 +21,11 @@ import random
 import time
 
 from bench.common import percentile
+from bench.prefix_workload import draw_chains, draw_loads, draw_prompt
 from kvsched.core import recording
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import RequestInfo
 from kvsched.core.index import PrefixIndex
-from kvsched.core.load import LoadReport
 from kvsched.core.policies import Policy, make_policy
 
 N, BLOCK, PROMPT, TOTAL_BLOCKS = 64, 16, 32_768, 1_000_000
@@ -46,18 +47,11 @@ def build(
 ) -> tuple[ClusterState, Policy, list[list[int]]]:
     cluster = build_cluster(ClusterConfig(n_instances=N, block_size=BLOCK, speculative_ttl_s=1.0))
     cluster.index = PrefixIndex(N, pure=pure)
-    system = [rng.getrandbits(64) for _ in range(128)]
     chains: list[list[int]] = []
-    stored = 0
-    while stored < TOTAL_BLOCKS:
-        body = [rng.getrandbits(64) for _ in range(256 - 128)]
-        chain = system + body if rng.random() < 0.5 else [rng.getrandbits(64) for _ in range(256)]
-        slot = rng.randrange(N)
+    for slot, chain in draw_chains(rng, TOTAL_BLOCKS, N):
         cluster.index.store(slot, chain, None)
         chains.append(chain)
-        stored += len(chain)
-    for slot in range(N):
-        report = LoadReport(rng.randrange(0, 20_000), rng.random(), 2, 8, 40_000, 20_000)
+    for slot, report in enumerate(draw_loads(rng, N)):
         cluster.load.report(slot, report)
     return cluster, make_policy(spec, cluster), chains
 
@@ -65,9 +59,8 @@ def build(
 def requests(chains: list[list[int]], count: int, rng: random.Random) -> list[RequestInfo]:
     out = []
     for i in range(count):
-        shared = rng.choice(chains)[: rng.randrange(1, 257)]
-        tail = [rng.getrandbits(64) for _ in range(PROMPT // BLOCK - len(shared))]
-        out.append(RequestInfo(i, PROMPT + 7, 256, tuple(shared + tail), f"s{i % 50}"))
+        hashes = draw_prompt(rng, chains, PROMPT // BLOCK)
+        out.append(RequestInfo(i, PROMPT + 7, 256, tuple(hashes), f"s{i % 50}"))
     return out
 
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import random
 import re
-from array import array
 from dataclasses import dataclass
 
+from bench.prefix_workload import draw_chains, draw_loads, draw_prompt
 from clients.python.packed_hashes import pack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common import durations
 
 BLOCK = 16
-CHAIN, SYSTEM = 256, 128  # blocks per indexed chain; blocks of the shared system prefix
 SESSIONS = 64
 OUTPUT_TOKENS = 256
 TTFT_S, E2E_S = 0.3, 1.5  # what each Finish reports
@@ -46,31 +45,26 @@ def instance_spec(slot: int) -> pb.InstanceSpec:
 def build_workload(
     n: int, total_blocks: int, prompt_tokens: int, batch_blocks: int, *, seed: int, share: float
 ):
-    """bench.placement.build's index (same draws), as KV event batches per instance; `share`
-    of the chains continue the shared system prefix."""
+    """bench.placement.build's index (bench.prefix_workload's draws), as KV event batches per
+    instance; `share` of the chains continue the shared system prefix."""
     rng = random.Random(seed)
-    system = [rng.getrandbits(64) for _ in range(SYSTEM)]
     chains: list[list[int]] = []
     per_slot: list[list[list[int]]] = [[] for _ in range(n)]
     stored = 0
-    while stored < total_blocks:
-        body = [rng.getrandbits(64) for _ in range(CHAIN - SYSTEM)]
-        chain = (
-            system + body if rng.random() < share else [rng.getrandbits(64) for _ in range(CHAIN)]
-        )
-        per_slot[rng.randrange(n)].append(chain)
+    for slot, chain in draw_chains(rng, total_blocks, n, share):
+        per_slot[slot].append(chain)
         chains.append(chain)
         stored += len(chain)
     loads = [
         common.LoadReport(
-            pending_prefill_tokens=rng.randrange(0, 20_000),
-            pending_prefill=durations.duration(rng.random()),
-            waiting=2,
-            running=8,
-            decode_tokens=40_000,
-            free_blocks=20_000,
+            pending_prefill_tokens=load.pending_prefill_tokens,
+            pending_prefill=durations.duration(load.pending_prefill_s),
+            waiting=load.waiting,
+            running=load.running,
+            decode_tokens=load.decode_tokens,
+            free_blocks=load.free_blocks,
         )
-        for _ in range(n)
+        for load in draw_loads(rng, n)
     ]
     batches: list[pb.KvEventBatch] = []
     for slot in range(n):
@@ -97,13 +91,12 @@ HASH_FORMS = ("repeated", "packed")  # block_hashes, or packed_block_hashes
 def make_requests(
     work: Workload, count: int, tag: str, rng: random.Random, form: str = "repeated"
 ) -> list[pb.ScheduleRequest]:
-    """Like bench.placement.requests: a random part of an indexed chain, then new blocks;
-    their hashes in `form` (HASH_FORMS)."""
+    """Like bench.placement.requests (bench.prefix_workload.draw_prompt): a random part of an
+    indexed chain, then new blocks; their hashes in `form` (HASH_FORMS)."""
     total = work.prompt_tokens // BLOCK
     out = []
     for i in range(count):
-        shared = rng.choice(work.chains)[: min(rng.randrange(1, CHAIN + 1), total)]
-        tail = array("Q", rng.randbytes(8 * (total - len(shared))))
+        hashes = draw_prompt(rng, work.chains, total)
         req = pb.ScheduleRequest(
             request_id=f"{tag}-{i}",
             prompt_tokens=work.prompt_tokens + 7,
@@ -111,10 +104,9 @@ def make_requests(
             session_id=f"s{rng.randrange(SESSIONS)}" if i % 4 == 0 else "",
         )
         if form == "packed":
-            req.packed_block_hashes = pack_hashes([*shared, *tail])
+            req.packed_block_hashes = pack_hashes(hashes)
         else:
-            req.block_hashes.extend(shared)
-            req.block_hashes.extend(tail)
+            req.block_hashes.extend(hashes)
         out.append(req)
     return out
 
