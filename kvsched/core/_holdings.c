@@ -3,7 +3,9 @@
  * kvsched/core/holdings.py (a property test drives both with the same operations); see that
  * module for what each method means.
  *
- * Layout (per block, GPU tier only): a 20-byte entry (hash, parent, first child, next sibling),
+ * Layout (per block, GPU tier only): a 24-byte entry (hash, parent, first child, next and
+ * previous sibling: a block leaves its parent's children in constant time however many
+ * chains continue that parent, as every conversation continues a shared system prompt),
  * one 8-byte holder word per tier in use, and a 4-byte bucket in an open-addressing table at
  * most 3/4 full. Entries and holder words live in fixed-size pages, so growth never copies them
  * and a freed entry is reused. With 64 slots or fewer the holder word is the holders' bitset;
@@ -31,6 +33,7 @@ typedef struct {
     uint32_t parent;       /* entry of the parent block, NONE at the root or while unheld */
     uint32_t first_child;  /* children: blocks stored with this one as parent, newest first */
     uint32_t next_sibling;
+    uint32_t prev_sibling; /* NONE for the parent's first child */
 } Entry;
 #pragma pack(pop)
 
@@ -310,7 +313,7 @@ static uint32_t intern(Holdings *self, uint64_t h) {
     }
     Entry *e = entry(self, i);
     e->hash = h;
-    e->parent = e->first_child = e->next_sibling = NONE;
+    e->parent = e->first_child = e->next_sibling = e->prev_sibling = NONE;
     table_put(self->table, self->table_cap, h, i);
     self->table_used++;
     return i;
@@ -339,15 +342,10 @@ static void unlink_if_unheld(Holdings *self, uint32_t i) {
     self->held--;
     uint32_t p = e->parent;
     if (p != NONE) {
-        Entry *pe = entry(self, p);
-        if (pe->first_child == i) {
-            pe->first_child = e->next_sibling;
-        } else {
-            uint32_t c = pe->first_child;
-            while (entry(self, c)->next_sibling != i) c = entry(self, c)->next_sibling;
-            entry(self, c)->next_sibling = e->next_sibling;
-        }
-        e->parent = e->next_sibling = NONE;
+        if (e->prev_sibling == NONE) entry(self, p)->first_child = e->next_sibling;
+        else entry(self, e->prev_sibling)->next_sibling = e->next_sibling;
+        if (e->next_sibling != NONE) entry(self, e->next_sibling)->prev_sibling = e->prev_sibling;
+        e->parent = e->next_sibling = e->prev_sibling = NONE;
         if (p != i) release_if_unused(self, p);
     }
     release_if_unused(self, i);
@@ -478,6 +476,21 @@ static PyObject *Holdings_count(Holdings *self, PyObject *args) {
     return PyLong_FromLongLong(self->counts[tier * self->n_slots + slot]);
 }
 
+/* Every slot's count in `tier`, as a list in slot order (one call instead of one a slot). */
+static PyObject *Holdings_counts(Holdings *self, PyObject *args) {
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "|i", &tier)) return NULL;
+    if (check_slot_tier(self, 0, tier) < 0) return NULL;
+    PyObject *out = PyList_New(self->n_slots);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t s = 0; s < self->n_slots; s++) {
+        PyObject *n = PyLong_FromLongLong(self->counts[tier * self->n_slots + s]);
+        if (n == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, s, n);
+    }
+    return out;
+}
+
 static Py_ssize_t Holdings_len(Holdings *self) { return self->held; }
 
 /* The holder word of hashes[k] in `tier` (0 when nobody holds it); sets *err on bad input. */
@@ -601,6 +614,8 @@ static PyObject *Holdings_store(Holdings *self, PyObject *args) {
                 Entry *e = entry(self, i), *pe = entry(self, p);
                 e->parent = p;
                 e->next_sibling = pe->first_child;
+                e->prev_sibling = NONE;
+                if (pe->first_child != NONE) entry(self, pe->first_child)->prev_sibling = i;
                 pe->first_child = i;
             }
         }
@@ -848,6 +863,7 @@ fail:
 static PyMethodDef Holdings_methods[] = {
     {"holders", (PyCFunction)Holdings_holders, METH_VARARGS, NULL},
     {"count", (PyCFunction)Holdings_count, METH_VARARGS, NULL},
+    {"counts", (PyCFunction)Holdings_counts, METH_VARARGS, NULL},
     {"match", (PyCFunction)Holdings_match, METH_VARARGS, NULL},
     {"store", (PyCFunction)Holdings_store, METH_VARARGS, NULL},
     {"remove", (PyCFunction)Holdings_remove, METH_VARARGS, NULL},

@@ -41,6 +41,9 @@ class BlockHoldings(Protocol):
     def count(self, slot: int, tier: int = 0, /) -> int:
         """Blocks `slot` holds in `tier`. Changes nothing."""
 
+    def counts(self, tier: int = 0, /) -> list[int]:
+        """Blocks each slot holds in `tier`, in slot order. Changes nothing."""
+
     def __len__(self) -> int:
         """Distinct blocks held anywhere."""
 
@@ -125,6 +128,9 @@ class PyHoldings:
 
     def count(self, slot: int, tier: int = 0, /) -> int:
         return self._counts[tier][slot]
+
+    def counts(self, tier: int = 0, /) -> list[int]:
+        return list(self._counts[tier])
 
     def __len__(self) -> int:
         return len(self._parent)

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from operator import add
 
 from kvsched.core.claims import ClaimTree, common_prefix
 from kvsched.core.holdings import PyHoldings, iter_bits, make_holdings
@@ -97,6 +98,11 @@ class PrefixIndex:
         placements count too (as a router's own approximate tree would grow at once)."""
         count = self._blocks.count(slot, tier)
         return count + self._pending_blocks[slot] if tier is Tier.GPU else count
+
+    def block_counts(self, tier: Tier = Tier.GPU) -> list[int]:
+        """`block_count` of every slot, in slot order (one call, not one a slot)."""
+        counts = self._blocks.counts(tier)
+        return list(map(add, counts, self._pending_blocks)) if tier is Tier.GPU else counts
 
     def reported_count(self, slot: int, tier: Tier = Tier.GPU) -> int:
         """Blocks `slot` holds in `tier` by its own events alone (no speculative claims)."""

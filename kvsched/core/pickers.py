@@ -26,5 +26,18 @@ def least_pending(cluster: ClusterState, mask: BoolVec) -> int:
     have no prompt work queued anywhere) go to the fewest requests in flight, then the fewest
     sessions bound, then the lowest slot."""
     load = cluster.load
-    bound = np.array([cluster.sessions.bound_on(s) for s in range(cluster.n)], dtype=float)
-    return argmin_eligible(load.pending_prefill_tokens, mask, load.in_flight, bound)
+    return argmin_eligible(
+        load.pending_prefill_tokens, mask, load.in_flight, bound_per_slot(cluster)
+    )
+
+
+def bound_per_slot(cluster: ClusterState) -> FloatVec:
+    """Sessions bound to each slot (no Python loop over the slots: there may be thousands)."""
+    out = np.zeros(cluster.n)
+    bound = cluster.sessions.bound  # host -> sessions bound there
+    if bound:
+        hosts = np.fromiter(bound.keys(), dtype=np.intp, count=len(bound))
+        counts = np.fromiter(bound.values(), dtype=np.float64, count=len(bound))
+        inside = (hosts >= 0) & (hosts < cluster.n)
+        out[hosts[inside]] = counts[inside]
+    return out

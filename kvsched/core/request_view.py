@@ -43,7 +43,10 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     max_blocks = max(req.prompt_tokens - 1, 0) // bs
     blocks = np.zeros(cluster.n)
     for tier in (Tier.CPU, Tier.GPU):
-        for slot, n in cluster.index.match(req.block_hashes, tier, max_blocks).items():
-            blocks[slot] = max(blocks[slot], n)
+        hits = cluster.index.match(req.block_hashes, tier, max_blocks)
+        if hits:  # a shared prefix has every instance in it: no Python loop over them
+            slots = np.fromiter(hits.keys(), dtype=np.intp, count=len(hits))
+            matched = np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
+            blocks[slots] = np.maximum(blocks[slots], matched)  # slots are distinct
     tokens = np.minimum(blocks * bs, max(req.prompt_tokens - 1, 0))
     return RequestView(req, eligible, blocks, tokens, max_blocks)

@@ -45,6 +45,7 @@ def observe(h: BlockHoldings, n_slots: int) -> tuple[object, ...]:
         h.counters(),
         [[h.holders(x, t) for x in HASHES] for t in range(3)],
         [[h.count(s, t) for s in range(n_slots)] for t in range(3)],
+        [h.counts(t) for t in range(3)],
         [h.match(p, t) for p in probes for t in range(3)],
         [list(h.match(p, 0).items()) for p in probes],  # the same order too
         [h.match(HASHES, t, limit) for t in range(3) for limit in (None, 0, 1, 3, 7, 99, -1)],
@@ -156,3 +157,36 @@ def test_many_holders_beyond_64_slots() -> None:
         for h in (ref, fast):
             h.clear_slot(slot)
     assert len(fast) == fast.entries() == 0
+
+
+def test_children_leave_a_parent_with_many_in_any_order() -> None:
+    # Every conversation continues the shared system prompt: its last block has thousands of
+    # children, and each leaves that list (head, middle or tail) without walking it.
+    ref, fast = PyHoldings(4), Holdings(4)
+    system = [2**64 - 1, 2**63]
+    bodies = [[1000 + 3 * k, 1001 + 3 * k] for k in range(300)]
+    for k, body in enumerate(bodies):
+        for h in (ref, fast):
+            h.store(k % 4, system + body, None)
+    order = [*range(0, 300, 7), 299, 0, *range(150, 100, -1)]  # middle, tail, head
+    for k in dict.fromkeys(order):
+        for h in (ref, fast):
+            h.remove(k % 4, bodies[k][::-1])  # leaves first, as engines evict
+        assert same_links(fast, ref)
+    for k in (0, 299, 120):  # stored again after leaving
+        for h in (ref, fast):
+            h.store(k % 4, system + bodies[k], None)
+    assert same_links(fast, ref)
+    for slot in range(4):
+        for h in (ref, fast):
+            h.clear_slot(slot)
+    assert len(fast) == fast.entries() == 0
+
+
+def same_links(a: BlockHoldings, b: BlockHoldings) -> bool:
+    """Whether two stores hold the same, their children lists taken as sets (their order is
+    unspecified)."""
+    (am, ap, ac, an), (bm, bp, bc, bn) = a.snapshot(), b.snapshot()
+    a_children = {k: sorted(v) for k, v in ac.items()}
+    b_children = {k: sorted(v) for k, v in bc.items()}
+    return (am, ap, an, a_children) == (bm, bp, bn, b_children)

@@ -174,6 +174,8 @@ def test_index_matches_brute_force(pure: bool, ops: list[tuple[str, int, int, in
                 claimed = sum(len(c[2]) for c in model.claims if c[1] == s)
                 assert index.block_count(s, Tier.GPU) == len(model.held[s, Tier.GPU]) + claimed
                 assert index.block_count(s, Tier.CPU) == len(model.held[s, Tier.CPU])
+            for t in Tier:
+                assert index.block_counts(t) == [index.block_count(s, t) for s in range(4)]
 
 
 class CountingDict(dict[int, int]):

@@ -11,6 +11,7 @@ from kvsched.core.cluster import Role, SloConfig
 from kvsched.core.cost import plan_copy
 from kvsched.core.decision import TransferKind
 from kvsched.core.hotness import PrefixHeat
+from kvsched.core.pickers import bound_per_slot
 from kvsched.core.residency import ResidentSessions
 from kvsched.core.sessions import SessionTable
 from kvsched.core.topology import SAME_NODE
@@ -136,3 +137,14 @@ def test_a_measured_transfer_moves_its_link_estimate_only() -> None:
     cluster.cost = slower
     cluster.add_instance(8, Role.BOTH, node=1)  # the learned rate survives a topology change
     assert cluster.cost.transfer_s(0, 8, 4096) == after
+
+
+def test_sessions_bound_per_slot_count_every_binding_and_move() -> None:
+    cluster = make_cluster(n=6)
+    sessions = cluster.sessions
+    for k, host in enumerate([1, 1, 4, 5, 1]):
+        sessions.arrive(f"s{k}", 0.0)
+        sessions.bind(f"s{k}", host, 0.0, migrated=False)
+    sessions.bind("s0", 4, 1.0, migrated=True)  # moved: one fewer on 1, one more on 4
+    assert list(bound_per_slot(cluster)) == [0, 2, 0, 0, 2, 1]
+    assert list(bound_per_slot(cluster)) == [sessions.bound_on(s) for s in range(6)]

@@ -45,8 +45,7 @@ class CacheAware(Policy):
         if best / prompt > self.param("cache_threshold"):
             slot = argmin_eligible(-view.hit_tokens, eligible, load)
             return placement(view, slot, "longest prefix match", terms)
-        index = self.cluster.index
-        tree = np.array([index.block_count(s) for s in range(self.cluster.n)], dtype=float)
+        tree = np.array(self.cluster.index.block_counts(), dtype=float)
         terms["cached_blocks"] = tree
         slot = argmin_eligible(tree, eligible, load)
         return placement(view, slot, "low match: smallest cache", terms)
