@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     sizes = (args.baseline_instances, args.instances)
     print(f"{args.blocks:,} indexed blocks, {PROMPT:,}-token prompts, {args.decisions} decisions")
-    print(f"{'instances':>9} {'load s':>7} {'RSS MB':>8} {'grown MB':>9} {'B/block':>8}")
+    print(f"{'instances':>9} {'store s':>7} {'RSS MB':>8} {'grown MB':>9} {'B/block':>8}")
     times: dict[tuple[str, int], list[float]] = {}
     upkeep: dict[int, tuple[float, Eviction]] = {}
     for n in sizes:

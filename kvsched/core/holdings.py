@@ -4,7 +4,7 @@ links between blocks, and the chain match — in two implementations with one in
 `PyHoldings` below is the reference: plain dicts, easy to read, the oracle of the property
 tests. `kvsched.core._holdings.Holdings` is the same thing compiled from C (built by pip from
 `_holdings.c`): an open-addressing table keyed by the u64 hash with one holder word per block
-and tier, about 35 bytes a block (8-10 times less than the reference) and about twice as fast
+and tier, about 39 bytes a block (8-9 times less than the reference) and 1.5-2.5 times as fast
 to match (`bench.index_memory`). `make_holdings` picks one: the compiled one
 unless asked for the reference (`pure=True`, or the environment variable
 `KVSCHED_PURE_INDEX=1` when `pure` is not given). The two agree on every result; the order of
