@@ -3,7 +3,7 @@ the same decisions over 64 instances in the same run, and the largest cluster on
 serves at the measured rates.
 
 For each instance count (`--baseline-instances` 64 first, then `--instances` 1,024) loads
-`--blocks` blocks (10M; `--blocks 100000000` for 100M, about 3.3 GB of index) into one compiled
+`--blocks` blocks (10M; `--blocks 100000000` for 100M: 3 GB, about 3 minutes) into one compiled
 prefix index, drawn as bench.placement draws them (bench.prefix_workload: 256-block chains
 each on one instance, half under a shared 128-block system prefix that every instance ends up
 holding), and reports the process's resident memory after loading (this process holds what a
@@ -28,7 +28,10 @@ the functions that took the most time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import ctypes
+import gc
 import math
 import os
 import pstats
@@ -96,6 +99,13 @@ class Capacity:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def release_freed_memory() -> None:
+    """Hand the memory of freed objects back to the system (glibc keeps freed heap pages)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def load(n: int, blocks: int, seed: int) -> Loaded:
@@ -178,6 +188,29 @@ def profile(cluster: ClusterState, spec: str, reqs: list[RequestInfo], seed: int
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
 
 
+def measure(
+    n: int, args: argparse.Namespace, specs: list[str], times: dict[tuple[str, int], list[float]]
+) -> tuple[float, Eviction]:
+    """Load the index over `n` instances, print its memory row, add the match's and every
+    policy's decision times to `times`; returns the upkeep (store us a block, eviction). The
+    index is freed on return, before the next size loads."""
+    loaded = load(n, args.blocks, args.seed)
+    grown = loaded.rss_after - loaded.rss_before
+    print(
+        f"{n:>9} {loaded.store_s:>7.1f} {loaded.rss_after / 1e6:>8.0f} {grown / 1e6:>9.0f} "
+        f"{grown / len(loaded.index):>8.1f}",
+        flush=True,
+    )
+    reqs = requests(loaded, args.decisions, args.seed)
+    times["index.match", n] = timed_match(cluster_around(loaded), reqs)
+    for spec in specs:
+        cluster = cluster_around(loaded)
+        times[spec, n] = timed_decisions(cluster, make_policy(spec, cluster), reqs, args.seed)
+    if args.profile and n == args.instances:
+        profile(cluster_around(loaded), args.profile, reqs, args.seed)
+    return loaded.store_s / loaded.blocks * 1e6, evict(loaded)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -204,21 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[tuple[str, int], list[float]] = {}
     upkeep: dict[int, tuple[float, Eviction]] = {}
     for n in sizes:
-        loaded = load(n, args.blocks, args.seed)
-        grown = loaded.rss_after - loaded.rss_before
-        print(
-            f"{n:>9} {loaded.store_s:>7.1f} {loaded.rss_after / 1e6:>8.0f} {grown / 1e6:>9.0f} "
-            f"{grown / len(loaded.index):>8.1f}"
-        )
-        reqs = requests(loaded, args.decisions, args.seed)
-        times["index.match", n] = timed_match(cluster_around(loaded), reqs)
-        for spec in specs:
-            cluster = cluster_around(loaded)
-            times[spec, n] = timed_decisions(cluster, make_policy(spec, cluster), reqs, args.seed)
-        if args.profile and n == args.instances:
-            profile(cluster_around(loaded), args.profile, reqs, args.seed)
-        upkeep[n] = (loaded.store_s / loaded.blocks * 1e6, evict(loaded))
-        del loaded, reqs
+        upkeep[n] = measure(n, args, specs, times)
+        release_freed_memory()  # so the next size's RSS growth is its own
     small, big = sizes
     print(f"ms per call; ratio: the p50 over {big:,} instances to the p50 over {small:,}")
     print(
