@@ -24,6 +24,7 @@ from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.common.openai_api import ApiError, Kind
+from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.finish import RequestOutcome, finish_report
 from services.router.kv_moves import Forward, KvMoves
@@ -81,7 +82,7 @@ class Pipeline:
     async def place(self, query: PlacementQuery, arrived: float | None = None) -> Placement:
         """Where the request goes; `arrived` (perf_counter) lets admission count the time it
         already spent here against its TTFT objective."""
-        with self._tracer.start_as_current_span("placement") as span:
+        with child_span(self._tracer, "placement") as span:
             started = time.perf_counter()
             placement = await self._placer.place(query, traced=span.is_recording(), arrived=arrived)
             self._metrics.placement.observe(time.perf_counter() - started)
@@ -112,7 +113,7 @@ class Pipeline:
         # No usage will come when a stream was not asked for it: then count events instead.
         count_events = req.stream and not req.include_usage
         attempt = forward.placement
-        with self._tracer.start_as_current_span("upstream", kind=SpanKind.CLIENT) as span:
+        with child_span(self._tracer, "upstream", SpanKind.CLIENT) as span:
             _PROPAGATOR.inject(headers)  # traceparent: this span
             for tries in (1, 2):
                 _stamp(reply, attempt)

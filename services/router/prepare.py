@@ -36,6 +36,7 @@ from services.common.openai_api import (
     check_length,
     parse_request,
 )
+from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.bodies import BodyReader, BodyWorker, body_limit
 from services.router.placement import PlacementQuery
@@ -127,15 +128,16 @@ class Preparer:
         if not read.checked:  # (the body worker did it)
             self._refuse_beyond_context(req)
         salt = tenant.cache_salt(req.cache_salt)
-        with self._tracer.start_as_current_span("tokenize") as span:
+        with child_span(self._tracer, "tokenize") as span:
             if _small(req):
                 tokenized = self._tokenize(req, raw, body, salt)
             else:
                 tokenized = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self._tokenize, req, raw, body, salt
                 )
-            span.set_attribute("kvsched.prompt_tokens", tokenized.prompt_tokens)
-            span.set_attribute("kvsched.blocks", hash_count(tokenized.packed_hashes))
+            if span.is_recording():
+                span.set_attribute("kvsched.prompt_tokens", tokenized.prompt_tokens)
+                span.set_attribute("kvsched.blocks", hash_count(tokenized.packed_hashes))
         rid = uuid.uuid4().hex
         reply["x-kvsched-request-id"] = rid
         query = PlacementQuery(

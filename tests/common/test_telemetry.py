@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, Tracer
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, Tracer
 
 from services.common.telemetry import (
     TelemetrySettings,
@@ -25,6 +25,7 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from services.common.telemetry.spans import child_span
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan
 
 SERVICE = "kvsched.test.v1.Echo"
@@ -268,3 +269,23 @@ def test_inject_metadata_replaces_stale_headers() -> None:
     with_parent = inject_metadata(stale, context=remote_parent())
     assert with_parent == [("k", "v"), ("traceparent", f"00-{TRACE_ID:032x}-00f067aa0ba902b7-01")]
     assert inject_metadata(stale, context=Context()) == [("k", "v")]
+
+
+def test_child_span_only_under_a_recording_span() -> None:
+    """An unsampled request's children are not made at all (its own span stays current); a
+    sampled one's are real children, current while their block runs."""
+    tracer = TracerProvider().get_tracer("test")  # samples every root
+    unsampled = NonRecordingSpan(SpanContext(TRACE_ID, CALLER_PARENT_ID, is_remote=False))
+    with trace.use_span(unsampled), child_span(tracer, "tokenize") as span:
+        assert span is unsampled
+        assert trace.get_current_span() is unsampled
+    with tracer.start_as_current_span("request") as parent:
+        with child_span(tracer, "upstream", SpanKind.CLIENT) as span:
+            assert isinstance(span, ReadableSpan) and span.is_recording() and span is not parent
+            assert trace.get_current_span() is span
+            assert span.get_span_context().trace_id == parent.get_span_context().trace_id
+            assert (
+                span.parent is not None and span.parent.span_id == parent.get_span_context().span_id
+            )
+            assert span.kind is SpanKind.CLIENT
+        assert trace.get_current_span() is parent
