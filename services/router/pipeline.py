@@ -114,7 +114,7 @@ class Pipeline:
         count_events = req.stream and not req.include_usage
         attempt = forward.placement
         with child_span(self._tracer, "upstream", SpanKind.CLIENT) as span:
-            _PROPAGATOR.inject(headers)  # traceparent: this span
+            _PROPAGATOR.inject(headers)  # traceparent: this span (unsampled: the request's)
             for tries in (1, 2):
                 _stamp(reply, attempt)
                 span.set_attribute("kvsched.instance", attempt.instance_id)

@@ -8,7 +8,7 @@ only per-read work besides the write is keeping a reference to the last two read
 usage chunk is parsed once the stream ended, and, when no usage will come, counting `data:`
 events with `bytes.count`). Writes are syscalls on loopback's hot path, so a stream costs as
 few as its reads allow: the response head goes out with the first piece, and the last piece
-with the chunked body's end when the engine's end came with it (one write each, not three).
+with the chunked body's end when the engine's end came with it (two writes fewer a stream).
 
 Failures before the client got anything raise `EngineRefused` (the connection was refused:
 nothing reached the engine, so the caller may try another instance) or `EngineFailed`
