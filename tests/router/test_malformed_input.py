@@ -37,8 +37,26 @@ async def raw_http(router: Router, request: bytes) -> tuple[int, dict[str, str],
 
 
 def no_traceback(caplog: pytest.LogCaptureFixture) -> None:
-    logged = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    logged = [
+        r
+        for r in caplog.records
+        if (r.exc_info or r.levelno >= logging.ERROR) and not _an_earlier_tests_grpc_call(r)
+    ]
     assert not logged, [r.getMessage() for r in logged]
+
+
+def _an_earlier_tests_grpc_call(record: logging.LogRecord) -> bool:
+    """grpc.aio has one completion queue a process: a call an earlier test left pending on
+    its own event loop (closed since) completes during this test, and grpc, handing it to
+    that closed loop, has this test's loop log `Event loop is closed`. Not the code under
+    test's doing, and no client sees it."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return (
+        record.name == "asyncio"
+        and "PollerCompletionQueue._handle_events" in record.getMessage()
+        and isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+    )
 
 
 NESTED = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -99,3 +117,14 @@ async def test_a_key_that_is_not_utf8_is_401(
     assert headers["content-type"].startswith("application/json")
     assert openai_error(data)["code"] == "invalid_api_key"
     no_traceback(caplog)
+
+
+def test_only_grpcs_closed_loop_record_is_let_through() -> None:
+    def record(name: str, message: str, exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, "x", 1, message, (), (type(exc), exc, None))
+
+    handle = "Exception in callback PollerCompletionQueue._handle_events(<loop>)()"
+    closed = RuntimeError("Event loop is closed")
+    assert _an_earlier_tests_grpc_call(record("asyncio", handle, closed))
+    assert not _an_earlier_tests_grpc_call(record("asyncio", handle, RuntimeError("other")))
+    assert not _an_earlier_tests_grpc_call(record("kvsched.router", handle, closed))
