@@ -110,7 +110,8 @@ def test_the_vllm_image_builds_its_wheel_with_vllms_own_python() -> None:
     text = (DEPLOY / "Dockerfile.vllm").read_text()
     bases = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
     assert len(bases) == 2 and bases[0] == bases[1], bases
-    assert "/tmp/wheels/kvsched-*.whl" in text
+    assert "COPY --from=build /wheels /wheels" in text
+    assert "pip install --no-cache-dir --no-deps /wheels/kvsched-*.whl" in text
 
 
 @pytest.fixture(scope="module")
