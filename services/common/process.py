@@ -1,7 +1,7 @@
-"""How every service process runs around its own work: log lines in one format, the uvloop
-event loop, the process's tracer provider (from `OTEL_*`, global, flushed at exit), waiting
-for SIGINT or SIGTERM before shutting down gracefully, and a one-line message rather than a
-traceback when it cannot start."""
+"""How every service process runs around its own work: log lines in one format, the event
+loop (uvloop, else asyncio's own: `event_loop`), the process's tracer provider (from
+`OTEL_*`, global, flushed at exit), waiting for SIGINT or SIGTERM before shutting down
+gracefully, and a one-line message rather than a traceback when it cannot start."""
 
 from __future__ import annotations
 
@@ -9,17 +9,40 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any
 
-import uvloop
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 Serve = Callable[[TracerProvider], Awaitable[None]]
+# `asyncio` runs a service on asyncio's own event loop even where uvloop imports (to compare
+# the two, or to step around a uvloop fault); anything else, or unset: uvloop when it imports.
+EVENT_LOOP_ENV = "KVSCHED_EVENT_LOOP"
+Runner = Callable[[Coroutine[Any, Any, None]], None]
+
+log = logging.getLogger(__name__)
+
+
+def event_loop(env: Mapping[str, str] = os.environ) -> tuple[str, Runner]:
+    """The event loop a service runs on, by name, and the function that runs a coroutine to
+    its end on a new one: uvloop (about a tenth less CPU a request through the Router than
+    asyncio's loop, `bench.router_checkouts --base-env KVSCHED_EVENT_LOOP=asyncio`), or
+    asyncio's own where uvloop cannot be imported (it is a dependency, but a platform without
+    its wheel, or a build without it, still runs) or `KVSCHED_EVENT_LOOP=asyncio` asks."""
+    if env.get(EVENT_LOOP_ENV, "").strip().lower() != "asyncio":
+        try:
+            import uvloop  # noqa: PLC0415 (optional: the fallback below runs without it)
+        except ImportError:
+            pass
+        else:
+            return "uvloop", uvloop.run
+    return "asyncio", asyncio.run
 
 
 def configure_logging() -> None:
@@ -46,13 +69,17 @@ def freeze_heap() -> None:
 
 
 def run_service(name: str, serve: Serve, *, fails_with: tuple[type[Exception], ...] = ()) -> int:
-    """Run `serve(provider)` on uvloop and return the exit status. `provider` is the
-    process's global tracer provider, for service `kvsched-<name>`, shut down (its spans
-    flushed) once `serve` returns. An exception in `fails_with` (a taken port, an unreadable
-    file) ends the process with `kvsched <name>: <what>` on stderr and status 1."""
+    """Run `serve(provider)` on a new loop of `event_loop()` and return the exit status.
+    `provider` is the process's global tracer provider, for service `kvsched-<name>`, shut
+    down (its spans flushed) once `serve` returns. An exception in `fails_with` (a taken
+    port, an unreadable file) ends the process with `kvsched <name>: <what>` on stderr and
+    status 1."""
     configure_logging()
+    loop_name, run = event_loop()
+    if loop_name != "uvloop":
+        log.info("kvsched %s runs on asyncio's own event loop, not uvloop", name)
     try:
-        uvloop.run(_traced(name, serve))
+        run(_traced(name, serve))
     except fails_with as exc:
         print(f"kvsched {name}: {exc}", file=sys.stderr)
         return 1
