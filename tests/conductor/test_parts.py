@@ -15,11 +15,13 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
 from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
+from kvsched.core.load import LoadReport
 from kvsched.core.requests import RequestError
 from services.common.log_ids import session_tag
 from services.common.memory_store import MemoryStore
 from services.common.store import WatchEvent
 from services.conductor import convert, keys, replica, settings
+from services.conductor.cursors import MAX_LAG_S, MAX_LAGGING_BATCHES
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.service import RPCS, conductor_servicer
@@ -75,6 +77,46 @@ def test_cursors_apply_in_sequence_and_queue_the_cursor() -> None:
     assert term.state.cluster.index.block_count(0) == 2
     assert term.outbox.writes[keys.cursor_key("a")] == (b"1", 7)
     assert keys.block_key("a", Tier.GPU, 12) in term.outbox.writes  # the records observed it
+
+
+def _cursor_queued(term: Term) -> bytes | None:
+    """The cursor value queued for instance "a" since the last look (emptying the outbox)."""
+    return {k: v for k, v, _ in term.outbox.take()}.get(keys.cursor_key("a"))
+
+
+def test_load_only_batches_let_the_etcd_cursor_lag_within_bounds() -> None:
+    term, now = _term(), [100.0]
+    term.cursors.clock = lambda: now[0]
+    load = [LoadReport(0, 0.0, 0, 1, 0, 500)]
+    stored = [BlocksStored((11, 12), None, Tier.GPU)]
+    assert term.cursors.apply("a", 0, False, stored) == 1
+    assert _cursor_queued(term) == b"1"
+    # Load reports change nothing etcd holds: their cursors are not queued on their own...
+    seq = 1
+    for _ in range(MAX_LAGGING_BATCHES):
+        seq = term.cursors.apply("a", seq, False, load)
+        now[0] += 0.001
+    assert seq == 1 + MAX_LAGGING_BATCHES  # (the in-memory cursor, the resume point, moved)
+    assert _cursor_queued(term) is None and len(term.outbox) == 0
+    assert term.state.cluster.load.running[0] == 1  # (applied all the same)
+    # ...up to the bound in batches, then the latest cursor goes,
+    seq = term.cursors.apply("a", seq, False, load)
+    assert _cursor_queued(term) == str(seq).encode()
+    # and to the bound in time,
+    seq = term.cursors.apply("a", seq, False, load)
+    assert _cursor_queued(term) is None
+    now[0] += MAX_LAG_S
+    seq = term.cursors.apply("a", seq, False, load)
+    assert _cursor_queued(term) == str(seq).encode()
+    # and with any batch that writes blocks (after them), or restarts the sequence.
+    seq = term.cursors.apply("a", seq, False, load)
+    seq = term.cursors.apply("a", seq, False, [*load, BlocksStored((13,), 12, Tier.GPU)])
+    writes = [k for k, _, _ in term.outbox.take()]
+    assert writes == [keys.block_key("a", Tier.GPU, 13), keys.cursor_key("a")]
+    seq = term.cursors.apply("a", seq, False, load)
+    assert _cursor_queued(term) is None
+    assert term.cursors.apply("a", 0, True, load, merge=True) == 1
+    assert _cursor_queued(term) == b"1"
 
 
 def test_a_completion_is_converted_without_changing_the_state() -> None:
