@@ -92,6 +92,17 @@ def test_a_long_text_gets_the_same_ids_without_the_gil() -> None:
         assert ours.encode(text, special) == plain.encode(text, special)
 
 
+def test_a_short_text_gets_the_same_ids_as_the_plain_tokenizer() -> None:
+    ours, plain = RouterTokenizer(), PromptTokenizer()
+    texts = ["", "throughput 7 " * 16, "héllo wörld, <|begin_of_text|> ✓ 12345 \n\t", "🙂" * 40]
+    for text in texts:
+        assert len(text) < GIL_FREE_CHARS
+        for special in (True, False):
+            assert ours.encode(text, special) == plain.encode(text, special)
+    with pytest.raises(TypeError):  # a lone surrogate, as `_encode_prompt` expects
+        ours.encode("a\ud800b")
+
+
 def completion_request(text: str) -> CompletionRequest:
     return parse_request("completion", completion(text))
 
