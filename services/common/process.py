@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 
 def event_loop(env: Mapping[str, str] = os.environ) -> tuple[str, Runner]:
     """The event loop a service runs on, by name, and the function that runs a coroutine to
-    its end on a new one: uvloop (about a tenth less CPU a request through the Router than
-    asyncio's loop, `bench.router_checkouts --base-env KVSCHED_EVENT_LOOP=asyncio`), or
-    asyncio's own where uvloop cannot be imported (it is a dependency, but a platform without
-    its wheel, or a build without it, still runs) or `KVSCHED_EVENT_LOOP=asyncio` asks."""
+    its end on a new one: uvloop (under the Router's load a Messenger uses 0.7x the CPU a
+    request it uses on asyncio's loop, the Conductor 0.9x: `bench.router_checkouts . --base-env
+    KVSCHED_EVENT_LOOP=asyncio`), or asyncio's own where uvloop cannot be imported (it is a
+    dependency, but a platform without its wheel, or a build without it, still runs) or
+    `KVSCHED_EVENT_LOOP=asyncio` asks."""
     if env.get(EVENT_LOOP_ENV, "").strip().lower() != "asyncio":
         try:
             import uvloop  # noqa: PLC0415 (optional: the fallback below runs without it)
