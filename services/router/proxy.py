@@ -101,6 +101,10 @@ class Upstream:
             # Bytes are relayed as the engine sent them (we ask for identity anyway).
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
+            # An engine's cookies are its client's (relayed with the answer): a jar shared by
+            # every client's requests must not keep them and send them with another's. (It
+            # also spares each request the jar's filtering.)
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def close(self) -> None:
