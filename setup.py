@@ -1,6 +1,7 @@
-"""Builds the compiled prefix index (`kvsched.core._holdings`); everything else about the
-package is in pyproject.toml. pip runs this on `pip install .`, `pip install -e .` and wheel
-builds: it needs a C compiler and the Python headers, and says so plainly when one is missing."""
+"""Builds the compiled prefix index (`kvsched.core._holdings`) and per-instance scoring
+(`kvsched.core._scoring`); everything else about the package is in pyproject.toml. pip runs
+this on `pip install .`, `pip install -e .` and wheel builds: it needs a C compiler and the
+Python headers, and says so plainly when one is missing."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 HINT = (
-    "kvsched's compiled prefix index (kvsched/core/_holdings.c) needs a C compiler and the "
-    "Python headers: install them (Debian/Ubuntu: apt-get install gcc python3-dev) and run "
-    "pip again"
+    "kvsched's compiled prefix index and scoring (kvsched/core/_holdings.c, _scoring.c) need a "
+    "C compiler and the Python headers: install them (Debian/Ubuntu: apt-get install gcc "
+    "python3-dev) and run pip again"
 )
 
 
@@ -34,21 +35,29 @@ class BuildExt(build_ext):  # type: ignore[misc]  # setuptools ships no types
             ) from exc
 
 
+C_FLAGS = [
+    "-O2",
+    "-std=c11",
+    "-Wall",
+    "-Wextra",
+    "-Wno-missing-field-initializers",
+    "-Wno-unused-parameter",
+    "-Wno-cast-function-type",
+]
+
 setup(
     ext_modules=[
         Extension(
-            "kvsched.core._holdings",
-            ["kvsched/core/_holdings.c"],
-            extra_compile_args=[
-                "-O2",
-                "-std=c11",
-                "-Wall",
-                "-Wextra",
-                "-Wno-missing-field-initializers",
-                "-Wno-unused-parameter",
-                "-Wno-cast-function-type",
-            ],
-        )
+            "kvsched.core._holdings", ["kvsched/core/_holdings.c"], extra_compile_args=C_FLAGS
+        ),
+        # The scoring must match numpy's arithmetic bit for bit: no fused multiply-adds, no
+        # reassociation (-O2 alone never reassociates; -ffp-contract=off keeps a*b+c two
+        # roundings, as numpy's separate ufuncs make it).
+        Extension(
+            "kvsched.core._scoring",
+            ["kvsched/core/_scoring.c"],
+            extra_compile_args=[*C_FLAGS, "-ffp-contract=off", "-fno-fast-math"],
+        ),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -1,4 +1,5 @@
-"""Building the compiled prefix index: without a C compiler the build names the missing one."""
+"""Building the compiled prefix index and scoring: without a C compiler the build names the
+missing one."""
 
 from __future__ import annotations
 
@@ -32,3 +33,9 @@ def test_the_compiled_index_is_built() -> None:
     from kvsched.core._holdings import Holdings  # noqa: PLC0415  (the import is the test)
 
     assert len(Holdings(1)) == 0
+
+
+def test_the_compiled_scoring_is_built() -> None:
+    from kvsched.core import _scoring  # noqa: PLC0415  (the import is the test)
+
+    assert _scoring.masked_min.__doc__

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core import scoring
 from kvsched.core.cost_model import CostModel
 from kvsched.core.decision import RequestId, TransferKind, TransferPlan
+from kvsched.core.pickers import masked_min
 
 if TYPE_CHECKING:
     from kvsched.core.load import LoadTracker
@@ -33,7 +35,30 @@ def ttft_terms(
 ) -> dict[str, FloatVec]:
     """Estimated TTFT per slot, term by term: queue + prefill of the uncached tokens (with the
     decode passes it shares) + KV transfer on the critical path (`transfer_s`, none when
-    omitted). Computed for every slot; the view's `eligible` mask says which were candidates."""
+    omitted). Computed for every slot; the view's `eligible` mask says which were candidates.
+    The numpy below is the reference; the compiled kernels compute the same floats."""
+    queue = load.pending_prefill_s
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.ttft(
+            float(view.req.prompt_tokens),
+            cached,
+            load.running,
+            load.decode_tokens,
+            queue,
+            transfer_s,
+            cost.kernel_constants,
+        )
+        if out is not NotImplemented:
+            prefill_s, transfer_out, ttft_s = out
+            return {
+                "hit_tokens": view.hit_tokens,
+                "cached_tokens": cached,
+                "queue_s": queue,
+                "prefill_s": prefill_s,
+                "transfer_s": transfer_out,
+                "ttft_s": ttft_s,
+            }
     n_new = float(view.req.prompt_tokens) - cached
     lat = cost.latency
     # Every pass also carries the instance's running decodes.
@@ -41,7 +66,6 @@ def ttft_terms(
     prefill = cost.passes(n_new) * per_pass + n_new * (
         lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5)
     )
-    queue = load.pending_prefill_s
     transfer = np.zeros(len(queue)) if transfer_s is None else transfer_s
     return {
         "hit_tokens": view.hit_tokens,
@@ -59,6 +83,11 @@ def moving_terms(
     """Estimated TTFT on every slot if the host's part of the prompt moved there first, on the
     critical path (a session's migration on its turn)."""
     hits = view.hit_tokens
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.moving(host, hits, cost.setup_s, cost.s_per_byte, cost.kernel_constants[6])
+        if out is not NotImplemented:
+            return ttft_terms(cost, load, view, *out)
     moved = np.clip(hits[host] - hits, 0.0, None)
     return ttft_terms(
         cost, load, view, np.maximum(hits, hits[host]), cost.transfer_from(host, moved)
@@ -102,7 +131,7 @@ def tbt_s(cost: CostModel, load: LoadTracker, view: RequestView) -> FloatVec:
 
 def isolated_floor_s(view: RequestView, terms: dict[str, FloatVec]) -> float:
     """The best TTFT any eligible instance could give with an empty queue."""
-    return float(np.min((terms["prefill_s"] + terms["transfer_s"])[view.eligible]))
+    return masked_min(terms["prefill_s"] + terms["transfer_s"], view.eligible)
 
 
 # ---- fetching a prefix from its holder -------------------------------------------------------
@@ -119,6 +148,13 @@ class PrefixFetch(NamedTuple):
 
 def fetch_from(cost: CostModel, holder: int, hits: FloatVec, fetch: BoolVec) -> PrefixFetch:
     """The slots in `fetch` copy `holder`'s prefix (of `hits[holder]` tokens) first."""
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.fetch_from(
+            holder, hits, fetch, cost.setup_s, cost.s_per_byte, cost.kernel_constants[6]
+        )
+        if out is not NotImplemented:
+            return PrefixFetch(fetch, *out)
     transfer = np.where(fetch, cost.transfer_from(holder, hits[holder] - hits), 0.0)
     return PrefixFetch(fetch, np.where(fetch, hits[holder], hits), transfer)
 
@@ -129,12 +165,18 @@ def fetch_when_cheaper(
     """Every eligible slot holding less than `holder` fetches the rest of its prefix where
     copying it takes less time than recomputing it there would add over the holder's own
     prefill."""
+    n = float(prompt_tokens)
+    own_s = cost.prefill_one(int(n - hits[holder]), int(hits[holder]))
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.fetch_when_cheaper(
+            holder, n, hits, eligible, cost.setup_s, cost.s_per_byte, cost.kernel_constants, own_s
+        )
+        if out is not NotImplemented:
+            return PrefixFetch(*out)
     extra = np.clip(hits[holder] - hits, 0.0, None)
     fetch_s = cost.transfer_from(holder, extra)
-    n = float(prompt_tokens)
-    saved = cost.prefill_s(n - hits, hits) - cost.prefill_one(
-        int(n - hits[holder]), int(hits[holder])
-    )
+    saved = cost.prefill_s(n - hits, hits) - own_s
     fetch = eligible & (extra > 0) & (fetch_s < saved)
     return PrefixFetch(fetch, np.where(fetch, hits[holder], hits), np.where(fetch, fetch_s, 0.0))
 

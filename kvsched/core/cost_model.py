@@ -4,6 +4,7 @@ each link as measured transfers correct it. Immutable and vectorised over instan
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +64,21 @@ class CostModel:
     @property
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
+
+    @cached_property
+    def kernel_constants(self) -> tuple[float, float, float, float, float, float, float]:
+        """The constants the compiled scoring reads (`kvsched.core.scoring.Constants`), made
+        once per cost model (a cost model never changes; a measured transfer makes a new one)."""
+        lat = self.latency
+        return (
+            lat.step_s,
+            lat.decode_seq_s,
+            lat.decode_ctx_s,
+            lat.prefill_token_s,
+            lat.attn_pair_s,
+            float(self.chunk_tokens),
+            float(self.kv_bytes_per_token),
+        )
 
     def prefill_s(self, n_new: FloatVec, n_cached: FloatVec) -> FloatVec:
         """Isolated chunked prefill time per candidate (arrays of equal shape)."""

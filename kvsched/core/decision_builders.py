@@ -7,6 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsched.core.decision import Decision, TransferPlan
+from kvsched.core.pickers import masked_min
 from kvsched.core.request_view import RequestView
 
 
@@ -48,7 +49,7 @@ def rejection(
         decode_instance=-1,
         cached_tokens=0,
         fetched_tokens=0,
-        estimated_ttft_s=float(np.min(terms["ttft_s"][view.eligible]))
+        estimated_ttft_s=masked_min(terms["ttft_s"], view.eligible)
         if "ttft_s" in terms
         else float("nan"),
         rule=rule,

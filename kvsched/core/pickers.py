@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState
 from kvsched.core.request_view import BoolVec, FloatVec
 
 
 def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -> int:
     """Index of the smallest value among eligible slots; ties go to the later keys, then the
-    lowest slot. Deterministic: no random tie-break."""
+    lowest slot. Deterministic: no random tie-break. (The numpy below is the reference; the
+    compiled kernels pick the same slot.)"""
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.argmin(values, eligible, tiebreaks)
+        if out is not NotImplemented:
+            return out
     if not eligible.any():
         raise ValueError("no eligible instance")
     masked = np.where(eligible, values, np.inf)
@@ -19,6 +26,16 @@ def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -
         return best  # the common case: a unique minimum
     keys = [np.where(eligible, v, np.inf) for v in reversed(tiebreaks)]
     return int(np.lexsort([*keys, masked])[0])
+
+
+def masked_min(values: FloatVec, mask: BoolVec) -> float:
+    """The smallest of `values` where `mask` is set (ValueError when none is)."""
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.masked_min(values, mask)
+        if out is not NotImplemented:
+            return out
+    return float(np.min(values[mask]))
 
 
 def least_pending(cluster: ClusterState, mask: BoolVec) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState, Role
 from kvsched.core.decision import RequestInfo
 from kvsched.core.index import Tier
@@ -40,13 +41,23 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     load's time is not modelled yet (a memcpy, against a recompute). Changes nothing."""
     bs = cluster.block_size
     eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
-    max_blocks = max(req.prompt_tokens - 1, 0) // bs
+    cap = max(req.prompt_tokens - 1, 0)
+    max_blocks = cap // bs
+    index = cluster.index
+    kernels = scoring.active
+    if kernels is not None:
+        matches = (
+            index.match(req.block_hashes, Tier.CPU, max_blocks),
+            index.match(req.block_hashes, Tier.GPU, max_blocks),
+        )
+        blocks, tokens = kernels.hit_vectors(cluster.n, matches, bs, cap)
+        return RequestView(req, eligible, blocks, tokens, max_blocks)
     blocks = np.zeros(cluster.n)
     for tier in (Tier.CPU, Tier.GPU):
-        hits = cluster.index.match(req.block_hashes, tier, max_blocks)
+        hits = index.match(req.block_hashes, tier, max_blocks)
         if hits:  # a shared prefix has every instance in it: no Python loop over them
             slots = np.fromiter(hits.keys(), dtype=np.intp, count=len(hits))
             matched = np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
             blocks[slots] = np.maximum(blocks[slots], matched)  # slots are distinct
-    tokens = np.minimum(blocks * bs, max(req.prompt_tokens - 1, 0))
+    tokens = np.minimum(blocks * bs, cap)
     return RequestView(req, eligible, blocks, tokens, max_blocks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvsched.core import scoring
 from kvsched.core.holdings import PURE_ENV
 from tools.decision_digest import POLICIES, SLICES, TRACES, digests
 
@@ -23,11 +24,15 @@ PINNED = {
 }
 
 
-@pytest.mark.parametrize("pure", ["1", "0"], ids=["pure index", "compiled index"])
+@pytest.mark.parametrize(
+    "pure", ["1", "0"], ids=["pure index and scoring", "compiled index and scoring"]
+)
 def test_the_replay_decides_and_reports_as_pinned(
     pure: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(PURE_ENV, pure)  # the compiled index must decide as the reference does
+    # The compiled index and scoring must decide as the references do.
+    monkeypatch.setenv(PURE_ENV, pure)
+    monkeypatch.setattr(scoring, "active", scoring.load_kernels(pure == "1"))
     assert set(PINNED) == set(TRACES)
     for name in TRACES:
         got = {

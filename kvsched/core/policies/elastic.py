@@ -43,7 +43,7 @@ from kvsched.core.decision import Completion, Decision, TransferPlan
 from kvsched.core.decision_builders import placement, rejection
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
-from kvsched.core.pickers import argmin_eligible, least_pending
+from kvsched.core.pickers import argmin_eligible, least_pending, masked_min
 from kvsched.core.policies.base import Policy
 from kvsched.core.replication import hot_prefix_copy
 from kvsched.core.request_view import RequestView
@@ -131,7 +131,7 @@ class Elastic(Policy):
         # of instances busy now (for Poisson arrivals, the chance of finding one busy).
         prefill = terms["prefill_s"]
         busy_share = float(np.mean(cluster.load.pending_prefill_s[view.eligible] > 0))
-        extra = prefill - float(np.min(prefill[view.eligible]))
+        extra = prefill - masked_min(prefill, view.eligible)
         terms["score_s"] = terms["ttft_s"] + busy_share * extra
         context = view.req.prompt_tokens + view.req.output_tokens
         resident = self.resident.tokens
@@ -192,11 +192,11 @@ class Elastic(Policy):
         if not decision.estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
             return decision
         terms = dict(decision.terms)
-        best = float(np.min(terms["ttft_s"][view.eligible]))
+        best = masked_min(terms["ttft_s"], view.eligible)
         if session is not None and session.host != NO_HOST:
             # Moving the KV is an option.
             moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
-            best = min(best, float(np.min(moving["ttft_s"][view.eligible])))
+            best = min(best, masked_min(moving["ttft_s"], view.eligible))
         slo = self.cluster.config.slo
         refusal = admission.check(best, isolated_floor_s(view, terms), slo, waited_s=waited)
         if refusal is None:

@@ -1,0 +1,132 @@
+"""Which per-instance scoring runs: the compiled kernels (`_scoring.c`) or the numpy reference.
+
+A placement decision scores every instance slot with vector arithmetic (`kvsched.core.cost`'s
+TTFT terms and prefix fetches, the pickers' masked minima, the request view's hit vectors).
+Each of those functions keeps its numpy code as the reference and, when compiled kernels are
+active, hands the same inputs to one C loop instead (a dozen numpy calls of about a
+microsecond each become one). The kernels compute bit-identical floats (see `_scoring.c` for
+why), so a decision never depends on which runs; the property tests hold them to it.
+
+The compiled kernels are active unless the environment variable `KVSCHED_PURE_SCORING=1` asks
+for the reference when this module is imported, or `select(pure=True)` does later (the
+benches compare both in one run). The choice is the process's: policies read it, they do not
+change it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import NotImplementedType
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+FloatVec = npt.NDArray[np.float64]
+BoolVec = npt.NDArray[np.bool_]
+# step_s, decode_seq_s, decode_ctx_s, prefill_token_s, attn_pair_s, chunk_tokens,
+# kv_bytes_per_token (`CostModel.kernel_constants`)
+Constants = tuple[float, float, float, float, float, float, float]
+PURE_ENV = "KVSCHED_PURE_SCORING"
+
+
+class Kernels(Protocol):
+    """The compiled kernels (`kvsched.core._scoring`). Each returns NotImplemented, changing
+    nothing, when a vector is not a 1-D C-contiguous float64 (or bool) array; the caller then
+    computes the reference. None of them changes its inputs."""
+
+    def ttft(  # noqa: PLR0917 (positional, as the C function takes them)
+        self,
+        prompt_tokens: float,
+        cached: FloatVec,
+        running: FloatVec,
+        decode_tokens: FloatVec,
+        queue: FloatVec,
+        transfer: FloatVec | None,
+        constants: Constants,
+        /,
+    ) -> tuple[FloatVec, FloatVec, FloatVec] | NotImplementedType:
+        """(prefill, transfer, ttft) of `cost.ttft_terms` (`transfer` itself, or zeros)."""
+
+    def moving(
+        self, host: int, hits: FloatVec, setup: FloatVec, per_byte: FloatVec, kv: float, /
+    ) -> tuple[FloatVec, FloatVec] | NotImplementedType:
+        """(cached, transfer) of `cost.moving_terms` before its TTFT."""
+
+    def fetch_when_cheaper(  # noqa: PLR0917 (positional, as the C function takes them)
+        self,
+        holder: int,
+        prompt_tokens: float,
+        hits: FloatVec,
+        eligible: BoolVec,
+        setup: FloatVec,
+        per_byte: FloatVec,
+        constants: Constants,
+        holder_prefill_s: float,
+        /,
+    ) -> tuple[BoolVec, FloatVec, FloatVec] | NotImplementedType:
+        """(fetch, cached, transfer) of `cost.fetch_when_cheaper`."""
+
+    def fetch_from(  # noqa: PLR0917 (positional, as the C function takes them)
+        self,
+        holder: int,
+        hits: FloatVec,
+        fetch: BoolVec,
+        setup: FloatVec,
+        per_byte: FloatVec,
+        kv: float,
+        /,
+    ) -> tuple[FloatVec, FloatVec] | NotImplementedType:
+        """(cached, transfer) of `cost.fetch_from`."""
+
+    def masked_min(self, values: FloatVec, mask: BoolVec, /) -> float | NotImplementedType:
+        """`np.min(values[mask])` (ValueError when `mask` is empty)."""
+
+    def argmin(
+        self, values: FloatVec, eligible: BoolVec, tiebreaks: tuple[FloatVec, ...], /
+    ) -> int | NotImplementedType:
+        """`pickers.argmin_eligible`."""
+
+    def hit_vectors(
+        self, n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int, /
+    ) -> tuple[FloatVec, FloatVec]:
+        """(blocks, tokens) of `request_view.request_view`."""
+
+
+def pure_by_default() -> bool:
+    """Whether the environment asks for the reference scoring."""
+    return os.environ.get(PURE_ENV, "") not in ("", "0")
+
+
+def load_kernels(pure: bool | None = None) -> Kernels | None:
+    """The compiled kernels, or None for the reference when `pure` (None: as
+    `KVSCHED_PURE_SCORING` says). Changes nothing."""
+    if pure is None:
+        pure = pure_by_default()
+    if pure:
+        return None
+    try:
+        from kvsched.core import _scoring  # noqa: PLC0415  (built by pip)
+    except ImportError as exc:
+        raise ImportError(
+            "kvsched's compiled scoring (kvsched.core._scoring) is not built: reinstall kvsched "
+            "with pip (scripts/setup, or pip install -e .), which compiles it with the machine's "
+            f"C compiler, or set {PURE_ENV}=1 to use the numpy reference"
+        ) from exc
+    return _scoring
+
+
+# The kernels every scoring function in this process uses (None: the reference).
+active: Kernels | None = load_kernels()
+
+
+def select(pure: bool | None) -> None:
+    """Make the compiled kernels (or, when `pure`, the reference; None: as the environment
+    says) the ones every scoring function in this process uses from now on."""
+    global active  # noqa: PLW0603  (the process's one switch, as the module docstring says)
+    active = load_kernels(pure)
+
+
+def compiled() -> bool:
+    """Whether the compiled kernels are active."""
+    return active is not None

@@ -1,0 +1,268 @@
+"""The compiled scoring kernels against the numpy reference: the same inputs, bit-identical
+floats and the same picks, function by function and decision by decision for every policy."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsched.core import _scoring, recording, scoring
+from kvsched.core.cluster import ClusterConfig, ClusterState, Role, build_cluster
+from kvsched.core.cost import (
+    fetch_from,
+    fetch_when_cheaper,
+    isolated_floor_s,
+    moving_terms,
+    ttft_terms,
+)
+from kvsched.core.decision import RequestInfo
+from kvsched.core.index import Tier
+from kvsched.core.load import LoadReport
+from kvsched.core.pickers import argmin_eligible, masked_min
+from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
+from kvsched.core.request_view import RequestView, request_view
+from kvsched.core.topology import TopologyConfig
+
+# Finite, never -0.0 (numpy's own loops may order signed zeros differently; no score makes one).
+tokens = st.integers(0, 40_000).map(float) | st.floats(0.0, 1e6).map(lambda x: x + 0.0)
+seconds = st.floats(0.0, 10.0).map(lambda x: x + 0.0)
+# 1 to 80 slots: past 64 (a machine word), past numpy's 8- and 16-element unrolled blocks.
+sizes = st.integers(1, 80)
+
+
+@contextmanager
+def kernels(pure: bool) -> Iterator[None]:
+    """Run with the reference (`pure`) or the compiled kernels, then restore the choice."""
+    before = scoring.compiled()
+    scoring.select(pure)
+    try:
+        yield
+    finally:
+        scoring.select(not before)
+
+
+def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """`fn`'s result with the reference kernels and with the compiled ones."""
+    with kernels(pure=True):
+        reference = fn()
+    with kernels(pure=False):
+        compiled = fn()
+    return reference, compiled
+
+
+def assert_identical(a: Any, b: Any, where: str = "") -> None:
+    """Equal structure, dtypes and bits (a float's sign and every last digit included)."""
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), f"{where}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert type(b) is float and np.float64(a).tobytes() == np.float64(b).tobytes(), where
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def cluster_of(n: int, chunk: int, roles: tuple[Role, ...] = ()) -> ClusterState:
+    # Two instances a node: slots sit at every distance, so each transfer row differs.
+    topology = TopologyConfig(instances_per_node=2, nodes_per_rack=2, racks_per_spine=2)
+    config = ClusterConfig(n_instances=n, chunk_tokens=chunk, topology=topology, roles=roles)
+    return build_cluster(config)
+
+
+@st.composite
+def scenes(draw: st.DrawFn) -> tuple[ClusterState, RequestView]:
+    """A cluster with drawn loads and a request view with drawn hits and candidates."""
+    n = draw(sizes)
+    cluster = cluster_of(n, draw(st.sampled_from([16, 512, 8192])))
+    for slot in range(n):
+        report = LoadReport(
+            draw(st.integers(0, 50_000)),
+            draw(seconds),
+            draw(st.integers(0, 4)),
+            draw(st.integers(0, 300)),
+            draw(st.integers(0, 2_000_000)),
+            draw(st.integers(0, 50_000)),
+        )
+        cluster.load.report(slot, report)
+    vec = st.lists(tokens, min_size=n, max_size=n).map(np.array)
+    hits = draw(vec)
+    eligible = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    eligible[draw(st.integers(0, n - 1))] = True
+    prompt = draw(st.integers(1, 2_000_000))
+    req = RequestInfo(1, prompt, draw(st.integers(0, 4096)), (), "s")
+    return cluster, RequestView(req, eligible, hits / 16, hits, 0)
+
+
+@given(scenes(), st.booleans(), st.data())
+def test_ttft_terms_are_bit_identical(
+    scene: tuple[ClusterState, RequestView], with_transfer: bool, data: st.DataObject
+) -> None:
+    cluster, view = scene
+    transfer = None
+    if with_transfer:
+        transfer = np.array(data.draw(st.lists(seconds, min_size=cluster.n, max_size=cluster.n)))
+    ref, got = both(lambda: ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens, transfer))
+    assert_identical(ref, got, "terms")
+    floors = both(lambda: isolated_floor_s(view, got))
+    assert_identical(*floors, "floor")
+
+
+@given(scenes(), st.data())
+def test_moving_and_fetching_terms_are_bit_identical(
+    scene: tuple[ClusterState, RequestView], data: st.DataObject
+) -> None:
+    cluster, view = scene
+    slot = data.draw(st.integers(0, cluster.n - 1))
+    cost, load, hits = cluster.cost, cluster.load, view.hit_tokens
+    assert_identical(*both(lambda: moving_terms(cost, load, view, slot)), "moving")
+    prompt = view.req.prompt_tokens
+    cheaper = both(lambda: fetch_when_cheaper(cost, slot, prompt, hits, view.eligible))
+    assert_identical(tuple(cheaper[0]), tuple(cheaper[1]), "fetch_when_cheaper")
+    fetch = np.array(data.draw(st.lists(st.booleans(), min_size=cluster.n, max_size=cluster.n)))
+    given_fetch = both(lambda: fetch_from(cost, slot, hits, fetch))
+    assert_identical(tuple(given_fetch[0]), tuple(given_fetch[1]), "fetch_from")
+
+
+@st.composite
+def tied_vectors(draw: st.DrawFn) -> tuple[list[float], list[float], list[float], list[bool]]:
+    # Three values only, so ties are common and the tie-breaks decide.
+    n = draw(sizes)
+    few = st.lists(st.sampled_from([0.0, 1.0, 2.5]), min_size=n, max_size=n)
+    return draw(few), draw(few), draw(few), draw(st.lists(st.booleans(), min_size=n, max_size=n))
+
+
+@given(tied_vectors(), st.integers(0, 2))
+def test_picks_are_the_same_ties_and_all(
+    vectors: tuple[list[float], list[float], list[float], list[bool]], n_keys: int
+) -> None:
+    values, first, second, mask = vectors
+    arrays = np.array(values), np.array(first), np.array(second)
+    eligible = np.array(mask)
+    keys = arrays[1 : 1 + n_keys]
+    if not eligible.any():
+        for pure in (True, False):
+            with kernels(pure), pytest.raises(ValueError):
+                argmin_eligible(arrays[0], eligible, *keys)
+            with kernels(pure), pytest.raises(ValueError):
+                masked_min(arrays[0], eligible)
+        return
+    assert_identical(*both(lambda: argmin_eligible(arrays[0], eligible, *keys)), "argmin")
+    assert_identical(*both(lambda: masked_min(arrays[0] - arrays[1], eligible)), "min")
+
+
+@given(st.integers(1, 70), st.data())
+@settings(max_examples=50)
+def test_request_views_are_identical(n: int, data: st.DataObject) -> None:
+    cluster = cluster_of(n, 8192)
+    slots = st.integers(0, n - 1)
+    base = list(range(1, 41))
+    for _ in range(data.draw(st.integers(0, 12))):
+        cut = data.draw(st.integers(1, 40))
+        tier = data.draw(st.sampled_from([Tier.GPU, Tier.CPU]))
+        cluster.index.store(data.draw(slots), base[:cut], None, tier)
+    if data.draw(st.booleans()):
+        cluster.index.speculate(data.draw(slots), base[: data.draw(st.integers(1, 40))], 1.0)
+    prompt = data.draw(st.integers(1, 50 * 16))
+    req = RequestInfo(1, prompt, 16, (*base, 99, 98), None)
+    ref, got = both(lambda: request_view(cluster, req))
+    for name in ("eligible", "hit_blocks", "hit_tokens", "max_blocks"):
+        assert_identical(getattr(ref, name), getattr(got, name), name)
+
+
+def test_the_kernels_take_the_vectors_policies_hand_them() -> None:
+    # Else the tests above would pass on the reference twice.
+    cluster = cluster_of(5, 8192)
+    cluster.index.store(2, [1, 2, 3], None)
+    view = request_view(cluster, RequestInfo(1, 100, 16, (1, 2, 3, 4), None))
+    cost, load, hits = cluster.cost, cluster.load, view.hit_tokens
+    consts = cost.kernel_constants
+    queue = load.pending_prefill_s
+    ttft = _scoring.ttft(100.0, hits, load.running, load.decode_tokens, queue, None, consts)
+    assert isinstance(ttft, tuple) and list(ttft[1]) == [0.0] * 5
+    assert isinstance(_scoring.moving(2, hits, cost.setup_s, cost.s_per_byte, 1.0), tuple)
+    fetch = _scoring.fetch_when_cheaper(
+        2, 100.0, hits, view.eligible, cost.setup_s, cost.s_per_byte, consts, 0.0
+    )
+    assert isinstance(fetch, tuple) and fetch[0].dtype == np.bool_
+    assert isinstance(
+        _scoring.fetch_from(2, hits, fetch[0], cost.setup_s, cost.s_per_byte, 1.0), tuple
+    )
+    assert _scoring.argmin(-hits, view.eligible, (load.in_flight,)) == 2
+    assert _scoring.masked_min(hits, view.eligible) == 0.0
+    assert list(view.hit_blocks) == [0, 0, 3, 0, 0]
+
+
+def test_other_vectors_fall_back_to_the_reference() -> None:
+    # Integer, strided or read-only vectors are not the kernels' kind: the reference runs.
+    values = np.array([3, 1, 2, 1])
+    eligible = np.array([True, True, True, True])
+    strided = np.array([5.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.0])[::2]
+    for pure in (True, False):
+        with kernels(pure):
+            assert argmin_eligible(values, eligible) == 1
+            assert argmin_eligible(strided, eligible, strided) == 3
+            assert masked_min(strided, eligible) == 0.5
+    assert _scoring.masked_min(values, eligible) is NotImplemented
+    assert _scoring.argmin(strided, eligible, ()) is NotImplemented
+
+
+def test_the_kernels_refuse_mismatched_vectors_and_slots() -> None:
+    eligible = np.ones(3, dtype=bool)
+    with pytest.raises(ValueError, match="vectors of 4 and 3 slots"):
+        _scoring.masked_min(np.zeros(4), eligible)
+    cost = cluster_of(3, 8192).cost
+    with pytest.raises(IndexError, match="slot 3 of 3"):
+        _scoring.moving(3, np.zeros(3), cost.setup_s, cost.s_per_byte, 1.0)
+    with pytest.raises(IndexError, match="slot 5 of 2"):
+        _scoring.hit_vectors(2, ({5: 1},), 16, 100)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        _scoring.masked_min(np.zeros(3))  # type: ignore[call-arg]
+
+
+def place_all(spec: str, seed: int) -> list[tuple[Any, ...]]:
+    """Every decision of `spec` on a busy 16-instance cluster, with all of its terms."""
+    rng = random.Random(seed)
+    name, params = parse_spec(spec)
+    cluster = cluster_of(16, 8192, POLICIES[name].roles(16, params))
+    policy = make_policy(spec, cluster)
+    chains = [[rng.getrandbits(64) for _ in range(64)] for _ in range(12)]
+    for chain in chains:
+        cluster.index.store(rng.randrange(16), chain[: rng.randrange(1, 65)], None)
+    for slot in range(16):
+        load = LoadReport(rng.randrange(0, 30_000), rng.random(), 2, 8, 40_000, 20_000)
+        cluster.load.report(slot, load)
+    out: list[tuple[Any, ...]] = []
+    for i in range(60):
+        prompt = rng.choice(chains)[: rng.randrange(1, 65)] + [rng.getrandbits(64)] * 4
+        req = RequestInfo(i, len(prompt) * 16 + 3, 64, tuple(prompt), f"s{i % 7}")
+        try:
+            d = recording.place(cluster, policy, req, i * 0.05, rng)
+        except ValueError as exc:  # e.g. no decode instance with room: both must say so
+            out += [(str(exc),), ("", 0.0, True), ()]
+            continue
+        out.append((d.instance, d.decode_instance, d.cached_tokens, d.fetched_tokens))
+        out.append((d.rule, d.estimated_ttft_s, d.rejected, d.retry_after_s, d.terms))
+        out.append(tuple((t.kind, t.source, t.target, t.est_seconds) for t in d.transfers))
+    return out
+
+
+@pytest.mark.parametrize("spec", ALL_POLICIES)
+def test_every_policy_decides_bit_identically(spec: str) -> None:
+    ref, got = both(lambda: place_all(spec, 7))
+    assert_identical(tuple(ref), tuple(got), spec)
+    assert any(row[0] != "" and not row[2] for row in ref[1::3]), "no placement was made"
