@@ -5,11 +5,16 @@ over the instances, half of them under a shared 2K-token system prefix; drawn by
 bench.prefix_workload, as bench.grpc_placement and bench.index_scale draw them), then times
 `recording.place()` — index lookup, scoring every instance, and recording the decision (load
 charge and speculative index entries) — for 32,768-token prompts that share a random part of an
-existing chain. Every measurement runs twice in the same run, on the same cluster and
-prompts: with the pure-Python block store (`--pure` only: just that one) and with the compiled
-one (`kvsched.core.holdings`), and the compiled time is printed as a ratio to the pure one.
-The first row is one bare `PrefixIndex.match` of the same prompts (the index walk every
-cache-aware policy pays); the rest are whole decisions.
+existing chain. Every measurement runs in three builds of the same cluster, on the same
+prompts, the three taking turns every 20 decisions (so the machine's other work weighs on
+each alike; the builds' objects are frozen out of the garbage collector's passes): the
+references (pure-Python block store and numpy scoring: `--pure` runs only these), the
+compiled block store (`kvsched.core.holdings`) with numpy scoring, and both compiled
+(`kvsched.core.scoring`). Printed: p50 and p99 of each, the compiled scoring's speed-up
+(compiled index with numpy scoring over both compiled, p50) and the whole one (references
+over both compiled). The first row is one bare `PrefixIndex.match` of the same prompts (the
+index walk every cache-aware policy pays; no scoring); the rest are whole decisions, which
+the three builds must make identically (the bench fails otherwise).
 
     .venv/bin/python -m bench.placement [--decisions 400] [--policies elastic,...] [--pure]
 """
@@ -17,12 +22,14 @@ cache-aware policy pays); the rest are whole decisions.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
+from dataclasses import dataclass
 
 from bench.common import percentile
 from bench.prefix_workload import draw_chains, draw_loads, draw_prompt
-from kvsched.core import recording
+from kvsched.core import recording, scoring
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import RequestInfo
 from kvsched.core.index import PrefixIndex
@@ -30,6 +37,7 @@ from kvsched.core.policies import Policy, make_policy
 
 N, BLOCK, PROMPT, TOTAL_BLOCKS = 64, 16, 32_768, 1_000_000
 GOAL_MS = 0.03  # issue 16's goal for elastic
+STRIDE = 20  # decisions a build makes before the next build takes its turn
 POLICIES = (
     "least_loaded",
     "cache_aware",
@@ -77,9 +85,26 @@ def timed_match(cluster: ClusterState, reqs: list[RequestInfo]) -> list[float]:
     return times
 
 
+@dataclass(frozen=True)
+class Build:
+    """One way to build and score: which block store and which scoring."""
+
+    name: str
+    pure_index: bool
+    pure_scoring: bool
+
+
+BUILDS = (
+    Build("reference", pure_index=True, pure_scoring=True),
+    Build("compiled index", pure_index=False, pure_scoring=True),
+    Build("both compiled", pure_index=False, pure_scoring=False),
+)
+
+
 def timed_decisions(
     cluster: ClusterState, policy: Policy, reqs: list[RequestInfo], seed: int
 ) -> list[float]:
+    """Each decision's time, on one cluster with the process's scoring (bench.index_scale)."""
     times = []
     play = random.Random(seed + 1)
     for i, req in enumerate(reqs):
@@ -90,46 +115,88 @@ def timed_decisions(
     return times
 
 
-def main() -> None:
+def interleaved_decisions(spec: str, builds: tuple[Build, ...], seed: int, count: int) -> Rows:
+    """Each build's decision times for the same `count` prompts, interleaved; the first
+    build's match times too. Every build must decide as the first did."""
+    runs = []
+    for build_ in builds:
+        rng = random.Random(seed)
+        cluster, policy, chains = build(spec, rng, build_.pure_index)
+        runs.append((build_, cluster, policy, random.Random(seed + 1)))
+        reqs = requests(chains, count, rng)
+    # What the builds hold lives to the end: keep the collector's full passes off it (they
+    # would land on whichever build runs then, the reference's object graph being largest).
+    gc.collect()
+    gc.freeze()
+    match = [timed_match(run[1], reqs) for run in runs]
+    times: list[list[float]] = [[] for _ in runs]
+    decided: list[list[tuple[int, str, str]]] = [[] for _ in runs]
+    try:
+        for start in range(0, len(reqs), STRIDE):
+            for k, (build_, cluster, policy, play) in enumerate(runs):
+                scoring.select(build_.pure_scoring)
+                for i in range(start, min(start + STRIDE, len(reqs))):
+                    now = i * 0.01  # 100 decisions a second: speculative entries live 1 s
+                    t = time.perf_counter()
+                    decision = recording.place(cluster, policy, reqs[i], now, play)
+                    times[k].append(time.perf_counter() - t)
+                    ttft = repr(decision.estimated_ttft_s)
+                    decided[k].append((decision.instance, decision.rule, ttft))
+    finally:
+        scoring.select(None)
+        gc.unfreeze()
+    if any(d != decided[0] for d in decided):
+        raise AssertionError(f"{spec}: the builds decided differently")
+    return Rows(match, times)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per build: the bare match's times and the whole decisions' times (seconds)."""
+
+    match: list[list[float]]
+    decisions: list[list[float]]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--decisions", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--pure", action="store_true", help="the pure-Python index only")
-    args = parser.parse_args()
-    impls = (True,) if args.pure else (True, False)
+    parser.add_argument(
+        "--pure", action="store_true", help="the references only (pure index, numpy scoring)"
+    )
+    args = parser.parse_args(argv)
+    builds = BUILDS[:1] if args.pure else BUILDS
     print(f"{N} instances, {TOTAL_BLOCKS:,} indexed blocks, {PROMPT:,}-token prompts")
-    print("p50 ms per call; compiled vs pure: the pure p50 over the compiled p50")
-    head = f"{'measure':<22} {'pure p50':>9} {'p99':>8}"
-    if not args.pure:
-        head += f" {'compiled':>9} {'p99':>8} {'speedup':>8}"
+    print("ms per call, p50 and p99, per build; scoring: compiled index with numpy scoring")
+    print("over both compiled (p50); total: references over both compiled (p50)")
+    head = f"{'measure':<22}" + "".join(f" {b.name:>16} {'p99':>7}" for b in builds)
+    if len(builds) > 1:
+        head += f" {'scoring':>8} {'total':>7}"
     print(head)
     first = True
     for spec in args.policies.split(","):
-        rows: list[list[float]] = []
-        match_rows: list[list[float]] = []
-        for pure in impls:
-            rng = random.Random(args.seed)
-            cluster, policy, chains = build(spec, rng, pure)
-            reqs = requests(chains, args.decisions, rng)
-            if first:
-                match_rows.append(timed_match(cluster, reqs))
-            rows.append(timed_decisions(cluster, policy, reqs, args.seed))
+        rows = interleaved_decisions(spec, builds, args.seed, args.decisions)
         if first:
-            _line("index.match", match_rows)
+            _line("index.match", rows.match, scoring_ratio=False)
             first = False
-        _line(spec, rows)
+        _line(spec, rows.decisions, scoring_ratio=True)
     print(f"goal: p50 <= {GOAL_MS} ms per elastic decision")
     print("reproduce: .venv/bin/python -m bench.placement")
 
 
-def _line(name: str, rows: list[list[float]]) -> None:
-    text = f"{name:<22} {p50(rows[0]):>9} {percentile(rows[0], 99) * 1e3:>8.3f}"
+def _line(name: str, rows: list[list[float]], *, scoring_ratio: bool) -> None:
+    p50s = [percentile(times, 50) for times in rows]
+    text = f"{name:<22}" + "".join(
+        f" {p50 * 1e3:>16.4f} {percentile(times, 99) * 1e3:>7.3f}"
+        for p50, times in zip(p50s, rows, strict=True)
+    )
     if len(rows) > 1:
-        speedup = percentile(rows[0], 50) / percentile(rows[1], 50)
-        text += f" {p50(rows[1]):>9} {percentile(rows[1], 99) * 1e3:>8.3f} {speedup:>7.2f}x"
+        scoring_x = f"{p50s[1] / p50s[2]:.2f}x" if scoring_ratio else "-"
+        text += f" {scoring_x:>8} {p50s[0] / p50s[-1]:>6.2f}x"
     print(text)
 
 

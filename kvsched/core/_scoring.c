@@ -487,6 +487,61 @@ done:
     return result;
 }
 
+/* ---- migration candidates --------------------------------------------------------------------- */
+
+/* candidates(eligible, free_blocks, block_size, context_tokens, pending, host) -> bool vector:
+ * MigrationPlanner.candidates (eligible slots other than the host with room for the context
+ * and fewer pending prefill tokens than the host). */
+static PyObject *candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    CHECK_ARGS("candidates", 6)
+    double bs = PyFloat_AsDouble(args[2]);
+    if (bs == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    double context = PyFloat_AsDouble(args[3]);
+    if (context == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Vec ev = {0}, fv = {0}, pv = {0}, out = {0};
+    PyObject *res = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = -1, host;
+    int rc = vec_open(args[0], &ev, '?', -1, &n);
+    if (rc == 0) {
+        rc = vec_open(args[1], &fv, 'd', n, NULL);
+    }
+    if (rc == 0) {
+        rc = vec_open(args[4], &pv, 'd', n, NULL);
+    }
+    if (rc == 0 && slot_arg(args[5], n, &host) < 0) {
+        rc = -1;
+    }
+    if (rc == UNSUPPORTED) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if (rc < 0 || (res = vec_new(n, '?', &out)) == NULL) {
+        goto done;
+    }
+    const char *eligible = bvec(&ev);
+    const double *free_blocks = dvec(&fv), *pending = dvec(&pv);
+    char *mask = (char *)out.buf.buf;
+    double limit = pending[host];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        mask[j] = (char)(eligible[j] && free_blocks[j] * bs >= context && pending[j] < limit);
+    }
+    mask[host] = 0;
+    result = res;
+    res = NULL;
+done:
+    vec_close(&ev);
+    vec_close(&fv);
+    vec_close(&pv);
+    vec_close(&out);
+    Py_XDECREF(res);
+    return result;
+}
+
 /* ---- picking --------------------------------------------------------------------------------- */
 
 /* masked_min(values, mask) -> float: np.min(values[mask]); ValueError when the mask is empty. */
@@ -721,6 +776,8 @@ static PyMethodDef methods[] = {
     {"fetch_from", (PyCFunction)(void (*)(void))fetch_from, METH_FASTCALL,
      "fetch_from(holder, hits, fetch, setup, per_byte, kv_bytes_per_token) -> (cached, "
      "transfer)"},
+    {"candidates", (PyCFunction)(void (*)(void))candidates, METH_FASTCALL,
+     "candidates(eligible, free_blocks, block_size, context_tokens, pending, host) -> mask"},
     {"masked_min", (PyCFunction)(void (*)(void))masked_min, METH_FASTCALL,
      "masked_min(values, mask) -> float"},
     {"argmin", (PyCFunction)(void (*)(void))argmin, METH_FASTCALL,

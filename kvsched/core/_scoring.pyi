@@ -30,6 +30,15 @@ def fetch_when_cheaper(
 def fetch_from(
     holder: int, hits: FloatVec, fetch: BoolVec, setup: FloatVec, per_byte: FloatVec, kv: float, /
 ) -> tuple[FloatVec, FloatVec] | NotImplementedType: ...
+def candidates(
+    eligible: BoolVec,
+    free_blocks: FloatVec,
+    block_size: int,
+    context_tokens: float,
+    pending: FloatVec,
+    host: int,
+    /,
+) -> BoolVec | NotImplementedType: ...
 def masked_min(values: FloatVec, mask: BoolVec, /) -> float | NotImplementedType: ...
 def argmin(
     values: FloatVec, eligible: BoolVec, tiebreaks: tuple[FloatVec, ...], /

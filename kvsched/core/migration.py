@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState
 from kvsched.core.cost import moving_terms, next_turn_ttft_s, plan_copy, ttft_terms
 from kvsched.core.decision import Decision, TransferKind, TransferPlan
@@ -39,6 +40,12 @@ class MigrationPlanner:
         pending prefill tokens than the host (never a busier or too small instance)."""
         load = self.cluster.load
         pending = load.pending_prefill_tokens
+        kernels = scoring.active
+        if kernels is not None:
+            free, bs = load.free_blocks, self.cluster.block_size
+            found = kernels.candidates(eligible, free, bs, context_tokens, pending, host)
+            if found is not NotImplemented:
+                return found
         room = load.free_blocks * self.cluster.block_size >= context_tokens
         out: BoolVec = eligible & room & (pending < pending[host])
         out[host] = False

@@ -79,6 +79,18 @@ class Kernels(Protocol):
     ) -> tuple[FloatVec, FloatVec] | NotImplementedType:
         """(cached, transfer) of `cost.fetch_from`."""
 
+    def candidates(  # noqa: PLR0917 (positional, as the C function takes them)
+        self,
+        eligible: BoolVec,
+        free_blocks: FloatVec,
+        block_size: int,
+        context_tokens: float,
+        pending: FloatVec,
+        host: int,
+        /,
+    ) -> BoolVec | NotImplementedType:
+        """`migration.MigrationPlanner.candidates`."""
+
     def masked_min(self, values: FloatVec, mask: BoolVec, /) -> float | NotImplementedType:
         """`np.min(values[mask])` (ValueError when `mask` is empty)."""
 

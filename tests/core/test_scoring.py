@@ -25,6 +25,7 @@ from kvsched.core.cost import (
 from kvsched.core.decision import RequestInfo
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
+from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, masked_min
 from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
 from kvsched.core.request_view import RequestView, request_view
@@ -133,6 +134,10 @@ def test_moving_and_fetching_terms_are_bit_identical(
     prompt = view.req.prompt_tokens
     cheaper = both(lambda: fetch_when_cheaper(cost, slot, prompt, hits, view.eligible))
     assert_identical(tuple(cheaper[0]), tuple(cheaper[1]), "fetch_when_cheaper")
+    planner = MigrationPlanner(cluster, by_ttft=True, t_hot_tokens=0.0, min_gain_s=0.0)
+    context = data.draw(st.integers(0, 2_000_000))
+    found = both(lambda: planner.candidates(view.eligible, slot, context))
+    assert_identical(*found, "candidates")
     fetch = np.array(data.draw(st.lists(st.booleans(), min_size=cluster.n, max_size=cluster.n)))
     given_fetch = both(lambda: fetch_from(cost, slot, hits, fetch))
     assert_identical(tuple(given_fetch[0]), tuple(given_fetch[1]), "fetch_from")
@@ -204,6 +209,8 @@ def test_the_kernels_take_the_vectors_policies_hand_them() -> None:
     )
     assert _scoring.argmin(-hits, view.eligible, (load.in_flight,)) == 2
     assert _scoring.masked_min(hits, view.eligible) == 0.0
+    found = _scoring.candidates(view.eligible, load.free_blocks, 16, 50.0, hits, 2)
+    assert isinstance(found, np.ndarray) and list(found) == [True, True, False, True, True]
     assert list(view.hit_blocks) == [0, 0, 3, 0, 0]
 
 
