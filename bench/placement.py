@@ -16,13 +16,19 @@ over both compiled). The first row is one bare `PrefixIndex.match` of the same p
 index walk every cache-aware policy pays; no scoring); the rest are whole decisions, which
 the three builds must make identically (the bench fails otherwise).
 
+`--profile SPEC` then runs that policy's decisions once more, compiled, under cProfile and
+prints where their time goes.
+
     .venv/bin/python -m bench.placement [--decisions 400] [--policies elastic,...] [--pure]
+        [--profile elastic]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import random
 import time
 from dataclasses import dataclass
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pure", action="store_true", help="the references only (pure index, numpy scoring)"
     )
+    parser.add_argument("--profile", metavar="SPEC", help="profile this policy's decisions")
     args = parser.parse_args(argv)
     builds = BUILDS[:1] if args.pure else BUILDS
     print(f"{N} instances, {TOTAL_BLOCKS:,} indexed blocks, {PROMPT:,}-token prompts")
@@ -186,6 +193,23 @@ def main(argv: list[str] | None = None) -> None:
         _line(spec, rows.decisions, scoring_ratio=True)
     print(f"goal: p50 <= {GOAL_MS} ms per elastic decision")
     print("reproduce: .venv/bin/python -m bench.placement")
+    if args.profile:
+        profile(args.profile, args.seed, args.decisions)
+
+
+def profile(spec: str, seed: int, count: int) -> None:
+    """Print where `spec`'s decisions spend their time, index and scoring compiled."""
+    rng = random.Random(seed)
+    cluster, policy, chains = build(spec, rng, pure=False)
+    reqs = requests(chains, count, rng)
+    scoring.select(pure=False)
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(timed_decisions, cluster, policy, reqs, seed)
+    finally:
+        scoring.select(None)
+    print(f"profile of {spec} ({count} decisions, compiled), by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(16)
 
 
 def _line(name: str, rows: list[list[float]], *, scoring_ratio: bool) -> None:
