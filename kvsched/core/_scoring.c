@@ -201,7 +201,8 @@ static PyObject *tuple_steal(Py_ssize_t n, PyObject **items) {
 }
 
 static int slot_arg(PyObject *obj, Py_ssize_t n, Py_ssize_t *slot) {
-    Py_ssize_t s = PyLong_AsSsize_t(obj);
+    /* Any integer (numpy's too), as numpy's indexing takes it. */
+    Py_ssize_t s = PyNumber_AsSsize_t(obj, PyExc_IndexError);
     if (s == -1 && PyErr_Occurred()) {
         return -1;
     }

@@ -109,6 +109,7 @@ def scenes(draw: st.DrawFn) -> tuple[ClusterState, RequestView]:
     return cluster, RequestView(req, eligible, hits / 16, hits, 0)
 
 
+@settings(deadline=None)  # an example builds a cluster: its time varies on a shared machine
 @given(scenes(), st.booleans(), st.data())
 def test_ttft_terms_are_bit_identical(
     scene: tuple[ClusterState, RequestView], with_transfer: bool, data: st.DataObject
@@ -123,6 +124,7 @@ def test_ttft_terms_are_bit_identical(
     assert_identical(*floors, "floor")
 
 
+@settings(deadline=None)
 @given(scenes(), st.data())
 def test_moving_and_fetching_terms_are_bit_identical(
     scene: tuple[ClusterState, RequestView], data: st.DataObject
@@ -151,6 +153,7 @@ def tied_vectors(draw: st.DrawFn) -> tuple[list[float], list[float], list[float]
     return draw(few), draw(few), draw(few), draw(st.lists(st.booleans(), min_size=n, max_size=n))
 
 
+@settings(deadline=None)
 @given(tied_vectors(), st.integers(0, 2))
 def test_picks_are_the_same_ties_and_all(
     vectors: tuple[list[float], list[float], list[float], list[bool]], n_keys: int
@@ -170,8 +173,8 @@ def test_picks_are_the_same_ties_and_all(
     assert_identical(*both(lambda: masked_min(arrays[0] - arrays[1], eligible)), "min")
 
 
+@settings(max_examples=50, deadline=None)
 @given(st.integers(1, 70), st.data())
-@settings(max_examples=50)
 def test_request_views_are_identical(n: int, data: st.DataObject) -> None:
     cluster = cluster_of(n, 8192)
     slots = st.integers(0, n - 1)
@@ -207,6 +210,8 @@ def test_the_kernels_take_the_vectors_policies_hand_them() -> None:
     assert isinstance(
         _scoring.fetch_from(2, hits, fetch[0], cost.setup_s, cost.s_per_byte, 1.0), tuple
     )
+    numpy_slot = np.int64(2)  # a slot may come out of numpy
+    assert isinstance(_scoring.moving(numpy_slot, hits, cost.setup_s, cost.s_per_byte, 1.0), tuple)  # type: ignore[arg-type]
     assert _scoring.argmin(-hits, view.eligible, (load.in_flight,)) == 2
     assert _scoring.masked_min(hits, view.eligible) == 0.0
     found = _scoring.candidates(view.eligible, load.free_blocks, 16, 50.0, hits, 2)
