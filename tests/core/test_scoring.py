@@ -278,3 +278,13 @@ def test_every_policy_decides_bit_identically(spec: str) -> None:
     ref, got = both(lambda: place_all(spec, 7))
     assert_identical(tuple(ref), tuple(got), spec)
     assert any(row[0] != "" and not row[2] for row in ref[1::3]), "no placement was made"
+
+
+def test_the_environment_picks_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(scoring.PURE_ENV, "1")
+    assert scoring.load_kernels() is None
+    assert scoring.load_kernels(pure=False) is _scoring  # an explicit choice wins
+    monkeypatch.setenv(scoring.PURE_ENV, "0")
+    assert scoring.load_kernels() is _scoring
+    monkeypatch.delenv(scoring.PURE_ENV)
+    assert scoring.load_kernels() is _scoring
