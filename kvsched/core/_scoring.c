@@ -543,6 +543,134 @@ done:
     return result;
 }
 
+/* ---- a cold start's score (elastic) ------------------------------------------------------------ */
+
+/* cold_score(ttft, prefill, pending_s, eligible, resident, context_tokens, capacity_tokens)
+ *   -> (score, pool): elastic's cold-start score, TTFT plus the extra prefill over the
+ * cheapest eligible slot's weighted by the share of eligible slots with queued prefill, and
+ * the slots to pick from (the eligible ones whose resident sessions leave room for the
+ * context, or `eligible` itself when none does). NotImplemented when no slot is eligible. */
+static PyObject *cold_score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    CHECK_ARGS("cold_score", 7)
+    double context = PyFloat_AsDouble(args[5]);
+    if (context == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    double capacity = PyFloat_AsDouble(args[6]);
+    if (capacity == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Vec tv = {0}, pv = {0}, qv = {0}, ev = {0}, rv = {0}, out[2] = {0};
+    PyObject *res[2] = {NULL, NULL};
+    PyObject *result = NULL;
+    Py_ssize_t n = -1;
+    int rc = vec_open(args[0], &tv, 'd', -1, &n);
+    if (rc == 0) {
+        rc = vec_open(args[1], &pv, 'd', n, NULL);
+    }
+    if (rc == 0) {
+        rc = vec_open(args[2], &qv, 'd', n, NULL);
+    }
+    if (rc == 0) {
+        rc = vec_open(args[3], &ev, '?', n, NULL);
+    }
+    if (rc == 0) {
+        rc = vec_open(args[4], &rv, 'd', n, NULL);
+    }
+    if (rc == UNSUPPORTED) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if (rc < 0) {
+        goto done;
+    }
+    const double *ttft = dvec(&tv), *prefill = dvec(&pv), *pending = dvec(&qv);
+    const double *resident = dvec(&rv);
+    const char *eligible = bvec(&ev);
+    Py_ssize_t count = 0, busy = 0;
+    double floor = 0.0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (!eligible[j]) {
+            continue;
+        }
+        busy += pending[j] > 0;
+        /* masked_min: NaN propagates, else the smallest. */
+        if (count == 0 || (isnan(prefill[j]) && !isnan(floor)) || prefill[j] < floor) {
+            floor = prefill[j];
+        }
+        count++;
+    }
+    if (count == 0) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    /* np.mean of the busy flags: their count (exact) over the eligible slots'. */
+    double share = (double)busy / (double)count;
+    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
+        (res[1] = vec_new(n, '?', &out[1])) == NULL) {
+        goto done;
+    }
+    double *score = dvec(&out[0]);
+    char *fits = (char *)out[1].buf.buf;
+    int any = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        double extra = prefill[j] - floor;
+        score[j] = ttft[j] + share * extra;
+        fits[j] = (char)(eligible[j] && resident[j] + context <= capacity);
+        any |= fits[j];
+    }
+    if (!any) {
+        Py_SETREF(res[1], Py_NewRef(args[3]));
+    }
+    result = tuple_steal(2, res);
+    res[0] = res[1] = NULL;
+done:
+    vec_close(&tv);
+    vec_close(&pv);
+    vec_close(&qv);
+    vec_close(&ev);
+    vec_close(&rv);
+    for (int i = 0; i < 2; i++) {
+        vec_close(&out[i]);
+        Py_XDECREF(res[i]);
+    }
+    return result;
+}
+
+/* best_slot(hit_blocks, eligible) -> int: RequestView.best_slot, the eligible slot with the
+ * longest hit (the first on ties; numpy's argmax, a NaN first of all), or -1 when its hit is
+ * not positive. */
+static PyObject *best_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    CHECK_ARGS("best_slot", 2)
+    Vec hv = {0}, ev = {0};
+    Py_ssize_t n = -1;
+    PyObject *result = NULL;
+    int rc = vec_open(args[0], &hv, 'd', -1, &n);
+    if (rc == 0) {
+        rc = vec_open(args[1], &ev, '?', n, NULL);
+    }
+    if (rc == UNSUPPORTED || (rc == 0 && n == 0)) {
+        /* An empty vector: numpy's argmax raises, and so does the reference. */
+        result = Py_NewRef(Py_NotImplemented);
+    } else if (rc == 0) {
+        const double *hits = dvec(&hv);
+        const char *eligible = bvec(&ev);
+        Py_ssize_t best = 0;
+        double bv = eligible[0] ? hits[0] : -1.0;
+        for (Py_ssize_t j = 1; j < n && !isnan(bv); j++) {
+            double x = eligible[j] ? hits[j] : -1.0;
+            if (isnan(x) || x > bv) {
+                best = j;
+                bv = x;
+            }
+        }
+        result = PyLong_FromSsize_t(bv > 0 ? best : -1);
+    }
+    vec_close(&hv);
+    vec_close(&ev);
+    return result;
+}
+
 /* ---- picking --------------------------------------------------------------------------------- */
 
 /* masked_min(values, mask) -> float: np.min(values[mask]); ValueError when the mask is empty. */
@@ -779,6 +907,11 @@ static PyMethodDef methods[] = {
      "transfer)"},
     {"candidates", (PyCFunction)(void (*)(void))candidates, METH_FASTCALL,
      "candidates(eligible, free_blocks, block_size, context_tokens, pending, host) -> mask"},
+    {"cold_score", (PyCFunction)(void (*)(void))cold_score, METH_FASTCALL,
+     "cold_score(ttft, prefill, pending_s, eligible, resident, context_tokens, "
+     "capacity_tokens) -> (score, pool)"},
+    {"best_slot", (PyCFunction)(void (*)(void))best_slot, METH_FASTCALL,
+     "best_slot(hit_blocks, eligible) -> int"},
     {"masked_min", (PyCFunction)(void (*)(void))masked_min, METH_FASTCALL,
      "masked_min(values, mask) -> float"},
     {"argmin", (PyCFunction)(void (*)(void))argmin, METH_FASTCALL,

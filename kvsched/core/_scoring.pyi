@@ -39,6 +39,17 @@ def candidates(
     host: int,
     /,
 ) -> BoolVec | NotImplementedType: ...
+def cold_score(
+    ttft: FloatVec,
+    prefill: FloatVec,
+    pending_s: FloatVec,
+    eligible: BoolVec,
+    resident: FloatVec,
+    context_tokens: float,
+    capacity_tokens: float,
+    /,
+) -> tuple[FloatVec, BoolVec] | NotImplementedType: ...
+def best_slot(hit_blocks: FloatVec, eligible: BoolVec, /) -> int | NotImplementedType: ...
 def masked_min(values: FloatVec, mask: BoolVec, /) -> float | NotImplementedType: ...
 def argmin(
     values: FloatVec, eligible: BoolVec, tiebreaks: tuple[FloatVec, ...], /

@@ -29,6 +29,11 @@ class RequestView:
     @property
     def best_slot(self) -> int:
         """Slot with the longest hit among eligible ones (lowest slot on ties), -1 if none."""
+        kernels = scoring.active
+        if kernels is not None:
+            best_ = kernels.best_slot(self.hit_blocks, self.eligible)
+            if best_ is not NotImplemented:
+                return best_
         hits = np.where(self.eligible, self.hit_blocks, -1.0)
         best = int(np.argmax(hits))
         return best if hits[best] > 0 else -1

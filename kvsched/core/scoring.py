@@ -91,6 +91,23 @@ class Kernels(Protocol):
     ) -> BoolVec | NotImplementedType:
         """`migration.MigrationPlanner.candidates`."""
 
+    def cold_score(  # noqa: PLR0917 (positional, as the C function takes them)
+        self,
+        ttft: FloatVec,
+        prefill: FloatVec,
+        pending_s: FloatVec,
+        eligible: BoolVec,
+        resident: FloatVec,
+        context_tokens: float,
+        capacity_tokens: float,
+        /,
+    ) -> tuple[FloatVec, BoolVec] | NotImplementedType:
+        """(score, pool) of `policies.elastic.cold_score` (NotImplemented with no slot
+        eligible)."""
+
+    def best_slot(self, hit_blocks: FloatVec, eligible: BoolVec, /) -> int | NotImplementedType:
+        """`RequestView.best_slot`."""
+
     def masked_min(self, values: FloatVec, mask: BoolVec, /) -> float | NotImplementedType:
         """`np.min(values[mask])` (ValueError when `mask` is empty)."""
 

@@ -28,6 +28,7 @@ from kvsched.core.load import LoadReport
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, masked_min
 from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
+from kvsched.core.policies.elastic import cold_score
 from kvsched.core.request_view import RequestView, request_view
 from kvsched.core.topology import TopologyConfig
 
@@ -145,6 +146,33 @@ def test_moving_and_fetching_terms_are_bit_identical(
     assert_identical(tuple(given_fetch[0]), tuple(given_fetch[1]), "fetch_from")
 
 
+@settings(deadline=None)
+@given(scenes(), st.data())
+def test_cold_scores_and_best_slots_are_identical(
+    scene: tuple[ClusterState, RequestView], data: st.DataObject
+) -> None:
+    cluster, view = scene
+    n = cluster.n
+    terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
+    resident = np.array(data.draw(st.lists(tokens, min_size=n, max_size=n)))
+    context = data.draw(st.integers(0, 100_000))
+    capacity = data.draw(st.sampled_from([0.0, 50_000.0, 1e9]))
+    pending = cluster.load.pending_prefill_s
+
+    def score() -> tuple[Any, ...]:
+        out = cold_score(
+            terms, pending, view.eligible, resident=resident, context_tokens=context,
+            capacity_tokens=capacity,
+        )  # fmt: skip
+        return (*out, out[1] is view.eligible)  # none fits: the eligible mask itself
+
+    assert_identical(*both(score), "cold_score")
+    # Few distinct hits, so the longest is often tied.
+    few = data.draw(st.lists(st.sampled_from([0.0, 1.0, 3.0]), min_size=n, max_size=n))
+    tied = RequestView(view.req, view.eligible, np.array(few), np.array(few) * 16, 0)
+    assert_identical(*both(lambda: (view.best_slot, tied.best_slot)), "best_slot")
+
+
 @st.composite
 def tied_vectors(draw: st.DrawFn) -> tuple[list[float], list[float], list[float], list[bool]]:
     # Three values only, so ties are common and the tie-breaks decide.
@@ -214,6 +242,9 @@ def test_the_kernels_take_the_vectors_policies_hand_them() -> None:
     assert isinstance(_scoring.moving(numpy_slot, hits, cost.setup_s, cost.s_per_byte, 1.0), tuple)  # type: ignore[arg-type]
     assert _scoring.argmin(-hits, view.eligible, (load.in_flight,)) == 2
     assert _scoring.masked_min(hits, view.eligible) == 0.0
+    assert _scoring.best_slot(view.hit_blocks, view.eligible) == 2
+    score = _scoring.cold_score(hits, hits, hits, view.eligible, hits, 10.0, 1e9)
+    assert isinstance(score, tuple) and score[1] is not view.eligible
     found = _scoring.candidates(view.eligible, load.free_blocks, 16, 50.0, hits, 2)
     assert isinstance(found, np.ndarray) and list(found) == [True, True, False, True, True]
     assert list(view.hit_blocks) == [0, 0, 3, 0, 0]

@@ -30,7 +30,7 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core import admission
+from kvsched.core import admission, scoring
 from kvsched.core.cluster import Role
 from kvsched.core.cost import (
     fetch_plan,
@@ -46,9 +46,39 @@ from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, least_pending, masked_min
 from kvsched.core.policies.base import Policy
 from kvsched.core.replication import hot_prefix_copy
-from kvsched.core.request_view import RequestView
+from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.residency import ResidentSessions
 from kvsched.core.sessions import NO_HOST, Session
+
+
+def cold_score(
+    terms: dict[str, FloatVec],
+    pending_s: FloatVec,
+    eligible: BoolVec,
+    *,
+    resident: FloatVec,
+    context_tokens: int,
+    capacity_tokens: float,
+) -> tuple[FloatVec, BoolVec]:
+    """(c)'s score of every slot for a cold start, and the slots to pick from: those whose
+    active sessions leave room for the new context (all eligible ones when none does).
+    Recomputing what another instance holds also delays whoever queues behind it: a request
+    arriving at a busy instance waits, so the extra prefill over the cheapest slot's is
+    charged at the share of instances busy now (for Poisson arrivals, the chance of finding
+    one busy). The numpy below is the reference; the compiled kernel computes the same."""
+    ttft, prefill = terms["ttft_s"], terms["prefill_s"]
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.cold_score(
+            ttft, prefill, pending_s, eligible, resident, context_tokens, capacity_tokens
+        )
+        if out is not NotImplemented:
+            return out
+    busy_share = float(np.mean(pending_s[eligible] > 0))
+    extra = prefill - masked_min(prefill, eligible)
+    score: FloatVec = ttft + busy_share * extra
+    fits = eligible & (resident + context_tokens <= capacity_tokens)
+    return score, fits if fits.any() else eligible
 
 
 class Elastic(Policy):
@@ -126,17 +156,16 @@ class Elastic(Policy):
             )
             cached, transfer = prefix.cached, prefix.transfer_s
         terms = ttft_terms(cluster.cost, cluster.load, view, cached, transfer)
-        # Recomputing what another instance holds also delays whoever queues behind it: a
-        # request arriving at a busy instance waits, so charge the extra prefill at the share
-        # of instances busy now (for Poisson arrivals, the chance of finding one busy).
-        prefill = terms["prefill_s"]
-        busy_share = float(np.mean(cluster.load.pending_prefill_s[view.eligible] > 0))
-        extra = prefill - masked_min(prefill, view.eligible)
-        terms["score_s"] = terms["ttft_s"] + busy_share * extra
         context = view.req.prompt_tokens + view.req.output_tokens
         resident = self.resident.tokens
-        fits = view.eligible & (resident + context <= self._capacity_tokens)
-        pool = fits if fits.any() else view.eligible
+        terms["score_s"], pool = cold_score(
+            terms,
+            cluster.load.pending_prefill_s,
+            view.eligible,
+            resident=resident,
+            context_tokens=context,
+            capacity_tokens=self._capacity_tokens,
+        )
         slot = argmin_eligible(terms["score_s"], pool, resident, cluster.load.in_flight)
         terms["resident_tokens"] = resident.copy()
         transfers: list[TransferPlan] = []
