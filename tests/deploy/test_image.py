@@ -144,9 +144,10 @@ def test_the_wheel_holds_the_package_data(installed_wheel: Path) -> None:
         assert (installed_wheel / data).is_file(), f"the wheel lacks {data}"
 
 
-def test_the_wheel_holds_the_compiled_index(installed_wheel: Path) -> None:
-    """The prefix index's C extension, built from the context's setup.py."""
-    assert list((installed_wheel / "kvsched" / "core").glob("_holdings*.so")), "no extension"
+def test_the_wheel_holds_the_compiled_index_and_scoring(installed_wheel: Path) -> None:
+    """The prefix index's and the scoring's C extensions, built from the context's setup.py."""
+    for name in ("_holdings", "_scoring"):
+        assert list((installed_wheel / "kvsched" / "core").glob(f"{name}*.so")), f"no {name}"
 
 
 @pytest.mark.parametrize("command", SERVICES)
