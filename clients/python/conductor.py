@@ -35,6 +35,7 @@ from clients.python.errors import (
 )
 from clients.python.leader import LeaderFinder
 from clients.python.placement_stream import DEFAULT_MAX_IN_FLIGHT, PlacementStream
+from clients.python.stream_batches import DEFAULT_BATCHING, BatchLimits
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 __all__ = ["ConductorClient"]
@@ -363,8 +364,15 @@ class ConductorClient:
             lambda s: s.GetLeader, pb.GetLeaderRequest(), write=False, idempotent=True
         )
 
-    def placement_stream(self, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> PlacementStream:
-        """A ScheduleStream session; use as `async with client.placement_stream() as stream:`."""
+    def placement_stream(
+        self,
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        batching: BatchLimits | None = DEFAULT_BATCHING,
+    ) -> PlacementStream:
+        """A ScheduleStream session; use as `async with client.placement_stream() as stream:`.
+        `batching` bounds how items queued together are coalesced into one message (None:
+        one item a message)."""
         if self._closing:
             raise ConductorError(grpc.StatusCode.CANCELLED, "the client is closed")
-        return PlacementStream(self, max_in_flight=max_in_flight)
+        return PlacementStream(self, max_in_flight=max_in_flight, batching=batching)

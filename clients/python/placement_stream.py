@@ -3,7 +3,8 @@ completions.
 
 When the stream breaks (the leader died or stepped down) it reconnects to the new leader and
 sends every unanswered request again; request ids are idempotency keys, so the caller just
-waits longer.
+waits longer. Items queued together go out in one message, and their answers may come back
+in one (`stream_batches`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ from clients.python.errors import (
     from_rpc_error,
 )
 from clients.python.leader import LeaderFinder
+from clients.python.stream_batches import (
+    BATCH_ITEMS_METADATA,
+    DEFAULT_BATCHING,
+    BatchLimits,
+    Coalescer,
+    as_message,
+)
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 _log = logging.getLogger(__name__)
@@ -108,11 +116,19 @@ class PlacementStream:
     callers wait for a slot.
     """
 
-    def __init__(self, client: StreamOwner, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+    def __init__(
+        self,
+        client: StreamOwner,
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        batching: BatchLimits | None = DEFAULT_BATCHING,
+    ):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self._client = client
         self._max_in_flight = max_in_flight
+        self._batching = batching  # None: one item a message, always
+        self._batch_limit = 0  # items the connected Conductor takes in one message (0: none)
         self._items: dict[_Key, _Item] = {}
         self._slots: asyncio.Semaphore | None = None
         self._queue: asyncio.Queue[_Key | None] | None = None  # new items for the live stream
@@ -256,6 +272,11 @@ class PlacementStream:
 
     def _deliver(self, answer: pb.ScheduleStreamResponse) -> None:
         outcome = answer.WhichOneof("outcome")
+        if outcome == "batch":
+            for each in answer.batch.items:
+                if each.WhichOneof("outcome") != "batch":  # never nested; ignore if it were
+                    self._deliver(each)
+            return
         kinds: tuple[_Kind, ...]
         if outcome in ("decision", "rejection"):
             kinds = ("schedule",)
@@ -358,6 +379,7 @@ class PlacementStream:
         loop = asyncio.get_running_loop()
         self._generation += 1
         generation = self._generation
+        self._batch_limit = 0  # until this connection's Conductor says it takes batches
         queue: asyncio.Queue[_Key | None] = asyncio.Queue()
         self._queue = queue
         started = loop.time()
@@ -398,17 +420,34 @@ class PlacementStream:
             if self._items.get(item.key) is item and item.generation != generation:
                 item.generation, item.sent_at = generation, loop.time()
                 yield item.message
-        while (key := await queue.get()) is not None and self._generation == generation:
+
+        def take(key: _Key) -> pb.ScheduleStreamRequest | None:
             new = self._items.get(key)
-            if new is not None and new.generation != generation:
-                new.generation, new.sent_at = generation, loop.time()
-                yield new.message
+            if new is None or new.generation == generation:
+                return None  # answered meanwhile, or already sent on this connection
+            new.generation, new.sent_at = generation, loop.time()
+            return new.message
+
+        if self._batching is None:
+            while (key := await queue.get()) is not None and self._generation == generation:
+                if (message := take(key)) is not None:
+                    yield message
+            return
+        coalescer = Coalescer(queue, take, self._batching)
+        while (key := await queue.get()) is not None and self._generation == generation:
+            items = await coalescer.next_items(key, self._batch_limit)
+            if items and self._generation == generation:
+                yield as_message(items)
+            if coalescer.ended:
+                return
 
     async def _read(
         self, call: aio.StreamStreamCall[pb.ScheduleStreamRequest, pb.ScheduleStreamResponse]
     ) -> _End:
         healthy = False
         try:
+            limit = dict(await call.initial_metadata() or ()).get(BATCH_ITEMS_METADATA, "0")
+            self._batch_limit = int(limit) if isinstance(limit, str) and limit.isdigit() else 0
             async for answer in call:
                 healthy = True
                 self._deliver(answer)

@@ -81,6 +81,19 @@ class ConductorMetrics:
             "Sessions forgotten: idle past the TTL, or over the cap.",
             registry=r,
         )
+        self.stream_messages = Counter(
+            "kvsched_conductor_placement_stream_messages",
+            "ScheduleStream messages, by direction (received, sent): a batch counts once.",
+            ["direction"],
+            registry=r,
+        )
+        self.stream_items = Counter(
+            "kvsched_conductor_placement_stream_items",
+            "ScheduleStream items (placements, completions and their answers), by direction "
+            "(received, sent): over the messages, how many a message carries on average.",
+            ["direction"],
+            registry=r,
+        )
         self.transfers = Counter(
             "kvsched_conductor_transfers",
             "KV transfers ended, by kind and outcome (done, failed).",

@@ -7,40 +7,35 @@ is in etcd, so a new leader places the session's next turn where this one did.
 Under overload (see `backpressure`) a placement is refused with RESOURCE_EXHAUSTED before it
 is decided: when too many wait for an answer, when one waited too long to be decided, or
 when the etcd write-behind is too far behind. A stream reads its items into a queue of its
-own as they come and decides them in turn, so a refusal at the door is answered without
-waiting behind the decisions queued before it.
+own as they come and decides them in turn (`stream_queues`), so a refusal at the door is
+answered without waiting behind the decisions queued before it; items may come coalesced in
+one message, and their answers then go back coalesced too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final, NoReturn
+from typing import NoReturn
 
 import grpc
 from opentelemetry import trace
 
+from clients.python.stream_batches import BATCH_ITEMS_METADATA
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.decision import Decision, TransferPlan
 from kvsched.core.requests import RequestError
 from services.common.store import StoreError
 from services.conductor import convert
-from services.conductor.backpressure import (
-    OVERLOAD_RETRY_MS,
-    PendingPlacements,
-    overloaded_answer,
-)
+from services.conductor.backpressure import OVERLOAD_RETRY_MS, PendingPlacements
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.rpc_status import CODES, Context, abort, require_leader
+from services.conductor.stream_queues import MAX_BATCH_ITEMS, StreamQueues
 from services.conductor.streams import OpenStreams
 from services.conductor.term import CurrentTerm
 from services.conductor.transfer_runner import TransferRunner
-
-STREAM_WINDOW = 4096  # placement answers queued on one stream before the reader waits
 
 
 class PlacementRpcs:
@@ -122,7 +117,7 @@ class PlacementRpcs:
             for name, values in decision.terms.items():
                 span.set_attribute(f"kvsched.cost.{name}", float(values[decision.instance]))
 
-    async def _durable(self, context: Context | None) -> None:
+    async def durable(self, context: Context | None) -> None:
         """Wait for the session binding just made to reach etcd."""
         try:
             await self.sync()
@@ -133,7 +128,7 @@ class PlacementRpcs:
                 grpc.StatusCode.UNAVAILABLE, f"etcd did not take the session binding: {exc}"
             )
 
-    def _outbox_full(self) -> bool:
+    def outbox_full(self) -> bool:
         full = self.pending.outbox_full(self.current().outbox.bindings)
         if full:
             self.metrics.decisions.labels("overloaded").inc()
@@ -143,7 +138,7 @@ class PlacementRpcs:
 
     async def Schedule(self, request: pb.ScheduleRequest, context: Context) -> pb.ScheduleResponse:
         await require_leader(self.leadership, context)
-        if self._outbox_full():
+        if self.outbox_full():
             await _overloaded(context, "etcd writes of session bindings are behind")
         if not self.pending.admit():  # unary placements count with the streams' ones
             self.metrics.decisions.labels("overloaded").inc()
@@ -168,7 +163,7 @@ class PlacementRpcs:
                 f"retry after {retry_ms} ms",
             )
         if rebound:
-            await self._durable(context)
+            await self.durable(context)
         return pb.ScheduleResponse(
             decision=convert.decision_message(
                 self.current().state, decision, landing=landing, explain=request.explain
@@ -184,7 +179,7 @@ class PlacementRpcs:
 
     # ---- the stream ----------------------------------------------------------------------
 
-    def _stream_answer(
+    def stream_answer(
         self, item: pb.ScheduleStreamRequest
     ) -> tuple[pb.ScheduleStreamResponse, bool]:
         """Answer one stream item; the flag says the answer must wait for etcd."""
@@ -217,13 +212,16 @@ class PlacementRpcs:
         self, request_iterator: AsyncIterator[pb.ScheduleStreamRequest], context: Context
     ) -> AsyncIterator[pb.ScheduleStreamResponse]:
         await require_leader(self.leadership, context)
+        # Says this Conductor takes batched items (and how many a message): a client sends
+        # batches only after reading it, so an older Conductor never gets one.
+        await context.send_initial_metadata(((BATCH_ITEMS_METADATA, str(MAX_BATCH_ITEMS)),))
         stream = StreamQueues(self, asyncio.get_running_loop().time)
         reader = asyncio.create_task(stream.read(request_iterator))
         decider = asyncio.create_task(stream.decide())
         self.streams.add(stream.answers)  # a lost term ends the stream (a None) at once
         try:
-            while (answer := await stream.answers.get()) is not None:
-                yield answer
+            async for message in stream.outgoing():
+                yield message
             await require_leader(self.leadership, context)  # ended by a lost term: who leads
         finally:
             self.streams.discard(stream.answers)
@@ -232,112 +230,6 @@ class PlacementRpcs:
             for task in stream.waiting:
                 task.cancel()
             stream.drop_undecided()  # also when the decider was cancelled before it ran
-
-
-# Queued after a stream's last item: the decider ends there.
-_END: Final = pb.ScheduleStreamRequest()
-
-
-class StreamQueues:
-    """One placement stream's queues: the items read and not yet decided (with when they
-    were read, by `clock`, wall seconds), the answers not yet sent, and the answers waiting
-    for etcd. Placements among them count in the Conductor's `PendingPlacements` until
-    answered."""
-
-    def __init__(self, rpcs: PlacementRpcs, clock: Callable[[], float]) -> None:
-        self.rpcs = rpcs
-        self.clock = clock
-        self.pending = rpcs.pending
-        self.answers: asyncio.Queue[pb.ScheduleStreamResponse | None] = asyncio.Queue(STREAM_WINDOW)
-        self.queued: deque[tuple[float, pb.ScheduleStreamRequest]] = deque()
-        self.arrived = asyncio.Event()
-        self.waiting: set[asyncio.Task[None]] = set()
-
-    async def read(self, request_iterator: AsyncIterator[pb.ScheduleStreamRequest]) -> None:
-        """Queue the items as they come; refuse a placement at once when too many wait."""
-        try:
-            async for item in request_iterator:
-                if not self.rpcs.leadership.serving:
-                    break
-                if item.WhichOneof("kind") == "schedule" and not self.pending.admit():
-                    self.rpcs.metrics.decisions.labels("overloaded").inc()
-                    why = "too many placements pending"
-                    await self.answers.put(overloaded_answer(item.schedule.request_id, why))
-                    continue
-                self.queued.append((self.clock(), item))
-                self.arrived.set()
-        finally:
-            self.queued.append((self.clock(), _END))
-            self.arrived.set()
-
-    async def decide(self) -> None:
-        """Decide the queued items in turn, yielding between them so the reader can refuse
-        what it must meanwhile; ends the stream after the last item's answer."""
-        ended = False
-        try:
-            while not ended:
-                await self.arrived.wait()
-                self.arrived.clear()
-                while self.queued and not ended:
-                    read_at, item = self.queued.popleft()
-                    if item is _END:
-                        if self.waiting:
-                            await asyncio.gather(*self.waiting)
-                        await self.answers.put(None)
-                        ended = True
-                    else:
-                        await self._decide_one(item, self.clock() - read_at)
-                        await asyncio.sleep(0)
-        finally:
-            self.drop_undecided()
-            if not ended:  # cancelled or failed: end the stream, never wait on its reader
-                with contextlib.suppress(asyncio.QueueFull):
-                    self.answers.put_nowait(None)
-
-    def drop_undecided(self) -> None:
-        """Forget the items read and not decided (the stream ended under them): they are no
-        longer pending. Safe to call more than once."""
-        for _, item in self.queued:
-            if item is not _END and item.WhichOneof("kind") == "schedule":
-                self.pending.done()
-        self.queued.clear()
-
-    async def _decide_one(self, item: pb.ScheduleStreamRequest, waited_s: float) -> None:
-        """Decide one queued item and queue its answer (a rebound session's after etcd)."""
-        rpcs = self.rpcs
-        if item.WhichOneof("kind") != "schedule":
-            answer, _ = rpcs._stream_answer(item)
-            await self.answers.put(answer)
-            return
-        rid = item.schedule.request_id
-        if self.pending.overdue(waited_s):
-            rpcs.metrics.decisions.labels("overloaded").inc()
-            await self._answer(overloaded_answer(rid, "it waited too long to be decided"))
-            return
-        if rpcs._outbox_full():
-            await self._answer(overloaded_answer(rid, "etcd writes of session bindings are behind"))
-            return
-        answer, durable = rpcs._stream_answer(item)
-        if durable:
-            task = asyncio.create_task(self._after_sync(answer))
-            self.waiting.add(task)
-            task.add_done_callback(self.waiting.discard)
-        else:
-            await self._answer(answer)
-
-    async def _answer(self, answer: pb.ScheduleStreamResponse) -> None:
-        self.pending.done()
-        await self.answers.put(answer)
-
-    async def _after_sync(self, answer: pb.ScheduleStreamResponse) -> None:
-        try:
-            await self.rpcs._durable(None)
-        except StoreError as exc:
-            error = pb.StreamError(code=grpc.StatusCode.UNAVAILABLE.value[0], message=str(exc))
-            answer = pb.ScheduleStreamResponse(request_id=answer.request_id, error=error)
-        finally:
-            self.pending.done()  # answered, or the stream ended under it
-        await self.answers.put(answer)
 
 
 async def _overloaded(context: Context, why: str) -> NoReturn:

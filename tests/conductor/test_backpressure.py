@@ -19,9 +19,9 @@ from kvsched.core.requests import RequestError
 from services.conductor import convert, keys
 from services.conductor.backpressure import PendingPlacements, PlacementBounds, overloaded_answer
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.placement_rpcs import StreamQueues
 from services.conductor.records import Outbox
 from services.conductor.settings import parse
+from services.conductor.stream_queues import StreamQueues
 from tests.conductor.conftest import chain, stub
 from tests.conductor.test_conductor import (
     IID,
@@ -92,7 +92,7 @@ class _Rpcs:
         self.outbox = outbox
         self.decided: list[str] = []
 
-    def _stream_answer(self, item: pb.ScheduleStreamRequest) -> tuple[Any, bool]:
+    def stream_answer(self, item: pb.ScheduleStreamRequest) -> tuple[Any, bool]:
         if item.WhichOneof("kind") == "finish":
             rid = item.finish.request_id
             self.decided.append(f"finish {rid}")
@@ -101,7 +101,7 @@ class _Rpcs:
         self.decided.append(rid)
         return pb.ScheduleStreamResponse(request_id=rid, decision=pb.Decision()), False
 
-    def _outbox_full(self) -> bool:
+    def outbox_full(self) -> bool:
         return self.pending.outbox_full(self.outbox)
 
 

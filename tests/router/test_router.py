@@ -3,6 +3,7 @@ what clients get, what engines get, what the Conductor hears."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -261,3 +262,20 @@ async def test_an_alias_is_served_as_the_model_the_engines_know(stack: Stack) ->
     async with stack.http.get(router.url + "/v1/models") as resp:
         cards = {m["id"]: m for m in (await resp.json())["data"]}
     assert cards["fast"]["root"] == MODEL and MODEL in cards
+
+
+async def test_concurrent_requests_share_placement_stream_messages(stack: Stack) -> None:
+    c, _, router = await stack.up(1)
+    n = 32
+    url = router.url + "/v1/completions"
+    statuses = await asyncio.gather(
+        *(stack.post(url, completion(f"request {i} of a burst", max_tokens=2)) for i in range(n))
+    )
+    assert [s for s, _, _ in statuses] == [200] * n
+    items = c.metrics.stream_items.labels("received")
+    # Every placement and every completion reached the Conductor on the stream ...
+    await wait_for(lambda: items._value.get() == 2 * n, 5.0, message="all finishes arrived")
+    await wait_for(lambda: nothing_in_flight(c.url), 5.0, message="the Finish reported")
+    # ... in fewer messages than items: those queued together went together.
+    messages = c.metrics.stream_messages.labels("received")._value.get()
+    assert messages < 2 * n, messages

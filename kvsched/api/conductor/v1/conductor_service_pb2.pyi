@@ -974,6 +974,7 @@ class ScheduleStreamRequest(_message.Message):
 
     SCHEDULE_FIELD_NUMBER: _builtins.int
     FINISH_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def schedule(self) -> Global___ScheduleRequest:
         """Place a request."""
@@ -982,21 +983,84 @@ class ScheduleStreamRequest(_message.Message):
     def finish(self) -> Global___FinishRequest:
         """A request ended."""
 
+    @_builtins.property
+    def batch(self) -> Global___ScheduleStreamBatch:
+        """Several placements and completions sent together (see ScheduleStreamBatch)."""
+
     def __init__(
         self,
         *,
         schedule: Global___ScheduleRequest | None = ...,
         finish: Global___FinishRequest | None = ...,
+        batch: Global___ScheduleStreamBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "kind", b"kind", "schedule", b"schedule"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "finish", b"finish", "kind", b"kind", "schedule", b"schedule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish", b"finish", "kind", b"kind", "schedule", b"schedule"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "finish", b"finish", "kind", b"kind", "schedule", b"schedule"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["schedule", "finish"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["schedule", "finish", "batch"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___ScheduleStreamRequest: _TypeAlias = ScheduleStreamRequest  # noqa: Y015
+
+@_typing.final
+class ScheduleStreamBatch(_message.Message):
+    """Placements and completions coalesced into one stream message. The Conductor takes the
+    items in order, exactly as if each had come in a message of its own (the same decisions
+    for the same arrival order), and answers each by its request id. An item that is invalid
+    (bad hashes, no kind, a batch inside a batch, ...) is answered with its own StreamError
+    INVALID_ARGUMENT; the others are served. A batch of more than 1,024 items is refused
+    before any work: every item is answered INVALID_ARGUMENT. Once a stream has carried a
+    batch, the Conductor may answer on it with ScheduleStreamResponseBatch messages too; a
+    stream that never sends one gets single answers only.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduleStreamRequest]:
+        """The items, in the order they are to be taken; each a schedule or a finish."""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___ScheduleStreamRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduleStreamBatch: _TypeAlias = ScheduleStreamBatch  # noqa: Y015
+
+@_typing.final
+class ScheduleStreamResponseBatch(_message.Message):
+    """Answers coalesced into one stream message (only on a stream that has sent a batch)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduleStreamResponse]:
+        """The answers, in the order they were ready; each names its request and is never itself
+        a batch.
+        """
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___ScheduleStreamResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduleStreamResponseBatch: _TypeAlias = ScheduleStreamResponseBatch  # noqa: Y015
 
 @_typing.final
 class StreamError(_message.Message):
@@ -1035,6 +1099,7 @@ class ScheduleStreamResponse(_message.Message):
     REJECTION_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request the answer is about."""
     @_builtins.property
@@ -1053,6 +1118,12 @@ class ScheduleStreamResponse(_message.Message):
     def finished(self) -> Global___FinishResponse:
         """A completion was recorded."""
 
+    @_builtins.property
+    def batch(self) -> Global___ScheduleStreamResponseBatch:
+        """Several answers sent together, each with its own request id (`request_id` here is
+        empty); sent only on a stream that has sent a ScheduleStreamBatch.
+        """
+
     def __init__(
         self,
         *,
@@ -1061,12 +1132,13 @@ class ScheduleStreamResponse(_message.Message):
         rejection: Global___Rejection | None = ...,
         error: Global___StreamError | None = ...,
         finished: Global___FinishResponse | None = ...,
+        batch: Global___ScheduleStreamResponseBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "error", b"error", "finished", b"finished", "outcome", b"outcome", "rejection", b"rejection"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "decision", b"decision", "error", b"error", "finished", b"finished", "outcome", b"outcome", "rejection", b"rejection"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "error", b"error", "finished", b"finished", "outcome", b"outcome", "rejection", b"rejection", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "decision", b"decision", "error", b"error", "finished", b"finished", "outcome", b"outcome", "rejection", b"rejection", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["decision", "rejection", "error", "finished"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["decision", "rejection", "error", "finished", "batch"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 

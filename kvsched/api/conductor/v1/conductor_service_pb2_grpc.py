@@ -194,7 +194,8 @@ class ConductorServiceServicer:
     def ScheduleStream(self, request_iterator, context):
         """One long-lived stream per Router: many placements and completions in flight, each answer
         naming its request. Answers come as they are ready: a placement that rebinds a session
-        is answered once the binding is in etcd, so later answers can overtake it.
+        is answered once the binding is in etcd, so later answers can overtake it. Items may be
+        coalesced into one message (ScheduleStreamBatch), and then answers may be too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

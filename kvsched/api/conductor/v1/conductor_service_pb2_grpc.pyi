@@ -63,7 +63,8 @@ class ConductorServiceStub:
     ScheduleStream: _grpc.StreamStreamMultiCallable[_conductor_service_pb2.ScheduleStreamRequest, _conductor_service_pb2.ScheduleStreamResponse]
     """One long-lived stream per Router: many placements and completions in flight, each answer
     naming its request. Answers come as they are ready: a placement that rebinds a session
-    is answered once the binding is in etcd, so later answers can overtake it.
+    is answered once the binding is in etcd, so later answers can overtake it. Items may be
+    coalesced into one message (ScheduleStreamBatch), and then answers may be too.
     """
     Finish: _grpc.UnaryUnaryMultiCallable[_conductor_service_pb2.FinishRequest, _conductor_service_pb2.FinishResponse]
     """Reports that a request ended; returns transfers to start now."""
@@ -119,7 +120,8 @@ class ConductorServiceAsyncStub(ConductorServiceStub):
     ScheduleStream: _aio.StreamStreamMultiCallable[_conductor_service_pb2.ScheduleStreamRequest, _conductor_service_pb2.ScheduleStreamResponse]  # type: ignore[assignment]
     """One long-lived stream per Router: many placements and completions in flight, each answer
     naming its request. Answers come as they are ready: a placement that rebinds a session
-    is answered once the binding is in etcd, so later answers can overtake it.
+    is answered once the binding is in etcd, so later answers can overtake it. Items may be
+    coalesced into one message (ScheduleStreamBatch), and then answers may be too.
     """
     Finish: _aio.UnaryUnaryMultiCallable[_conductor_service_pb2.FinishRequest, _conductor_service_pb2.FinishResponse]  # type: ignore[assignment]
     """Reports that a request ended; returns transfers to start now."""
@@ -226,7 +228,8 @@ class ConductorServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_conductor_service_pb2.ScheduleStreamResponse], _abc.AsyncIterator[_conductor_service_pb2.ScheduleStreamResponse]]:
         """One long-lived stream per Router: many placements and completions in flight, each answer
         naming its request. Answers come as they are ready: a placement that rebinds a session
-        is answered once the binding is in etcd, so later answers can overtake it.
+        is answered once the binding is in etcd, so later answers can overtake it. Items may be
+        coalesced into one message (ScheduleStreamBatch), and then answers may be too.
         """
 
     @_abc_1.abstractmethod

@@ -40,7 +40,8 @@ type ConductorServiceClient interface {
 	Schedule(ctx context.Context, in *ScheduleRequest, opts ...grpc.CallOption) (*ScheduleResponse, error)
 	// One long-lived stream per Router: many placements and completions in flight, each answer
 	// naming its request. Answers come as they are ready: a placement that rebinds a session
-	// is answered once the binding is in etcd, so later answers can overtake it.
+	// is answered once the binding is in etcd, so later answers can overtake it. Items may be
+	// coalesced into one message (ScheduleStreamBatch), and then answers may be too.
 	ScheduleStream(ctx context.Context, opts ...grpc.CallOption) (ConductorService_ScheduleStreamClient, error)
 	// Reports that a request ended; returns transfers to start now.
 	Finish(ctx context.Context, in *FinishRequest, opts ...grpc.CallOption) (*FinishResponse, error)
@@ -321,7 +322,8 @@ type ConductorServiceServer interface {
 	Schedule(context.Context, *ScheduleRequest) (*ScheduleResponse, error)
 	// One long-lived stream per Router: many placements and completions in flight, each answer
 	// naming its request. Answers come as they are ready: a placement that rebinds a session
-	// is answered once the binding is in etcd, so later answers can overtake it.
+	// is answered once the binding is in etcd, so later answers can overtake it. Items may be
+	// coalesced into one message (ScheduleStreamBatch), and then answers may be too.
 	ScheduleStream(ConductorService_ScheduleStreamServer) error
 	// Reports that a request ended; returns transfers to start now.
 	Finish(context.Context, *FinishRequest) (*FinishResponse, error)
