@@ -15,7 +15,12 @@ random part of an indexed chain, then new blocks; every fourth request in one of
   finished on the same stream and followed by the instance's load report on a StreamKvEvents
   stream (an engine that finishes at once: without reports the charged load grows until
   every request is rejected);
-* S streams: --streams ScheduleStreams of K in flight each, from the same client.
+* S streams: --streams ScheduleStreams of K in flight each, from the same client;
+* the three streamed phases again, batched: the items queued together on a stream
+  (placements and finishes, at most 64) sent as one ScheduleStreamBatch, as the Python
+  client (and so the Router) sends them; a table sets each against its one-item-a-message
+  run, with the stream messages the Conductor received and sent per decision
+  (--no-batched leaves them out).
 
 With `--hashes repeated,packed` (the default) each phase runs twice, its requests (and their
 Finish) carrying their hashes as the repeated `block_hashes` and as `packed_block_hashes`,
@@ -42,7 +47,7 @@ Client and Conductor run as separate processes sharing the machine's cores (with
 
     .venv/bin/python -m bench.grpc_placement [--quick] [--policy elastic,cache_aware]
         [--requests 1000] [--concurrency 16] [--streams 4] [--hashes repeated,packed]
-        [--rounds 1] [--profile DIR]
+        [--rounds 1] [--no-batched] [--profile DIR]
 
 --profile DIR attaches py-spy (`pip install py-spy`) to the Conductor for the unary and the
 stream K phases of each policy, writes the folded stacks there and prints where the GIL

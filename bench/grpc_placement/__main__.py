@@ -60,6 +60,11 @@ def main() -> None:
         default=1,
         help="times each timed phase runs (interleaved with the others), pooled in its row",
     )
+    parser.add_argument(
+        "--no-batched",
+        action="store_true",
+        help="leave out the batched streamed phases (items queued together in one message)",
+    )
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--profile", type=Path, help="py-spy the Conductor into this folder")
     args = parser.parse_args()
@@ -85,7 +90,15 @@ def main() -> None:
     )
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    plan = Plan(args.warmup, args.requests, args.concurrency, args.streams, forms, args.rounds)
+    plan = Plan(
+        args.warmup,
+        args.requests,
+        args.concurrency,
+        args.streams,
+        forms,
+        args.rounds,
+        batched=not args.no_batched,
+    )
     cores = os.cpu_count() or 1
     print(
         f"{args.instances} instances, {work.blocks:,} indexed blocks in {len(work.batches)} "
@@ -114,7 +127,10 @@ def main() -> None:
         "(their session's binding changed), with the gRPC latency p50 of those and of the "
         "others. packed vs repeated: each phase run with the hashes as packed_block_hashes "
         "and as block_hashes (their Finish too), on the same Conductor, the order alternating "
-        "phase by phase; x: packed over repeated."
+        "phase by phase; x: packed over repeated. batched vs one item a message: each "
+        "streamed phase again with the items queued together (placements and finishes) sent "
+        "as one ScheduleStreamBatch, at most 64; msgs: stream messages the Conductor received "
+        "(in) and sent (out) per decision; x: batched over single."
     )
     print(f"wall time {time.perf_counter() - started:.0f} s")
     flags = " ".join(a for a in sys.argv[1:])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -15,12 +15,15 @@ from google.protobuf.duration_pb2 import Duration
 from bench.grpc_placement.processes import ConductorProcess, cpu_seconds
 from bench.grpc_placement.results import ModeResult, Op
 from bench.grpc_placement.workload import Reports, Workload, finish_message, instance_spec
+from clients.python.stream_batches import as_message
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
 if TYPE_CHECKING:
     from kvsched.api.conductor.v1.conductor_service_pb2_grpc import ConductorServiceAsyncStub
 
 LEASE_S = 3600
+MAX_BATCH = 64  # items a batched phase sends in one message at most (the Router's client's)
+_MESSAGES = 'kvsched_conductor_placement_stream_messages_total{{direction="{}"}}'
 
 
 class Bench:
@@ -66,19 +69,23 @@ class Bench:
         self.reports = Reports(work)
         return elapsed
 
-    def _measure_start(self) -> tuple[float, float, float, float]:
+    def _measure_start(self) -> tuple[float, ...]:
         return (
             time.process_time(),
             cpu_seconds(self.cond.process.pid),
             cpu_seconds(self.etcd_pid),
             self.cond.metric("kvsched_conductor_decision_seconds_sum"),
+            self.cond.metric(_MESSAGES.format("received")),
+            self.cond.metric(_MESSAGES.format("sent")),
         )
 
-    def _measure_end(self, res: ModeResult, start: tuple[float, float, float, float]) -> None:
+    def _measure_end(self, res: ModeResult, start: tuple[float, ...]) -> None:
         res.client_cpu_s = time.process_time() - start[0]
         res.server_cpu_s = cpu_seconds(self.cond.process.pid) - start[1]
         res.etcd_cpu_s = cpu_seconds(self.etcd_pid) - start[2]
         res.server_place_s = self.cond.metric("kvsched_conductor_decision_seconds_sum") - start[3]
+        res.messages_in = self.cond.metric(_MESSAGES.format("received")) - start[4]
+        res.messages_out = self.cond.metric(_MESSAGES.format("sent")) - start[5]
 
     async def unary(self, name: str, reqs: list[pb.ScheduleRequest]) -> ModeResult:
         res = ModeResult(name, len(reqs))
@@ -114,9 +121,18 @@ class Bench:
         return res
 
     async def streams(
-        self, name: str, reqs: list[pb.ScheduleRequest], k: int, n_streams: int
+        self,
+        name: str,
+        reqs: list[pb.ScheduleRequest],
+        k: int,
+        n_streams: int,
+        *,
+        batched: bool = False,
     ) -> ModeResult:
-        res = ModeResult(name, len(reqs))
+        """Placements on `n_streams` ScheduleStreams, `k` in flight on each; `batched`: the
+        items queued together (placements and finishes) go out as one ScheduleStreamBatch,
+        as the Python client sends them."""
+        res = ModeResult(name, len(reqs), batched=batched)
         by_id = {r.request_id: r for r in reqs}
         events: asyncio.Queue[pb.StreamKvEventsRequest | None] = asyncio.Queue()
 
@@ -156,16 +172,30 @@ class Bench:
         sent: dict[str, float] = {}
         log = self.log
 
+        def logged(item: pb.ScheduleStreamRequest) -> pb.ScheduleStreamRequest:
+            if item.HasField("schedule"):
+                log.append(Op(name, time.time(), item.schedule))
+                sent[item.schedule.request_id] = time.perf_counter()
+            else:
+                op = pending_finish.pop(item.finish.request_id)
+                op.now = time.time()
+                log.append(op)
+            return item
+
         async def outgoing() -> AsyncIterator[pb.ScheduleStreamRequest]:
             while (item := await queue.get()) is not None:
-                if item.HasField("schedule"):
-                    log.append(Op(name, time.time(), item.schedule))
-                    sent[item.schedule.request_id] = time.perf_counter()
-                else:
-                    op = pending_finish.pop(item.finish.request_id)
-                    op.now = time.time()
-                    log.append(op)
-                yield item
+                if not res.batched or queue.empty():
+                    yield logged(item)
+                    continue
+                items, ended = [logged(item)], False
+                while len(items) < MAX_BATCH and not queue.empty():
+                    if (following := queue.get_nowait()) is None:
+                        ended = True
+                        break
+                    items.append(logged(following))
+                yield as_message(items)
+                if ended:
+                    return
 
         pending_finish: dict[str, Op] = {}
 
@@ -177,7 +207,7 @@ class Bench:
         feeder = asyncio.create_task(feed())
         call = self.stub.ScheduleStream(outgoing())
         answered = finished = finishes = 0
-        async for resp in call:
+        async for resp in _answers(call):
             kind = resp.WhichOneof("outcome")
             rid = resp.request_id
             if kind == "finished":
@@ -205,3 +235,15 @@ class Bench:
             if answered == len(items) and finished == finishes:
                 await queue.put(None)
         await feeder
+
+
+async def _answers(
+    call: AsyncIterable[pb.ScheduleStreamResponse],
+) -> AsyncIterator[pb.ScheduleStreamResponse]:
+    """A stream's answers, those that came in one batch one by one."""
+    async for message in call:
+        if message.WhichOneof("outcome") == "batch":
+            for answer in message.batch.items:
+                yield answer
+        else:
+            yield message

@@ -13,7 +13,7 @@ import grpc
 from bench.grpc_placement.client import Bench
 from bench.grpc_placement.processes import ConductorProcess, rss_mb
 from bench.grpc_placement.profile import Profiler
-from bench.grpc_placement.results import ModeResult, Op, pooled
+from bench.grpc_placement.results import BATCHED, ModeResult, Op, pooled
 from bench.grpc_placement.workload import Workload, make_requests
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
@@ -28,13 +28,15 @@ class Plan:
     streams: int
     forms: tuple[str, ...] = ("repeated",)  # hash forms (workload.HASH_FORMS), each phase in each
     rounds: int = 1  # times the timed phases run (warm-ups once); a phase's rounds are pooled
+    batched: bool = True  # each streamed phase also run with batched stream messages
 
 
 def phases(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
     """(name, form, kind, count, in flight, streams) of every phase, in order: each phase of
-    the plan once per hash form, the forms' order alternating from one phase to the next and
-    from one round to the next, so that neither always runs first (on a Conductor whose state
-    the earlier ones changed, on a machine whose load drifts)."""
+    the plan once per hash form (and each streamed one also batched, beside it), the forms'
+    (and the batched run's) order alternating from one phase to the next and from one round
+    to the next, so that neither always runs first (on a Conductor whose state the earlier
+    ones changed, on a machine whose load drifts)."""
     k, s = plan.concurrency, plan.streams
     modes: list[tuple[str, str, int, int, int]] = [  # name, kind, count, in flight, streams
         # Sequential first: the replay of a sequential phase is exact (load reports applied
@@ -51,10 +53,17 @@ def phases(plan: Plan) -> list[tuple[str, str, str, int, int, int]]:
         for i, (name, kind, count, inflight, streams) in enumerate(modes):
             if r and name.startswith("warm"):
                 continue
+            variants = [(name, kind)]
+            if plan.batched and kind == "stream" and not name.startswith("warm"):
+                # The same phase with batched messages, beside it, the two alternating.
+                variants.append((f"{name} {BATCHED}", "batched"))
+                if (i + r) % 2:
+                    variants.reverse()
             forms = plan.forms if (i + r) % 2 == 0 else plan.forms[::-1]
-            for form in forms:
-                label = name if len(plan.forms) == 1 else f"{name}, {form}"
-                out.append((label, form, kind, count, inflight, streams))
+            for variant, variant_kind in variants:
+                for form in forms:
+                    label = variant if len(plan.forms) == 1 else f"{variant}, {form}"
+                    out.append((label, form, variant_kind, count, inflight, streams))
     return out
 
 
@@ -97,7 +106,11 @@ async def measure(
                         if kind == "unary":
                             results.append(await bench.unary(name, reqs))
                         else:
-                            results.append(await bench.streams(name, reqs, inflight, streams))
+                            results.append(
+                                await bench.streams(
+                                    name, reqs, inflight, streams, batched=kind == "batched"
+                                )
+                            )
                         results[-1].form, results[-1].unary = form, kind == "unary"
                     finally:
                         if profiler is not None:

@@ -57,7 +57,7 @@ class ConductorProcess:
         url = f"http://127.0.0.1:{self.http_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
-        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 
     def stop(self) -> None:

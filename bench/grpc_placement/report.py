@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.common import percentile
 from bench.grpc_placement.profile import print_profile
-from bench.grpc_placement.results import ModeResult
+from bench.grpc_placement.results import BATCHED, ModeResult
 
 GOAL_P99_MS = 1.0
 GOAL_RATE = 10_000.0
@@ -45,6 +45,7 @@ def print_policy(policy: str, results: list[ModeResult], info: dict[str, float])
             f"{p50 / b50:>6.1f} {p99 / b99:>6.1f} {r.rate / r.base_rate:>6.2f}"
         )
     print_forms(results)
+    print_batched(results)
     for r in results:
         print_profile(r)
     print(
@@ -95,6 +96,41 @@ def print_forms(results: list[ModeResult]) -> None:
             f"{rep.rate:>7,.0f}/{packed.rate:<7,.0f} {ms(rcpu):>6}/{ms(pcpu):<6} "
             f"{ms(rplace):>6}/{ms(pplace):<6} {p50 / r50:>6.2f} {p99 / r99:>6.2f} "
             f"{packed.rate / rep.rate:>6.2f} {pcpu / rcpu:>6.2f} {pplace / rplace:>7.2f}"
+        )
+
+
+def print_batched(results: list[ModeResult]) -> None:
+    """Each batched streamed phase against the same phase with one item a message (the
+    baseline), with the stream messages the Conductor received and sent per decision."""
+    by_name = {r.name: r for r in results}
+    rows = [
+        (r.name.replace(f" {BATCHED}", ""), by_name.get(r.name.replace(f" {BATCHED}", "")), r)
+        for r in results
+        if r.batched
+    ]
+    if not rows:
+        return
+    print(
+        f"\n{'batched vs one item a message':<{W}} {'p50 ms':>15} {'p99 ms':>15} "
+        f"{'decisions/s':>15} {'srv CPU ms':>13} {'msgs in':>11} {'msgs out':>11} "
+        f"{'p50 x':>6} {'p99 x':>6} {'rate x':>6} {'CPU x':>6}"
+    )
+    print(f"{'(single / batched; msgs a decision)':<{W}}")
+    for name, single, batched in rows:
+        if single is None:
+            continue
+        (s50, s99), (b50, b99) = (
+            (percentile(r.latencies, 50), percentile(r.latencies, 99)) for r in (single, batched)
+        )
+        n_single, n_batched = (max(len(r.latencies), 1) for r in (single, batched))
+        scpu, bcpu = single.server_cpu_s / n_single, batched.server_cpu_s / n_batched
+        print(
+            f"{name:<{W}} {ms(s50):>7}/{ms(b50):<7} {ms(s99):>7}/{ms(b99):<7} "
+            f"{single.rate:>7,.0f}/{batched.rate:<7,.0f} {ms(scpu):>6}/{ms(bcpu):<6} "
+            f"{single.messages_in / n_single:>5.2f}/{batched.messages_in / n_batched:<5.2f} "
+            f"{single.messages_out / n_single:>5.2f}/{batched.messages_out / n_batched:<5.2f} "
+            f"{b50 / s50:>6.2f} {b99 / s99:>6.2f} {batched.rate / single.rate:>6.2f} "
+            f"{bcpu / scpu:>6.2f}"
         )
 
 

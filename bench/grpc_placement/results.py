@@ -7,6 +7,8 @@ from pathlib import Path
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 
+BATCHED = "batched"  # the suffix of a batched streamed phase's name
+
 
 @dataclass
 class Op:
@@ -33,6 +35,8 @@ class ModeResult:
     client_cpu_s: float = 0.0
     etcd_cpu_s: float = 0.0
     server_place_s: float = 0.0  # the Conductor's own decision histogram, summed
+    messages_in: float = 0.0  # ScheduleStream messages the Conductor received (a batch: one)
+    messages_out: float = 0.0  # and sent
     base_latencies: list[float] = field(default_factory=list)
     base_work_s: float = 0.0
     base_rate: float = 0.0
@@ -44,6 +48,7 @@ class ModeResult:
     profile_span: tuple[int, float] = (0, 0.0)  # decisions and wall seconds it covers
     form: str = "repeated"  # how its requests carried their hashes (workload.HASH_FORMS)
     unary: bool = False  # Schedule calls one at a time (else placement streams)
+    batched: bool = False  # stream items queued together sent as one ScheduleStreamBatch
 
 
 def pooled(results: list[ModeResult]) -> list[ModeResult]:
@@ -66,6 +71,8 @@ def pooled(results: list[ModeResult]) -> list[ModeResult]:
         into.client_cpu_s += r.client_cpu_s
         into.etcd_cpu_s += r.etcd_cpu_s
         into.server_place_s += r.server_place_s
+        into.messages_in += r.messages_in
+        into.messages_out += r.messages_out
         # (as each phase measures it: unary one call at a time, streams over their wall time)
         into.rate = len(into.latencies) / (sum(into.latencies) if into.unary else into.wall_s)
     return list(out.values())
