@@ -33,6 +33,9 @@ from services.conductor.metrics import ConductorMetrics
 STREAM_WINDOW: Final = 4096  # answers queued on one stream before the reader waits
 MAX_BATCH_ITEMS: Final = 1024  # items one ScheduleStreamBatch may carry
 MAX_ANSWER_BATCH: Final = 256  # answers coalesced into one message at most
+# Items of one batch decided before the decider lets the loop run others (other streams,
+# KV events and load reports, refusals at the door): a few ms of decisions at most.
+DECIDE_SLICE: Final = 16
 
 _INVALID: Final = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -148,10 +151,11 @@ class StreamQueues:
         self.arrived.set()
 
     async def decide(self) -> None:
-        """Decide the queued items in turn, yielding after each message's last item so the
-        reader can refuse what it must meanwhile; ends the stream after the last item's
-        answer."""
+        """Decide the queued items in turn, yielding after each message's last item (and
+        every `DECIDE_SLICE` items of a batch) so the reader can refuse what it must
+        meanwhile and other streams go on; ends the stream after the last item's answer."""
         ended = False
+        unyielded = 0
         try:
             while not ended:
                 await self.arrived.wait()
@@ -165,7 +169,9 @@ class StreamQueues:
                         ended = True
                     else:
                         await self._decide_one(item, self.clock() - read_at)
-                        if last_of_message:
+                        unyielded += 1
+                        if last_of_message or unyielded >= DECIDE_SLICE:
+                            unyielded = 0
                             await asyncio.sleep(0)
         finally:
             self.drop_undecided()
