@@ -33,6 +33,9 @@ from services.conductor.metrics import ConductorMetrics
 STREAM_WINDOW: Final = 4096  # answers queued on one stream before the reader waits
 MAX_BATCH_ITEMS: Final = 1024  # items one ScheduleStreamBatch may carry
 MAX_ANSWER_BATCH: Final = 256  # answers coalesced into one message at most
+# About the most bytes of answers coalesced into one message: far below a client's default
+# 4 MiB receive limit, even with explained decisions (each candidate's terms) among them.
+MAX_ANSWER_BYTES: Final = 1 << 20
 # Items of one batch decided before the decider lets the loop run others (other streams,
 # KV events and load reports, refusals at the door): a few ms of decisions at most.
 DECIDE_SLICE: Final = 16
@@ -81,6 +84,12 @@ def invalid_answer(item: pb.ScheduleStreamRequest, why: str) -> pb.ScheduleStrea
     """An INVALID_ARGUMENT answer for one item, refused at the door."""
     error = pb.StreamError(code=_INVALID, message=why)
     return pb.ScheduleStreamResponse(request_id=request_id_of(item), error=error)
+
+
+def answer_size_estimate(answer: pb.ScheduleStreamResponse) -> int:
+    """A generous bound of `answer`'s size on the wire, without serializing it: an explained
+    decision's candidates (a cost-term map each) dominate; the rest is small."""
+    return 512 + 2048 * len(answer.decision.candidates)
 
 
 class StreamQueues:
@@ -226,7 +235,8 @@ class StreamQueues:
 
     async def outgoing(self) -> AsyncIterator[pb.ScheduleStreamResponse]:
         """The stream's messages, until its end: each answer alone, or, once the client has
-        sent a batch, the answers ready together in one batch (at most `MAX_ANSWER_BATCH`)."""
+        sent a batch, the answers ready together in one batch (at most `MAX_ANSWER_BATCH`,
+        and about `MAX_ANSWER_BYTES`)."""
         metrics = self.rpcs.metrics
         answers = self.answers
         while (answer := await answers.get()) is not None:
@@ -236,12 +246,16 @@ class StreamQueues:
                 yield answer
                 continue
             ready, ended = [answer], False
+            size = answer_size_estimate(answer)
             while len(ready) < MAX_ANSWER_BATCH and not answers.empty():
                 following = answers.get_nowait()
                 if following is None:
                     ended = True
                     break
                 ready.append(following)
+                size += answer_size_estimate(following)
+                if size >= MAX_ANSWER_BYTES:
+                    break
             metrics.stream_messages.labels("sent").inc()
             metrics.stream_items.labels("sent").inc(len(ready))
             if len(ready) == 1:

@@ -24,7 +24,12 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.conductor.app import Conductor
 from services.conductor.backpressure import PendingPlacements, PlacementBounds
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.stream_queues import MAX_BATCH_ITEMS, StreamQueues
+from services.conductor.stream_queues import (
+    MAX_ANSWER_BYTES,
+    MAX_BATCH_ITEMS,
+    StreamQueues,
+    answer_size_estimate,
+)
 from tests.conductor.conftest import chain, stub
 from tests.conductor.test_conductor import IID, Start, register, sched
 
@@ -230,6 +235,25 @@ async def test_batched_items_are_decided_in_the_order_single_ones_would_be() -> 
     assert len(sent) == 1 and sent[0].WhichOneof("outcome") == "batch"
     ids = [a.request_id for a in sent[0].batch.items]
     assert ids == ["", "a", "b", "finish a", "c", "d", "e", "f"]  # the nested one at the door
+
+
+async def test_answers_ready_together_are_coalesced_within_a_byte_bound() -> None:
+    rpcs = _Rpcs()
+    queues = StreamQueues(rpcs, lambda: 0.0)  # type: ignore[arg-type]
+    queues.batched = True
+    candidates = [pb.CandidateCost(instance_id=f"i{n}", terms={"ttft_s": 1.0}) for n in range(64)]
+    explained = pb.Decision(candidates=candidates)
+    per_answer = answer_size_estimate(pb.ScheduleStreamResponse(decision=explained))
+    assert per_answer > pb.ScheduleStreamResponse(decision=explained).ByteSize()  # a bound
+    count = 3 * MAX_ANSWER_BYTES // per_answer
+    for n in range(count):
+        queues.answers.put_nowait(pb.ScheduleStreamResponse(request_id=f"r{n}", decision=explained))
+    queues.answers.put_nowait(None)
+    sent = [m async for m in queues.outgoing()]
+    assert 3 <= len(sent) <= 4  # about MAX_ANSWER_BYTES each
+    ids = [a.request_id for m in sent for a in (m.batch.items if m.HasField("batch") else [m])]
+    assert ids == [f"r{n}" for n in range(count)]  # all, in order
+    assert all(m.ByteSize() <= 2 * MAX_ANSWER_BYTES for m in sent)
 
 
 # ---- the client's coalescer ------------------------------------------------------------
