@@ -65,6 +65,7 @@ class StreamOwner(Protocol):
 
 _Kind = Literal["schedule", "finish"]
 _Key = tuple[_Kind, str]
+_WAKE: Final[_Key] = ("finish", "")  # no item's key (a finish needs an id): wakes the sender
 # How a placement stream may end and still be worth reopening (every item is idempotent).
 _STREAM_RETRYABLE: Final = frozenset(
     {
@@ -125,6 +126,9 @@ class PlacementStream:
     ):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        if batching is not None and batching.finish_window_s * 4 > client.deadline_s:
+            # The stall watchdog counts an item's wait from when it is taken into a message.
+            raise ValueError("finish_window_s must be at most a quarter of the deadline")
         self._client = client
         self._max_in_flight = max_in_flight
         self._batching = batching  # None: one item a message, always
@@ -233,6 +237,8 @@ class PlacementStream:
         if self._closing:
             return
         self._closing = True
+        if self._queue is not None:  # completions held for company go now
+            self._queue.put_nowait(_WAKE)
         self._client._streams.discard(self)
         runner = self._runner
         if runner is None:
@@ -433,7 +439,7 @@ class PlacementStream:
                 if (message := take(key)) is not None:
                     yield message
             return
-        coalescer = Coalescer(queue, take, self._batching)
+        coalescer = Coalescer(queue, take, self._batching, hurry=lambda: self._closing)
         while (key := await queue.get()) is not None and self._generation == generation:
             items = await coalescer.next_items(key, self._batch_limit)
             if items and self._generation == generation:

@@ -4,8 +4,9 @@ Nothing waits for a placement: the items queued while the stream was busy sendin
 previous message (or queued in the same turn of the event loop) go out together, and a lone
 placement goes out at once, alone. Completions are off the request's critical path, so a
 message of completions only may wait up to `finish_window_s` for more items; a placement
-arriving meanwhile ends the wait and takes them along. A message holds at most
-`max_items` items and about `max_bytes` bytes (the server's receive limit is far above it).
+arriving meanwhile ends the wait and takes them along, and so does closing the stream. A
+message holds at most `max_items` items and about `max_bytes` bytes (the server's receive
+limit is far above it).
 
 A stream batches only when the Conductor says it takes batches (the
 `kvsched-stream-batch-items` initial metadata, with its limit); an older Conductor gets one
@@ -78,10 +79,12 @@ class Coalescer(Generic[K]):
         queue: asyncio.Queue[K | None],
         take: Callable[[K], pb.ScheduleStreamRequest | None],
         limits: BatchLimits,
+        hurry: Callable[[], bool] = lambda: False,
     ) -> None:
         self._queue = queue
         self._take = take
         self._limits = limits
+        self._hurry = hurry  # true: send what is held at once (the stream is closing)
         self.ended = False  # the end of the stream was read from the queue
 
     async def next_items(self, first: K, limit: int) -> list[pb.ScheduleStreamRequest]:
@@ -105,7 +108,7 @@ class Coalescer(Generic[K]):
         # Completions only: wait a little for more, unless a placement comes.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + window
-        while len(items) < max_items and size < self._limits.max_bytes:
+        while len(items) < max_items and size < self._limits.max_bytes and not self._hurry():
             left = deadline - loop.time()
             if left <= 0:
                 break

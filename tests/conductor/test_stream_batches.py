@@ -32,6 +32,7 @@ from services.conductor.stream_queues import (
 )
 from tests.conductor.conftest import chain, stub
 from tests.conductor.test_conductor import IID, Start, register, sched
+from tests.fixtures.poll import wait_for
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
@@ -359,3 +360,28 @@ async def test_the_client_coalesces_concurrent_placements_and_sends_a_lone_one_a
             )
             assert _counted(c, "messages", "received") - before_m == 10
             assert _counted(c, "items", "received") - before_i == 10
+
+
+async def test_completions_held_for_company_are_sent_when_the_stream_closes(
+    start_conductor: Start,
+) -> None:
+    c = await start_conductor()
+    async with stub(c.url) as s:
+        await register(s, 0)
+    window_s = 15.0
+    async with ConductorClient([c.url], deadline_s=4 * window_s) as client:
+        with pytest.raises(ValueError):  # the stall watchdog would count the window
+            client.placement_stream(batching=BatchLimits(finish_window_s=window_s + 1))
+        stream = client.placement_stream(batching=BatchLimits(finish_window_s=window_s))
+        loop = asyncio.get_running_loop()
+        async with stream:
+            placed = await stream.schedule(sched("r1", chain(1, 3)))
+            report = pb.FinishRequest(request_id="r1", instance_id=placed.instance_id, ok=True)
+            finishing = asyncio.create_task(stream.finish(report))
+            await wait_for(lambda: stream.in_flight == 1, 5.0, message="the finish is queued")
+            assert not finishing.done()  # held: no placement comes to end the window
+            closing = loop.time()
+        # Closing sent it at once, without waiting out the window: answered, not cancelled.
+        assert isinstance(await asyncio.wait_for(finishing, 10), pb.FinishResponse)
+        assert loop.time() - closing < window_s / 2
+    assert float(c.state.cluster.load.in_flight.sum()) == 0
