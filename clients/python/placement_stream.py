@@ -66,6 +66,7 @@ class StreamOwner(Protocol):
 _Kind = Literal["schedule", "finish"]
 _Key = tuple[_Kind, str]
 _WAKE: Final[_Key] = ("finish", "")  # no item's key (a finish needs an id): wakes the sender
+_LEARN_WAIT_S: Final = 0.05  # at most this long to learn whether a Conductor takes batches
 # How a placement stream may end and still be worth reopening (every item is idempotent).
 _STREAM_RETRYABLE: Final = frozenset(
     {
@@ -387,10 +388,15 @@ class PlacementStream:
         generation = self._generation
         self._batch_limit = 0  # until this connection's Conductor says it takes batches
         queue: asyncio.Queue[_Key | None] = asyncio.Queue()
+        for key in self._items:  # everything still unanswered goes first, then new items
+            queue.put_nowait(key)
         self._queue = queue
+        learned = asyncio.Event()  # this connection's initial metadata was read (or never)
         started = loop.time()
-        call = client._channels.stub(target).ScheduleStream(self._requests(generation, queue))
-        reader = loop.create_task(self._read(call))
+        call = client._channels.stub(target).ScheduleStream(
+            self._requests(generation, queue, learned)
+        )
+        reader = loop.create_task(self._read(call, learned))
         watchdog = loop.create_task(self._watch(generation))
         stop = loop.create_task(self._stop.wait())
         try:
@@ -417,15 +423,16 @@ class PlacementStream:
         return end
 
     async def _requests(
-        self, generation: int, queue: asyncio.Queue[_Key | None]
+        self, generation: int, queue: asyncio.Queue[_Key | None], learned: asyncio.Event
     ) -> AsyncIterator[pb.ScheduleStreamRequest]:
         loop = asyncio.get_running_loop()
-        for item in list(self._items.values()):  # re-send everything still unanswered
-            if self._generation != generation:
-                return
-            if self._items.get(item.key) is item and item.generation != generation:
-                item.generation, item.sent_at = generation, loop.time()
-                yield item.message
+        if self._batching is not None and queue.qsize() > 1:
+            # Several items wait already (a reconnect, or a burst before the first connect):
+            # learn whether the Conductor takes batches before sending them. One that says
+            # nothing before its first answer (an older one) costs this bounded wait.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(_LEARN_WAIT_S, self._client.deadline_s / 4)):
+                    await learned.wait()
 
         def take(key: _Key) -> pb.ScheduleStreamRequest | None:
             new = self._items.get(key)
@@ -448,12 +455,18 @@ class PlacementStream:
                 return
 
     async def _read(
-        self, call: aio.StreamStreamCall[pb.ScheduleStreamRequest, pb.ScheduleStreamResponse]
+        self,
+        call: aio.StreamStreamCall[pb.ScheduleStreamRequest, pb.ScheduleStreamResponse],
+        learned: asyncio.Event,
     ) -> _End:
         healthy = False
         try:
-            limit = dict(await call.initial_metadata() or ()).get(BATCH_ITEMS_METADATA, "0")
-            self._batch_limit = int(limit) if isinstance(limit, str) and limit.isdigit() else 0
+            try:
+                metadata = dict(await call.initial_metadata() or ())
+                limit = metadata.get(BATCH_ITEMS_METADATA, "0")
+                self._batch_limit = int(limit) if isinstance(limit, str) and limit.isdigit() else 0
+            finally:
+                learned.set()
             async for answer in call:
                 healthy = True
                 self._deliver(answer)

@@ -353,6 +353,12 @@ async def test_the_client_coalesces_concurrent_placements_and_sends_a_lone_one_a
             ]
             finished = await asyncio.gather(*map(stream.finish, finishes))
             assert len(finished) == 40 and float(c.state.cluster.load.in_flight.sum()) == 1
+        # A burst before the stream has connected (as after a reconnect, every item still
+        # unanswered) waits to learn that the Conductor takes batches, then goes batched.
+        async with client.placement_stream() as fresh:
+            before_m = _counted(c, "messages", "received")
+            await asyncio.gather(*(fresh.schedule(sched(f"b{n}", chain(1, 3))) for n in range(20)))
+            assert _counted(c, "messages", "received") - before_m < 20
         async with client.placement_stream(batching=None) as singles:
             before_m, before_i = (_counted(c, n, "received") for n in ("messages", "items"))
             await asyncio.gather(
