@@ -2,9 +2,9 @@
 
 Nothing waits for a placement: the items queued while the stream was busy sending the
 previous message (or queued in the same turn of the event loop) go out together, and a lone
-placement goes out at once, alone. Completions are off the request's critical path, so a
-message of completions only may wait up to `finish_window_s` for more items; a placement
-arriving meanwhile ends the wait and takes them along, and so does closing the stream. A
+placement goes out at once, alone. A message of completions only may wait up to
+`finish_window_s` for more items (0 by default, see there); a placement arriving meanwhile
+ends the wait and takes them along, and so does closing the stream. A
 message holds at most `max_items` items and about `max_bytes` bytes (the server's receive
 limit is far above it).
 
@@ -25,7 +25,11 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 BATCH_ITEMS_METADATA: Final = "kvsched-stream-batch-items"
 DEFAULT_MAX_ITEMS: Final = 64
 DEFAULT_MAX_BYTES: Final = 1 << 20
-DEFAULT_FINISH_WINDOW_S: Final = 0.002
+# No wait by default: a completion held back can be overtaken by its session's next turn
+# placed another way (a unary Schedule of a sampled trace, another Router), which then finds
+# the session's previous turn still running. Completions still coalesce with whatever is
+# queued while the stream is busy writing, which under load is most of them.
+DEFAULT_FINISH_WINDOW_S: Final = 0.0
 _ITEM_OVERHEAD_BYTES: Final = 256  # ids, counts, durations: a generous bound of the rest
 
 K = TypeVar("K")

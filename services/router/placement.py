@@ -2,8 +2,8 @@
 the Router's local fallback when the Conductor is slow or unreachable.
 
 Conductor path. Every placement and completion rides one `PlacementStream` per Router (one
-HTTP/2 stream, answers matched by request id; those queued together share one message, a
-lone placement goes at once, a completion may wait 2 ms for company: `stream_batches`). The
+HTTP/2 stream, answers matched by request id; those queued together share one message and
+a lone placement or completion goes at once: `stream_batches`). The
 exception is a request whose trace is sampled: a stream's gRPC metadata (and so its
 `traceparent`) is fixed when the stream opens, so a placement on it cannot be the parent of
 the Conductor's work. A sampled request is

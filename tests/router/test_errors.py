@@ -134,6 +134,5 @@ async def test_an_instance_that_refuses_connections_is_skipped_then_502(stack: S
             (left,) = await client.list_instances()
             return left.in_flight == 0
 
-        # The failed placements were reported finished (in the background, a completion
-        # waiting up to 2 ms on the stream for company).
+        # The failed placements were reported finished (in the background).
         await wait_for(nothing_in_flight, 5.0, message="the failed placements finished")
