@@ -18,7 +18,7 @@ import copy
 import random
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvsched.core import recording
 from kvsched.core.cluster import ClusterConfig, ClusterState, Role, build_cluster
@@ -193,16 +193,18 @@ class Scheduler:
         if decision.rejected:
             self.rejections += 1
             return decision
+        changes: dict[str, Any] = {}  # applied in one copy: `replace` costs microseconds
         if decision.transfers:
-            named = tuple(self.transfers.open(plan) for plan in decision.transfers)
-            decision = replace(decision, transfers=named)
+            changes["transfers"] = tuple(self.transfers.open(plan) for plan in decision.transfers)
         if req.session_id:
             after = sessions.get(req.session_id)
             if after is not None and after.host != host_before:
                 if host_before != NO_HOST:
                     self.migrations += 1
-                decision = replace(decision, rebound=self.policy.affinity)
+                changes["rebound"] = self.policy.affinity
             self._session_changed(req.session_id)
+        if changes:
+            decision = replace(decision, **changes)
         # Slim: the window keeps many; a retry needs neither terms nor candidates.
         self._decisions.add(key, replace(decision, terms={}, candidates=None, rebound=False))
         return decision

@@ -161,27 +161,27 @@ class PrefixCache:
         assert held == start, "blocks must be committed in order"
         nodes = self.nodes
         parent = nodes[hashes[start - 1]] if start > 0 else None
-        used = 0
         new: list[int] = []
-        for i in range(start, end):
-            h = hashes[i]
+        relocked = 0  # cached blocks nobody held until now
+        for h in hashes[start:end]:
             node = nodes.get(h)
-            self.private -= 1
             if node is None:
-                node = Node(h, parent, lock=1, last_access=now)
-                nodes[h] = node
+                nodes[h] = node = Node(h, parent, 0, 1, now)
                 if parent is not None:
                     parent.children += 1
-                self.locked_nodes += 1
                 new.append(h)
-                used += 1
             else:
-                self.free += 1
                 if node.lock == 0:
-                    self.locked_nodes += 1
+                    relocked += 1
                 node.lock += 1
                 node.last_access = now
             parent = node
+        # Counters once per commit rather than once per block: every block used a private
+        # page; a new one keeps it, a shared one gives it back.
+        used = len(new)
+        self.private -= end - start
+        self.free += end - start - used
+        self.locked_nodes += used + relocked
         if new:
             self._record_stored(hashes, start, end, new)
         return used
@@ -220,9 +220,16 @@ class PrefixCache:
         heapq.heappush(self._lru, (node.last_access, self._seq, node))
 
     def _evict(self, pages: int) -> None:
-        nodes, lru, removed = self.nodes, self._lru, []
-        while pages > 0:
-            stamp, _, node = heapq.heappop(lru)
+        nodes, lru = self.nodes, self._lru
+        removed: list[int] = []
+        pop, pushpop = heapq.heappop, heapq.heappushpop
+        # A parent left childless by an eviction is usually the next to go: its entry goes
+        # through one push-and-pop of the heap instead of a push and then a pop (the same
+        # order: pops follow the entries' unique keys, whatever the heap's layout).
+        entry: tuple[float, int, Node] | None = None
+        while len(removed) < pages:
+            stamp, _, node = pop(lru) if entry is None else pushpop(lru, entry)
+            entry = None
             if (
                 node.lock
                 or node.children
@@ -232,14 +239,16 @@ class PrefixCache:
                 continue  # stale entry: the node was touched, locked or already evicted
             del nodes[node.hash]
             removed.append(node.hash)
-            self.free += 1
-            self.evicted_total += 1
-            pages -= 1
             parent = node.parent
             if parent is not None:
                 parent.children -= 1
                 if parent.children == 0 and parent.lock == 0:
-                    self._push_lru(parent)
+                    self._seq += 1  # as `_push_lru` would
+                    entry = (parent.last_access, self._seq, parent)
+        if entry is not None:
+            heapq.heappush(lru, entry)
+        self.free += len(removed)
+        self.evicted_total += len(removed)
         if removed:
             self.events.append(BlocksRemoved(tuple(removed)))
 

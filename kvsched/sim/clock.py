@@ -7,6 +7,7 @@ the bit every time it is replayed.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # What an event is, as small ints rather than an enum: the loop indexes its tuple of
@@ -37,3 +38,15 @@ class EventQueue:
         t, _, kind, payload = heapq.heappop(self._heap)
         self.now = t
         return kind, payload
+
+    def run(self, handlers: Sequence[Callable[[Any], None]]) -> int:
+        """Handle every event, those that handlers push included, until none is left:
+        `handlers[kind](payload)` with `now` at the event's time. Returns how many ran."""
+        heap, pop = self._heap, heapq.heappop
+        count = 0
+        while heap:  # `pop`, inlined: this loop runs once per simulated event
+            t, _, kind, payload = pop(heap)
+            self.now = t
+            count += 1
+            handlers[kind](payload)
+        return count

@@ -160,13 +160,14 @@ class Engine:
             passes = -(-self.pending_tokens // max(self.chunk_tokens - batch, 1))
             lat = self.latency
             overhead = passes * (lat.decode_seq_s * batch + lat.decode_ctx_s * self.decode_ctx)
-        return LoadReport(
-            pending_prefill_tokens=self.pending_tokens,
-            pending_prefill_s=self.pending_s + overhead,
-            waiting=len(self.waiting) + len(self.handoffs),
-            running=self.running,
-            decode_tokens=self.decode_ctx,
-            free_blocks=self.cache.available,
+        cache = self.cache
+        return LoadReport(  # positional, in field order: once per engine step
+            self.pending_tokens,
+            self.pending_s + overhead,
+            len(self.waiting) + len(self.handoffs),
+            len(self.prefilling) + batch,  # `running`
+            self.decode_ctx,
+            cache.free + len(cache.nodes) - cache.locked_nodes,  # `cache.available`
         )
 
     # ---- stepping ----------------------------------------------------------------------

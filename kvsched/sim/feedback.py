@@ -4,6 +4,7 @@ events (forwarded as a Messenger forwards vLLM's KV events) and their load repor
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 from kvsched.core.events import BlocksRemoved, BlocksStored, KvEvent, split
 from kvsched.core.scheduler import SchedulerPort
@@ -39,9 +40,11 @@ class EngineFeedback:
             return
         # As the replay always applied them: the stores of the window, then its removals.
         stored: list[KvEvent] = [e for e in events if isinstance(e, BlocksStored)]
-        removed = tuple(h for e in events if isinstance(e, BlocksRemoved) for h in e.hashes)
-        if removed:
-            stored.append(BlocksRemoved(removed))
+        removals = [e for e in events if isinstance(e, BlocksRemoved)]
+        if len(removals) == 1:  # the usual case (one eviction a step): the event as it is
+            stored.append(removals[0])
+        elif removals:
+            stored.append(BlocksRemoved(tuple(chain.from_iterable(e.hashes for e in removals))))
         self._scheduler.apply(slot, list(split(stored, self._max_blocks)))
 
     def report(self, slot: int) -> None:

@@ -31,6 +31,9 @@ class HotspotMeter:
         self.log_t = array("d")
         self.log_slot = array("i")
         self.log_value = array("d")
+        # The integrands depend only on the loads: worked out once per change of a load,
+        # not once per event (`_rates`); None until then.
+        self._rates: tuple[float, float, float, bool] | None = None
 
     def set(self, now: float, slot: int, value: float) -> None:
         """Instance `slot` has `value` pending prefill tokens from `now` on."""
@@ -43,6 +46,7 @@ class HotspotMeter:
             self.area[slot] += self.loads[slot] * (now - self._since[slot])
             self._since[slot] = now
             self.loads[slot] = value
+            self._rates = None
             self.log_t.append(now)
             self.log_slot.append(slot)
             self.log_value.append(value)
@@ -56,23 +60,35 @@ class HotspotMeter:
 
     def _integrate(self, now: float) -> None:
         dt = now - self.last_t
-        loads = self.loads
         self.last_t = now
         if not self.started:
             return
         self.elapsed_s += dt
-        total = sum(loads)
-        if total > 0:
-            mean = total / self.n
+        rates = self._rates
+        if rates is None:
+            rates = self._rates = self._rates_of(self.loads)
+        mean, top, spread, hot = rates
+        if mean > 0:
             self.busy_s += dt
-            self.ratio_area += dt * max(loads) / mean
-            var = max(sum([x * x for x in loads]) / self.n - mean * mean, 0.0)
-            self.cv_area += dt * math.sqrt(var) / mean
-            ordered = sorted(loads)
-            mid = self.n // 2
-            median = ordered[mid] if self.n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-            if ordered[-1] > 1.5 * median and ordered[-1] > self.chunk:
+            # The same expressions, in the same order, as with the loads at hand: bit-exact.
+            self.ratio_area += dt * top / mean
+            self.cv_area += dt * spread / mean
+            if hot:
                 self.hot_s += dt
+
+    def _rates_of(self, loads: list[float]) -> tuple[float, float, float, bool]:
+        """(mean, max, standard deviation, whether one instance is hot) of `loads`; a mean
+        of 0 when nothing is pending anywhere."""
+        total = sum(loads)
+        if not total > 0:
+            return 0.0, 0.0, 0.0, False
+        mean = total / self.n
+        var = max(sum([x * x for x in loads]) / self.n - mean * mean, 0.0)
+        ordered = sorted(loads)
+        mid = self.n // 2
+        median = ordered[mid] if self.n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        hot = ordered[-1] > 1.5 * median and ordered[-1] > self.chunk
+        return mean, max(loads), math.sqrt(var), hot
 
     def summary(self) -> dict[str, float]:
         busy = self.busy_s or math.nan

@@ -103,6 +103,7 @@ class Replay:
         self.reqs = [Req(i) for i in range(len(self.calls))]
         self._version = [0] * cluster_cfg.n_instances  # per engine: its current step's number
         self._done_count = 0
+        self._progress: Callable[[float], None] | None = None  # hears the share of calls done
         self.events = 0
 
     # ---- event loop --------------------------------------------------------------------
@@ -112,8 +113,7 @@ class Replay:
         config = self.config
         self.arrivals.schedule(config.load, config.closed_loop, self.cluster.n, config.seed)
         clock = self.clock
-        total = len(self.calls)
-        done_before = 0
+        self._progress = progress
         # Indexed by the event kinds of `kvsched.sim.clock`: ARRIVE, STEP, WAKE, TRANSFER_DONE.
         handlers: tuple[Callable[[Any], None], ...] = (
             self._on_arrive,
@@ -121,13 +121,7 @@ class Replay:
             self._on_wake,
             self.transfers.landed,
         )
-        while clock:
-            kind, payload = clock.pop()
-            self.events += 1
-            handlers[kind](payload)
-            if progress is not None and self._done_count != done_before:
-                done_before = self._done_count
-                progress(done_before / total)
+        self.events += clock.run(handlers)
         self.hotspot.finish(clock.now)
         return ReplayResult(
             reqs=self.reqs,
@@ -206,8 +200,13 @@ class Replay:
         req.rejected = True
         req.done = True
         req.finished_at = self.clock.now
-        self._done_count += 1
+        self._call_done()
         self.arrivals.finished(req.call)
+
+    def _call_done(self) -> None:
+        self._done_count += 1
+        if self._progress is not None:
+            self._progress(self._done_count / len(self.calls))
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -260,7 +259,7 @@ class Replay:
         now = self.clock.now
         req.finished_at = now
         req.done = True
-        self._done_count += 1
+        self._call_done()
         call = self.calls[req.call]
         done = Completion(
             request_id=req.call,
