@@ -25,6 +25,7 @@ from kvsched.core.cluster import ClusterConfig, ClusterState, Role, build_cluste
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
+from kvsched.core.load import LoadReport
 from kvsched.core.policies import Policy, make_policy
 from kvsched.core.recent import Recent
 from kvsched.core.request_view import request_view
@@ -146,6 +147,11 @@ class Scheduler:
         """Apply an instance's events in order; the whole batch is refused (RequestError)
         when any event names more blocks than the longest prompt has. `observe`: tell the
         observer (False for events read back from its own durable copy)."""
+        if len(events) == 1:  # what every engine step sends: its load alone, unchecked
+            event = events[0]
+            if type(event) is LoadReport:
+                self.cluster.load.report(slot, event)
+                return
         self.limits.check_events(events)
         index, load = self.cluster.index, self.cluster.load
         observer = self.observer if observe else None

@@ -1,0 +1,102 @@
+"""Simulator speed of two checkouts (a change and what it changes), in one run.
+
+`bench.sim_speed`'s replay (the Mooncake conversation trace, whole when ../shared is beside
+the repository, 8 instances, open loop, load 1, the compiled index) run by each checkout's
+own code in a child process, the two taking turns round by round (the order reversed every
+round) so that both see the same machine; each policy's speed is the median over the
+rounds, given as simulated seconds per wall second for each checkout and as this checkout's
+ratio to the other's. Both checkouts must have the compiled index built in place.
+
+    .venv/bin/python -m bench.sim_checkouts ../main [--rounds 3] [--policies all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.common import REPO, SHARED
+from bench.sim_speed import GOAL
+from kvsched.sim.compare import expand_policies
+
+# Run inside a checkout: only the replay's long-standing entry points, so an older
+# checkout runs it too. Prints one JSON line per policy.
+CHILD = """
+import json, sys
+from kvsched.core.cluster import ClusterConfig
+from kvsched.sim.prepare import prepare
+from kvsched.sim.records import ReplayConfig
+from kvsched.sim.replay import run_replay
+from kvsched.sim.traces import transform
+path, instances, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+prepared = prepare(transform.load(path))
+config = ReplayConfig(ClusterConfig(n_instances=instances), seed=0)
+for spec in specs:
+    result = run_replay(prepared, spec, config)
+    print(json.dumps({"spec": spec, "simulated": result.end_time, "wall": result.wall_s}))
+"""
+
+
+def run_round(
+    checkout: Path, trace: Path, instances: int, specs: tuple[str, ...]
+) -> dict[str, tuple[float, float]]:
+    """One replay of every policy in `checkout`'s code: {spec: (simulated s, wall s)}."""
+    env = {**os.environ, "PYTHONPATH": str(checkout), "KVSCHED_PURE_INDEX": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(trace), str(instances), ",".join(specs)],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {r["spec"]: (r["simulated"], r["wall"]) for r in rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("base", type=Path, help="the other checkout (e.g. ../main)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--policies", default="all")
+    parser.add_argument("--instances", type=int, default=8)
+    args = parser.parse_args()
+    full = SHARED / "traces" / "conversation_trace.jsonl"
+    trace = full if full.exists() else REPO / "data" / "traces" / "mooncake_conversation_head.jsonl"
+    specs = expand_policies(args.policies)
+    checkouts = {"base": args.base.resolve(), "this": REPO}
+    walls: dict[tuple[str, str], list[float]] = {}
+    simulated: dict[tuple[str, str], float] = {}
+    for r in range(args.rounds):
+        order = ("base", "this") if r % 2 == 0 else ("this", "base")
+        for name in order:
+            for spec, (sim_s, wall_s) in run_round(
+                checkouts[name], trace, args.instances, specs
+            ).items():
+                walls.setdefault((name, spec), []).append(wall_s)
+                simulated[(name, spec)] = sim_s
+    print(f"trace {trace.name}, {args.rounds} rounds; base {checkouts['base']}")
+    print(f"{'policy':<14} {'simulated s':>12} {'base s/w':>9} {'this s/w':>9} {'this/base':>10}")
+    worst = float("inf")
+    for spec in specs:
+        span = simulated[("this", spec)]
+        base = simulated[("base", spec)] / statistics.median(walls[("base", spec)])
+        this = span / statistics.median(walls[("this", spec)])
+        worst = min(worst, this)
+        # The same replay simulates the same span: a difference means behaviour changed.
+        same = "" if simulated[("base", spec)] == span else "  simulated span differs"
+        print(f"{spec:<14} {span:>12.0f} {base:>8.0f}x {this:>8.0f}x {this / base:>9.2f}x{same}")
+    verdict = "meets" if worst >= GOAL else "misses"
+    print(f"slowest policy here {worst:.0f}x simulated/wall: {verdict} the {GOAL:.0f}x goal")
+    print("reproduce: .venv/bin/python -m bench.sim_checkouts ../main")
+
+
+if __name__ == "__main__":
+    main()
