@@ -227,7 +227,7 @@ class PrefixCache:
         # through one push-and-pop of the heap instead of a push and then a pop (the same
         # order: pops follow the entries' unique keys, whatever the heap's layout).
         entry: tuple[float, int, Node] | None = None
-        while len(removed) < pages:
+        while pages > 0:
             stamp, _, node = pop(lru) if entry is None else pushpop(lru, entry)
             entry = None
             if (
@@ -239,6 +239,7 @@ class PrefixCache:
                 continue  # stale entry: the node was touched, locked or already evicted
             del nodes[node.hash]
             removed.append(node.hash)
+            pages -= 1
             parent = node.parent
             if parent is not None:
                 parent.children -= 1

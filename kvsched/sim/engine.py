@@ -291,8 +291,10 @@ class Engine:
         if step.chunks:
             self.gap_sink(dur, dur, seqs)
             return
-        first = self.latency.decode_step(seqs, step.decode_ctx)
-        last = self.latency.decode_step(seqs, step.decode_ctx + seqs * (step.passes - 1))
+        lat = self.latency  # `decode_step`, inlined: once per engine step
+        fixed = lat.step_s + lat.decode_seq_s * seqs
+        first = fixed + lat.decode_ctx_s * step.decode_ctx
+        last = fixed + lat.decode_ctx_s * (step.decode_ctx + seqs * (step.passes - 1))
         self.gap_sink(first, last, seqs * step.passes)
 
     def _admit_handoffs(self, now: float) -> None:

@@ -183,13 +183,17 @@ class Replay:
             outcomes.append(
                 TransferOutcome(plan.kind, plan.source, plan.target, plan.on_critical_path, landed)
             )
-        # Where the turn runs, by the rule a Router follows too: a failed migration sends it
-        # back to its source, and the placed instance's charge for it goes with its next report.
-        host = turn_host(decision.instance, outcomes)
-        if host.prefill != decision.instance:
-            self.feedback.report(decision.instance)
-        slot = req.slot = host.prefill
-        req.decode_slot = host.decode
+        if outcomes:
+            # Where the turn runs, by the rule a Router follows too: a failed migration sends
+            # it back to its source, and the placed instance's charge for it goes with its
+            # next report.
+            host = turn_host(decision.instance, outcomes)
+            if host.prefill != decision.instance:
+                self.feedback.report(decision.instance)
+            slot = req.slot = host.prefill
+            req.decode_slot = host.decode
+        else:  # no transfer: the turn runs where it was placed (what `turn_host` says then)
+            slot = req.slot = req.decode_slot = decision.instance
         self.migrations.turn_placed(info.session_id, slot)
         self.engines[slot].submit(job)
         if job.ready_at > now:
