@@ -5,7 +5,8 @@ the repository, 8 instances, open loop, load 1, the compiled index) run by each 
 own code in a child process, the two taking turns round by round (the order reversed every
 round) so that both see the same machine; each policy's speed is the median over the
 rounds, given as simulated seconds per wall second for each checkout and as this checkout's
-ratio to the other's. Both checkouts must have the compiled index built in place.
+ratio to the other's, and the same per CPU second the replay used (steadier when
+other work shares the machine). Both checkouts must have the compiled index built in place.
 
     .venv/bin/python -m bench.sim_checkouts ../main [--rounds 3] [--policies all]
 """
@@ -27,7 +28,7 @@ from kvsched.sim.compare import expand_policies
 # Run inside a checkout: only the replay's long-standing entry points, so an older
 # checkout runs it too. Prints one JSON line per policy.
 CHILD = """
-import json, sys
+import json, sys, time
 from kvsched.core.cluster import ClusterConfig
 from kvsched.sim.prepare import prepare
 from kvsched.sim.records import ReplayConfig
@@ -37,15 +38,18 @@ path, instances, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 prepared = prepare(transform.load(path))
 config = ReplayConfig(ClusterConfig(n_instances=instances), seed=0)
 for spec in specs:
+    cpu = time.process_time()
     result = run_replay(prepared, spec, config)
-    print(json.dumps({"spec": spec, "simulated": result.end_time, "wall": result.wall_s}))
+    cpu = time.process_time() - cpu
+    row = {"spec": spec, "simulated": result.end_time, "wall": result.wall_s, "cpu": cpu}
+    print(json.dumps(row))
 """
 
 
 def run_round(
     checkout: Path, trace: Path, instances: int, specs: tuple[str, ...]
-) -> dict[str, tuple[float, float]]:
-    """One replay of every policy in `checkout`'s code: {spec: (simulated s, wall s)}."""
+) -> dict[str, tuple[float, float, float]]:
+    """One replay of every policy in `checkout`'s code: {spec: (simulated s, wall s, CPU s)}."""
     env = {**os.environ, "PYTHONPATH": str(checkout), "KVSCHED_PURE_INDEX": "0"}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(trace), str(instances), ",".join(specs)],
@@ -56,7 +60,7 @@ def run_round(
         check=True,
     ).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {r["spec"]: (r["simulated"], r["wall"]) for r in rows}
+    return {r["spec"]: (r["simulated"], r["wall"], r["cpu"]) for r in rows}
 
 
 def main() -> None:
@@ -73,26 +77,37 @@ def main() -> None:
     specs = expand_policies(args.policies)
     checkouts = {"base": args.base.resolve(), "this": REPO}
     walls: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     simulated: dict[tuple[str, str], float] = {}
     for r in range(args.rounds):
         order = ("base", "this") if r % 2 == 0 else ("this", "base")
         for name in order:
-            for spec, (sim_s, wall_s) in run_round(
+            for spec, (sim_s, wall_s, cpu_s) in run_round(
                 checkouts[name], trace, args.instances, specs
             ).items():
                 walls.setdefault((name, spec), []).append(wall_s)
+                cpus.setdefault((name, spec), []).append(cpu_s)
                 simulated[(name, spec)] = sim_s
     print(f"trace {trace.name}, {args.rounds} rounds; base {checkouts['base']}")
-    print(f"{'policy':<14} {'simulated s':>12} {'base s/w':>9} {'this s/w':>9} {'this/base':>10}")
+    print(
+        f"{'policy':<14} {'simulated s':>12} {'base s/w':>9} {'this s/w':>9} {'this/base':>10}"
+        f" {'base s/cpu':>11} {'this s/cpu':>11} {'this/base':>10}"
+    )
     worst = float("inf")
     for spec in specs:
         span = simulated[("this", spec)]
         base = simulated[("base", spec)] / statistics.median(walls[("base", spec)])
         this = span / statistics.median(walls[("this", spec)])
+        # CPU seconds: what the replay itself used, steadier than wall time on a busy machine.
+        base_cpu = simulated[("base", spec)] / statistics.median(cpus[("base", spec)])
+        this_cpu = span / statistics.median(cpus[("this", spec)])
         worst = min(worst, this)
         # The same replay simulates the same span: a difference means behaviour changed.
         same = "" if simulated[("base", spec)] == span else "  simulated span differs"
-        print(f"{spec:<14} {span:>12.0f} {base:>8.0f}x {this:>8.0f}x {this / base:>9.2f}x{same}")
+        print(
+            f"{spec:<14} {span:>12.0f} {base:>8.0f}x {this:>8.0f}x {this / base:>9.2f}x"
+            f" {base_cpu:>10.0f}x {this_cpu:>10.0f}x {this_cpu / base_cpu:>9.2f}x{same}"
+        )
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"slowest policy here {worst:.0f}x simulated/wall: {verdict} the {GOAL:.0f}x goal")
     print("reproduce: .venv/bin/python -m bench.sim_checkouts ../main")

@@ -15,6 +15,6 @@ def test_a_round_in_this_checkout_replays_each_policy_once() -> None:
     first = run_round(REPO, trace, 4, ("round_robin", "least_loaded"))
     again = run_round(REPO, trace, 4, ("round_robin",))
     assert set(first) == {"round_robin", "least_loaded"}
-    simulated, wall = first["round_robin"]
-    assert simulated > 0 and wall > 0
+    simulated, wall, cpu = first["round_robin"]
+    assert simulated > 0 and wall > 0 and cpu > 0
     assert again["round_robin"][0] == simulated  # the same code simulates the same span
