@@ -51,14 +51,17 @@ def run_round(
 ) -> dict[str, tuple[float, float, float]]:
     """One replay of every policy in `checkout`'s code: {spec: (simulated s, wall s, CPU s)}."""
     env = {**os.environ, "PYTHONPATH": str(checkout), "KVSCHED_PURE_INDEX": "0"}
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", CHILD, str(trace), str(instances), ",".join(specs)],
+        check=False,
         cwd=checkout,
         env=env,
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the replay in {checkout} failed:\n{done.stderr[-2000:]}")
+    out = done.stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {r["spec"]: (r["simulated"], r["wall"], r["cpu"]) for r in rows}
 
