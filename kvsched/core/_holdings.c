@@ -574,18 +574,10 @@ fail:
     return NULL;
 }
 
-static PyObject *Holdings_store(Holdings *self, PyObject *args) {
-    Py_ssize_t slot;
-    PyObject *seq, *pobj;
-    int tier = 0;
-    if (!PyArg_ParseTuple(args, "nOO|i", &slot, &seq, &pobj, &tier)) return NULL;
-    if (check_slot_tier(self, slot, tier) < 0) return NULL;
-    uint64_t parent = 0;
-    int has_parent = pobj != Py_None;
-    if (has_parent && read_hash(pobj, &parent) < 0) return NULL;
-    Py_ssize_t n;
-    uint64_t *hashes = read_hashes(seq, &n);  /* every hash read before anything changes */
-    if (hashes == NULL) return NULL;
+/* `slot` now holds the chain hashes[0..n) in `tier`, the first continuing `parent` (when
+ * has_parent); -1 if out of memory (with the Python error set). */
+static int store_chain(Holdings *self, Py_ssize_t slot, int tier, int has_parent,
+                       uint64_t parent, const uint64_t *hashes, Py_ssize_t n) {
     if (has_parent) {
         uint32_t p = lookup(self, parent);
         if (p == NONE || !h_has(self, holders_of(self, tier, p), slot)) self->unknown_parents++;
@@ -628,11 +620,72 @@ static PyObject *Holdings_store(Holdings *self, PyObject *args) {
         parent = h;
         has_parent = 1;
     }
-    PyMem_Free(hashes);
-    Py_RETURN_NONE;
+    return 0;
 fail:
+    return -1;
+}
+
+/* The parent argument: None, or a hash. Returns -1 on a bad one. */
+static int read_parent(PyObject *pobj, int *has_parent, uint64_t *parent) {
+    *parent = 0;
+    *has_parent = pobj != Py_None;
+    return *has_parent ? read_hash(pobj, parent) : 0;
+}
+
+static PyObject *Holdings_store(Holdings *self, PyObject *args) {
+    Py_ssize_t slot;
+    PyObject *seq, *pobj;
+    int tier = 0, has_parent;
+    uint64_t parent;
+    if (!PyArg_ParseTuple(args, "nOO|i", &slot, &seq, &pobj, &tier)) return NULL;
+    if (check_slot_tier(self, slot, tier) < 0) return NULL;
+    if (read_parent(pobj, &has_parent, &parent) < 0) return NULL;
+    Py_ssize_t n;
+    uint64_t *hashes = read_hashes(seq, &n);  /* every hash read before anything changes */
+    if (hashes == NULL) return NULL;
+    int rc = store_chain(self, slot, tier, has_parent, parent, hashes, n);
     PyMem_Free(hashes);
-    return NULL;
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The hashes a bytes-like object packs (little-endian u64, 8 bytes each) as a C array
+ * (caller frees): no Python int is made. NULL with ValueError unless its length is a whole
+ * number of hashes. */
+static uint64_t *read_packed(Py_buffer *buf, Py_ssize_t *n) {
+    if (buf->len % 8) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd bytes are not a whole number of 8-byte little-endian u64 hashes",
+                     buf->len);
+        return NULL;
+    }
+    *n = buf->len / 8;
+    uint64_t *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    if (out == NULL) { PyErr_NoMemory(); return NULL; }
+    if (*n) memcpy(out, buf->buf, (size_t)buf->len);  /* also aligns them */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (Py_ssize_t k = 0; k < *n; k++) out[k] = __builtin_bswap64(out[k]);
+#endif
+    return out;
+}
+
+static PyObject *Holdings_store_packed(Holdings *self, PyObject *args) {
+    Py_ssize_t slot;
+    Py_buffer buf;
+    PyObject *pobj;
+    int tier = 0, has_parent;
+    uint64_t parent;
+    if (!PyArg_ParseTuple(args, "ny*O|i", &slot, &buf, &pobj, &tier)) return NULL;
+    Py_ssize_t n;
+    uint64_t *hashes = NULL;
+    int rc = -1;
+    if (check_slot_tier(self, slot, tier) == 0 && read_parent(pobj, &has_parent, &parent) == 0
+        && (hashes = read_packed(&buf, &n)) != NULL)
+        rc = store_chain(self, slot, tier, has_parent, parent, hashes, n);
+    PyMem_Free(hashes);
+    PyBuffer_Release(&buf);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* Drop `root` and its descendants held by `slot` in `tier` (the reference's _drop_subtree). */
@@ -661,6 +714,23 @@ static int drop_subtree(Holdings *self, Py_ssize_t slot, int tier, uint64_t root
     return 0;
 }
 
+/* `slot` no longer holds hashes[0..n) in `tier`, nor their descendants there; -1 if out of
+ * memory (with the Python error set). */
+static int remove_blocks(Holdings *self, Py_ssize_t slot, int tier, const uint64_t *hashes,
+                         Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint32_t i = lookup(self, hashes[k]);
+        if (i == NONE || !h_has(self, holders_of(self, tier, i), slot)) {
+            self->absent_removals++;
+        } else if (entry(self, i)->first_child != NONE) {
+            if (drop_subtree(self, slot, tier, hashes[k]) < 0) return -1;
+        } else {
+            unset(self, tier, slot, i);
+        }
+    }
+    return 0;
+}
+
 static PyObject *Holdings_remove(Holdings *self, PyObject *args) {
     Py_ssize_t slot;
     PyObject *seq;
@@ -670,17 +740,25 @@ static PyObject *Holdings_remove(Holdings *self, PyObject *args) {
     Py_ssize_t n;
     uint64_t *hashes = read_hashes(seq, &n);
     if (hashes == NULL) return NULL;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        uint32_t i = lookup(self, hashes[k]);
-        if (i == NONE || !h_has(self, holders_of(self, tier, i), slot)) {
-            self->absent_removals++;
-        } else if (entry(self, i)->first_child != NONE) {
-            if (drop_subtree(self, slot, tier, hashes[k]) < 0) { PyMem_Free(hashes); return NULL; }
-        } else {
-            unset(self, tier, slot, i);
-        }
-    }
+    int rc = remove_blocks(self, slot, tier, hashes, n);
     PyMem_Free(hashes);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Holdings_remove_packed(Holdings *self, PyObject *args) {
+    Py_ssize_t slot;
+    Py_buffer buf;
+    int tier = 0;
+    if (!PyArg_ParseTuple(args, "ny*|i", &slot, &buf, &tier)) return NULL;
+    Py_ssize_t n;
+    uint64_t *hashes = NULL;
+    int rc = -1;
+    if (check_slot_tier(self, slot, tier) == 0 && (hashes = read_packed(&buf, &n)) != NULL)
+        rc = remove_blocks(self, slot, tier, hashes, n);
+    PyMem_Free(hashes);
+    PyBuffer_Release(&buf);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -867,6 +945,8 @@ static PyMethodDef Holdings_methods[] = {
     {"match", (PyCFunction)Holdings_match, METH_VARARGS, NULL},
     {"store", (PyCFunction)Holdings_store, METH_VARARGS, NULL},
     {"remove", (PyCFunction)Holdings_remove, METH_VARARGS, NULL},
+    {"store_packed", (PyCFunction)Holdings_store_packed, METH_VARARGS, NULL},
+    {"remove_packed", (PyCFunction)Holdings_remove_packed, METH_VARARGS, NULL},
     {"parent_of", (PyCFunction)Holdings_parent_of, METH_O, NULL},
     {"blocks_of", (PyCFunction)Holdings_blocks_of, METH_VARARGS, NULL},
     {"subtree_of", (PyCFunction)Holdings_subtree_of, METH_VARARGS, NULL},

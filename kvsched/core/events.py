@@ -9,7 +9,7 @@ block hash; a stored chain continues `parent` (None: it starts at the root).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvsched.core.index import Tier
@@ -19,18 +19,19 @@ from kvsched.core.load import LoadReport
 @dataclass(frozen=True, slots=True)
 class BlocksStored:
     """A chain of blocks now held in `tier`, each continuing the one before, the first
-    continuing `parent`."""
+    continuing `parent`. `hashes`: a tuple, or `PackedHashes` as the wire brought them."""
 
-    hashes: tuple[int, ...]
+    hashes: Sequence[int]
     parent: int | None = None
     tier: Tier = Tier.GPU
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
-    """Blocks no longer held in `tier` (their descendants leave with them)."""
+    """Blocks no longer held in `tier` (their descendants leave with them); `hashes` as in
+    `BlocksStored`."""
 
-    hashes: tuple[int, ...]
+    hashes: Sequence[int]
     tier: Tier = Tier.GPU
 
 

@@ -22,6 +22,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from kvsched.core.packed import PackedHashes
+
 # unknown_parents, duplicate_stores, absent_removals, cascaded_removals
 Counters = tuple[int, int, int, int]
 # masks per tier {hash: holders}, {held hash: parent or None}, {hash: children}, counts per tier
@@ -58,6 +60,14 @@ class BlockHoldings(Protocol):
 
     def remove(self, slot: int, hashes: Sequence[int], tier: int = 0, /) -> None:
         """`slot` no longer holds `hashes` in `tier`, nor their descendants there."""
+
+    def store_packed(self, slot: int, packed: bytes, parent: int | None, tier: int = 0, /) -> None:
+        """`store` of the hashes `packed` holds (little-endian u64, 8 bytes each; the
+        compiled store reads them without a Python int each). Raises ValueError, changing
+        nothing, unless its length is a whole number of hashes."""
+
+    def remove_packed(self, slot: int, packed: bytes, tier: int = 0, /) -> None:
+        """`remove` of the hashes `packed` holds; raises ValueError as `store_packed` does."""
 
     def parent_of(self, block: int, /) -> int | None:
         """The block `block` continues (None at the root or when it is not held)."""
@@ -206,6 +216,12 @@ class PyHoldings:
                 else:
                     del masks[h]
                     self._unlink_if_unheld(h)
+
+    def store_packed(self, slot: int, packed: bytes, parent: int | None, tier: int = 0, /) -> None:
+        self.store(slot, PackedHashes(packed).ints(), parent, tier)
+
+    def remove_packed(self, slot: int, packed: bytes, tier: int = 0, /) -> None:
+        self.remove(slot, PackedHashes(packed).ints(), tier)
 
     def parent_of(self, block: int, /) -> int | None:
         return self._parent.get(block)

@@ -27,6 +27,7 @@ from operator import add
 
 from kvsched.core.claims import ClaimTree, common_prefix
 from kvsched.core.holdings import PyHoldings, iter_bits, make_holdings
+from kvsched.core.packed import PackedHashes
 
 
 class Tier(IntEnum):
@@ -133,13 +134,20 @@ class PrefixIndex:
         self, slot: int, hashes: Sequence[int], parent: int | None, tier: Tier = Tier.GPU
     ) -> None:
         """Record that `slot` now holds the chain `hashes` (parent of the first is `parent`,
-        None for a chain starting at the root) in `tier`."""
-        self._blocks.store(slot, hashes, parent, tier)
+        None for a chain starting at the root) in `tier`. `PackedHashes` go to the block
+        store as their bytes, with no Python int made per hash."""
+        if type(hashes) is PackedHashes:
+            self._blocks.store_packed(slot, hashes.data, parent, tier)
+        else:
+            self._blocks.store(slot, hashes, parent, tier)
 
     def remove(self, slot: int, hashes: Sequence[int], tier: Tier = Tier.GPU) -> None:
         """Record that `slot` no longer holds `hashes` in `tier`; their descendants on `slot`
-        in that tier leave too."""
-        self._blocks.remove(slot, hashes, tier)
+        in that tier leave too (`PackedHashes` go as their bytes, as in `store`)."""
+        if type(hashes) is PackedHashes:
+            self._blocks.remove_packed(slot, hashes.data, tier)
+        else:
+            self._blocks.remove(slot, hashes, tier)
 
     def parent_of(self, block: int) -> int | None:
         """The block `block` continues (None at the root or when unknown)."""

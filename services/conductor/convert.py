@@ -15,6 +15,7 @@ from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKin
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
+from kvsched.core.packed import PackedHashes
 from kvsched.core.requests import RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.vllm_hashing import VllmBlockHasher
@@ -111,6 +112,11 @@ def block_hashes(
         raise RequestError(
             "invalid", f"{where}block_hashes and packed_block_hashes are both set; give one"
         )
+    _check_packed(packed, max_blocks, where)
+    return unpack_hashes(packed)
+
+
+def _check_packed(packed: bytes, max_blocks: int, where: str) -> None:
     try:
         n = hash_count(packed)
     except ValueError as exc:
@@ -119,25 +125,39 @@ def block_hashes(
         raise RequestError(
             "invalid", f"{where}packed_block_hashes holds {n} block hashes; at most {max_blocks}"
         )
-    return unpack_hashes(packed)
+
+
+def event_hashes(
+    repeated: Sequence[int], packed: bytes, max_blocks: int, where: str
+) -> Sequence[int]:
+    """An event's block hashes, refused as `block_hashes` refuses them; packed ones stay
+    packed (`PackedHashes`): the compiled index reads their bytes, no Python int a hash."""
+    if not packed:
+        return tuple(repeated)
+    if repeated:
+        raise RequestError(
+            "invalid", f"{where}block_hashes and packed_block_hashes are both set; give one"
+        )
+    _check_packed(packed, max_blocks, where)
+    return PackedHashes(packed)
 
 
 def kv_events(batch: pb.KvEventBatch, max_blocks: int) -> list[KvEvent]:
     """Decode a batch's events; raises RequestError on an unset event or enum, or on an
     event's block hashes as `block_hashes` refuses them (`max_blocks` bounds a packed
-    list; the core checks the others)."""
+    list; the core checks the others). Packed hashes stay packed (`event_hashes`)."""
     out: list[KvEvent] = []
     for i, event in enumerate(batch.events):
         kind = event.WhichOneof("event")
         if kind == "blocks_stored":
             s = event.blocks_stored
             parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-            hashes = block_hashes(s.block_hashes, s.packed_block_hashes, max_blocks, f"event {i}: ")
-            out.append(BlocksStored(tuple(hashes), parent, tier(s.tier)))
+            hashes = event_hashes(s.block_hashes, s.packed_block_hashes, max_blocks, f"event {i}: ")
+            out.append(BlocksStored(hashes, parent, tier(s.tier)))
         elif kind == "blocks_removed":
             r = event.blocks_removed
-            hashes = block_hashes(r.block_hashes, r.packed_block_hashes, max_blocks, f"event {i}: ")
-            out.append(BlocksRemoved(tuple(hashes), tier(r.tier)))
+            hashes = event_hashes(r.block_hashes, r.packed_block_hashes, max_blocks, f"event {i}: ")
+            out.append(BlocksRemoved(hashes, tier(r.tier)))
         elif kind == "all_blocks_cleared":
             out.append(AllBlocksCleared())
         elif kind == "load":

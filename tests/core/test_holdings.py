@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvsched.core._holdings import Holdings
 from kvsched.core.holdings import PURE_ENV, BlockHoldings, PyHoldings, make_holdings
 from kvsched.core.index import PrefixIndex
+from kvsched.core.packed import pack
 
 # A few hashes spread over the whole u64 range (the compiled table mixes them) and small ones.
 HASHES = [1, 2, 3, 4, 5, 6, 7, 8, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 0]
@@ -59,16 +60,25 @@ def observe(h: BlockHoldings, n_slots: int) -> tuple[object, ...]:
     )
 
 
-def drive(n_slots: int, script: list[tuple[object, ...]]) -> None:
+def drive(n_slots: int, script: list[tuple[object, ...]], *, packed: bool = False) -> None:
+    """Apply `script` to the reference (hashes as ints) and the compiled store (as ints, or
+    with `packed` as the wire's bytes through `store_packed` / `remove_packed`)."""
     ref, fast = PyHoldings(n_slots), Holdings(n_slots)
     for op in script:
         for h in (ref, fast):
+            by_bytes = packed and h is fast
             if op[0] == "store":
                 _, slot, chain, parent, tier = op
-                h.store(slot, chain, parent, tier)  # type: ignore[arg-type]
+                if by_bytes:
+                    h.store_packed(slot, pack(chain), parent, tier)  # type: ignore[arg-type]
+                else:
+                    h.store(slot, chain, parent, tier)  # type: ignore[arg-type]
             elif op[0] == "remove":
                 _, slot, chain, tier = op
-                h.remove(slot, chain, tier)  # type: ignore[arg-type]
+                if by_bytes:
+                    h.remove_packed(slot, pack(chain), tier)  # type: ignore[arg-type]
+                else:
+                    h.remove(slot, chain, tier)  # type: ignore[arg-type]
             else:
                 h.clear_slot(op[1])  # type: ignore[arg-type]
         assert observe(fast, n_slots) == observe(ref, n_slots), op
@@ -87,6 +97,39 @@ def test_compiled_holdings_agree_with_the_reference(script: list[tuple[object, .
 @given(ops(130))
 def test_compiled_holdings_agree_beyond_64_slots(script: list[tuple[object, ...]]) -> None:
     drive(130, script)  # holders inline, or three-word bitsets in the overflow pool
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops(3))
+def test_packed_bytes_into_the_compiled_store_agree_with_the_reference(
+    script: list[tuple[object, ...]],
+) -> None:
+    drive(3, script, packed=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops(130))
+def test_packed_bytes_agree_beyond_64_slots(script: list[tuple[object, ...]]) -> None:
+    drive(130, script, packed=True)
+
+
+@pytest.mark.parametrize("pure", [True, False])
+def test_packed_bytes_of_a_bad_length_are_refused_and_change_nothing(pure: bool) -> None:
+    h = make_holdings(4, pure=pure)
+    h.store_packed(0, pack([1, 2, 3]), None)
+    before = h.snapshot(), h.counters()
+    for bad in (bytes(7), pack([4, 5]) + b"\x01"):
+        with pytest.raises(ValueError, match="not a whole number of 8-byte"):
+            h.store_packed(0, bad, 3)
+        with pytest.raises(ValueError, match="not a whole number of 8-byte"):
+            h.remove_packed(0, bad)
+    assert (h.snapshot(), h.counters()) == before
+    h.store_packed(0, b"", 3)  # nothing to store: only the parent is checked (it is held)
+    h.remove_packed(1, pack([2]))  # not held by slot 1: counted, nothing changes
+    assert h.snapshot() == before[0]
+    assert h.counters() == (0, 0, 1, 0)
+    h.remove_packed(0, pack([2]))  # its descendant 3 leaves with it
+    assert h.match([1, 2, 3]) == {0: 1}
 
 
 def test_long_chains_grow_the_table_and_shrink_back() -> None:
