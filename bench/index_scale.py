@@ -12,14 +12,18 @@ the same 32,768-token prompts (the first 1 to 256 blocks of an indexed chain, th
 blocks), times a bare `PrefixIndex.match` and, per policy, `recording.place()` (the index
 walk, every instance scored, the decision recorded) on a fresh cluster state around the loaded
 index, and prints p50 and p99 with the ratio of the large p50 to the baseline's. Last it times
-the index's own upkeep, storing and removing blocks (the KV events every placement brings back),
-and works out one Conductor's capacity: a decision's p50 plus its gRPC and Finish cost (`--grpc-ms`,
-from bench.grpc_placement) plus storing and evicting the prompt's new blocks, against how many
-such prompts an instance prefills a second (the cost model's H100 profile).
+the index's own upkeep, storing and removing blocks (the KV events every placement brings back):
+bare `PrefixIndex.store` / `remove` per block, and a 2,048-block KV event from its wire bytes to
+the index by the Conductor's path (packed hashes into the compiled store) against the path
+before it (a Python int per hash), interleaved (bench.event_upkeep, `--event-rounds`). From
+those it works out one Conductor's capacity: a decision's p50 plus its gRPC and Finish cost
+(`--grpc-ms`, from bench.grpc_placement) plus the events storing and evicting the prompt's new
+blocks, against how many such prompts an instance prefills a second (the cost model's H100
+profile).
 
     .venv/bin/python -m bench.index_scale [--blocks 10000000] [--instances 1024]
         [--baseline-instances 64] [--decisions 400] [--policies elastic,...] [--grpc-ms 1.0]
-        [--profile elastic]
+        [--event-rounds 200] [--profile elastic]
 
 `--profile SPEC` runs that policy's large-cluster decisions under cProfile once more and prints
 the functions that took the most time.
@@ -41,6 +45,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from bench.common import percentile
+from bench.event_upkeep import EVENT_BLOCKS, PATHS, EventTimes, timed_event_paths
 from bench.placement import POLICIES, timed_decisions, timed_match
 from bench.prefix_workload import (
     CHAIN,
@@ -188,12 +193,28 @@ def profile(cluster: ClusterState, spec: str, reqs: list[RequestInfo], seed: int
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
 
 
+@dataclass(frozen=True, slots=True)
+class Upkeep:
+    """The index's upkeep over one instance count."""
+
+    store_us: float  # bare `PrefixIndex.store`, a block
+    eviction: Eviction
+    events: EventTimes  # 2,048-block KV events from wire bytes, per path
+
+    def event_ms(self, path: str) -> tuple[float, float]:
+        """p50 ms of a stored and of a removed event by `path`."""
+        return (
+            percentile(self.events.stored[path], 50) * 1e3,
+            percentile(self.events.removed[path], 50) * 1e3,
+        )
+
+
 def measure(
     n: int, args: argparse.Namespace, specs: list[str], times: dict[tuple[str, int], list[float]]
-) -> tuple[float, Eviction]:
+) -> Upkeep:
     """Load the index over `n` instances, print its memory row, add the match's and every
-    policy's decision times to `times`; returns the upkeep (store us a block, eviction). The
-    index is freed on return, before the next size loads."""
+    policy's decision times to `times`; returns the upkeep. The index is freed on return,
+    before the next size loads."""
     loaded = load(n, args.blocks, args.seed)
     grown = loaded.rss_after - loaded.rss_before
     print(
@@ -208,7 +229,8 @@ def measure(
         times[spec, n] = timed_decisions(cluster, make_policy(spec, cluster), reqs, args.seed)
     if args.profile and n == args.instances:
         profile(cluster_around(loaded), args.profile, reqs, args.seed)
-    return loaded.store_s / loaded.blocks * 1e6, evict(loaded)
+    events = timed_event_paths(loaded.index, loaded.sample, args.event_rounds, args.seed)
+    return Upkeep(loaded.store_s / loaded.blocks * 1e6, evict(loaded), events)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,21 +243,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decisions", type=int, default=400)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--grpc-ms", type=float, default=GRPC_MS)
+    parser.add_argument("--event-rounds", type=int, default=200)
     parser.add_argument("--profile", metavar="SPEC", help="cProfile this policy's decisions")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if (
         args.blocks < CHAIN
         or args.decisions < 1
+        or args.event_rounds < 1
         or min(args.instances, args.baseline_instances) < 2
     ):
-        parser.error("needs a chain's worth of blocks, a decision and two instances")
+        parser.error("needs a chain's worth of blocks, a decision, an event and two instances")
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     sizes = (args.baseline_instances, args.instances)
     print(f"{args.blocks:,} indexed blocks, {PROMPT:,}-token prompts, {args.decisions} decisions")
     print(f"{'instances':>9} {'store s':>7} {'RSS MB':>8} {'grown MB':>9} {'B/block':>8}")
     times: dict[tuple[str, int], list[float]] = {}
-    upkeep: dict[int, tuple[float, Eviction]] = {}
+    upkeep: dict[int, Upkeep] = {}
     for n in sizes:
         upkeep[n] = measure(n, args, specs, times)
         release_freed_memory()  # so the next size's RSS growth is its own
@@ -260,24 +284,38 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"{'instances':>9} {'store':>9} {'remove':>9} {'unlink':>12}")
     for n in sizes:
-        store, ev = upkeep[n]
-        print(f"{n:>9} {store:>9.3f} {ev.leaf_us:>9.3f} {ev.hot_unlink_us:>12.1f}")
+        up, ev = upkeep[n], upkeep[n].eviction
+        print(f"{n:>9} {up.store_us:>9.3f} {ev.leaf_us:>9.3f} {ev.hot_unlink_us:>12.1f}")
+    print(
+        f"a {EVENT_BLOCKS:,}-block KV event from wire bytes to the index, ms p50 "
+        f"({args.event_rounds} rounds); ratio: packed hashes into the compiled store to a "
+        "Python int per hash"
+    )
+    print(f"{'instances':>9} {'path':>7} {'stored':>8} {'removed':>8} {'both':>8} {'ratio':>7}")
+    for n in sizes:
+        base = sum(upkeep[n].event_ms("ints"))
+        for path in PATHS:
+            stored, removed = upkeep[n].event_ms(path)
+            print(
+                f"{n:>9} {path:>7} {stored:>8.3f} {removed:>8.3f} {stored + removed:>8.3f} "
+                f"{(stored + removed) / base:>6.2f}x"
+            )
     if "elastic" in specs:
-        store, ev = upkeep[big]
-        print_capacity(times["elastic", big], store, ev, args.grpc_ms, big)
+        for path in PATHS:
+            print_capacity(times["elastic", big], upkeep[big], path, args.grpc_ms, big)
     print("reproduce: .venv/bin/python -m bench.index_scale")
 
 
-def print_capacity(
-    elastic: list[float], store_us: float, ev: Eviction, grpc_ms: float, n: int
-) -> None:
+def print_capacity(elastic: list[float], up: Upkeep, path: str, grpc_ms: float, n: int) -> None:
     """One Conductor's capacity from elastic's decisions over `n` instances: each placement
-    later stores its prompt's new blocks and, in a steady state, evicts as many, one chain of
-    them under the system prefix half the time (SYSTEM_SHARE)."""
+    later stores its prompt's new blocks and, in a steady state, evicts as many (KV events
+    from wire bytes by `path`, at the measured cost a block), one chain of them under the
+    system prefix half the time (SYSTEM_SHARE)."""
     cost = build_cluster(ClusterConfig(n_instances=1, block_size=BLOCK)).cost
     new_blocks = PROMPT // BLOCK - (CHAIN + 1) // 2  # the prompts' mean hit: half a chain
     cached = (CHAIN + 1) // 2 * BLOCK
-    upkeep_us = new_blocks * (store_us + ev.leaf_us) + SYSTEM_SHARE * ev.hot_unlink_us
+    event_us = sum(up.event_ms(path)) * 1e3 / EVENT_BLOCKS  # a block stored and evicted
+    upkeep_us = new_blocks * event_us + SYSTEM_SHARE * up.eviction.hot_unlink_us
     cap = Capacity(
         decision_ms=percentile(elastic, 50) * 1e3,
         grpc_ms=grpc_ms,
@@ -285,9 +323,10 @@ def print_capacity(
         instance_rate=1 / cost.prefill_one(PROMPT - cached, cached),
     )
     print(
-        f"one Conductor (elastic over {n:,} instances): {cap.decision_ms:.3f} ms deciding + "
-        f"{cap.grpc_ms:.2f} ms gRPC, Finish and load report + {cap.upkeep_ms:.3f} ms storing and "
-        f"evicting {new_blocks:,} new blocks = {cap.conductor_rate:,.0f} placements/s; "
+        f"one Conductor (elastic over {n:,} instances, events by the {path} path): "
+        f"{cap.decision_ms:.3f} ms deciding + {cap.grpc_ms:.2f} ms gRPC, Finish and load report "
+        f"+ {cap.upkeep_ms:.3f} ms of KV events storing and evicting {new_blocks:,} new blocks "
+        f"= {cap.conductor_rate:,.0f} placements/s; "
         f"an H100 instance prefills {cap.instance_rate:.2f} such prompts/s, so one Conductor "
         f"serves {cap.instances_at(cap.instance_rate):,} such instances "
         f"({cap.instances_at(1.0):,} at 1 request/s each, {cap.instances_at(10.0):,} at 10)"

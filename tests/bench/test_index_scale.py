@@ -55,6 +55,7 @@ def test_a_tiny_run_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None
         [
             "--blocks", "20000", "--instances", "32", "--baseline-instances", "4",
             "--decisions", "20", "--policies", "cache_aware,elastic", "--profile", "elastic",
+            "--event-rounds", "4",
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -65,5 +66,12 @@ def test_a_tiny_run_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None
         assert row is not None, name
         assert all(float(v) > 0 for v in row.groups())
     assert re.search(r"^ +32 +[\d.]+ +\d+ ", out, re.M)  # the large index's memory row
-    assert re.search(r"one Conductor \(elastic over 32 instances\).* serves [\d,]+ such", out)
+    for path in ("ints", "packed"):
+        assert re.search(
+            rf"one Conductor \(elastic over 32 instances, events by the {path} path\).* "
+            r"serves [\d,]+ such",
+            out,
+        )
+        event = re.search(rf"^ +32 +{path} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)x$", out, re.M)
+        assert event is not None and all(float(v) > 0 for v in event.groups())
     assert "profile of elastic over 32 instances" in out
