@@ -26,6 +26,7 @@ parts, each switchable for ablation:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from random import Random
 
 import numpy as np
@@ -122,10 +123,11 @@ class Elastic(Policy):
         session = self.cluster.sessions.get(sid) if sid is not None else None
         if session is not None and session.host != NO_HOST and view.eligible[session.host]:
             decision = self._affine(view, session, now)
+            if self.param("admission"):
+                decision = self._admit(view, decision, session)
         else:
-            decision = self._cold(view, now)
-        if self.param("admission"):
-            decision = self._admit(view, decision, session)
+            # Admission runs inside: a refused cold start builds no placement or fetch order.
+            decision = self._cold(view, session, now)
         if not decision.rejected and sid is not None:
             self.resident.claim(sid, decision.instance, view.req.prompt_tokens, now)
         return decision
@@ -140,12 +142,16 @@ class Elastic(Policy):
             return placement(view, host, "affinity (cooldown)", terms)
         return self.planner.on_arrival(view, host, terms)
 
-    def _cold(self, view: RequestView, now: float) -> Decision:
+    def _cold(self, view: RequestView, session: Session | None, now: float) -> Decision:
+        """(c), then (e): a refusal is decided before the placement's transfer orders are
+        built, which it would throw away (the replication's reuse count still runs, as it
+        did when admission came after)."""
         cluster = self.cluster
         if not self.param("global_index"):
             slot = least_pending(cluster, view.eligible)
             terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
-            return placement(view, slot, "cold start: fewest pending prefill tokens", terms)
+            decision = placement(view, slot, "cold start: fewest pending prefill tokens", terms)
+            return self._admit(view, decision, session) if self.param("admission") else decision
         best = view.best_slot
         hits = view.hit_tokens
         cached, transfer = hits, np.zeros(cluster.n)
@@ -168,6 +174,12 @@ class Elastic(Policy):
         )
         slot = argmin_eligible(terms["score_s"], pool, resident, cluster.load.in_flight)
         terms["resident_tokens"] = resident.copy()
+        # Counts the reuse (and may reset its count) whether or not the request is refused.
+        replica = self._replicate(view, best, slot, now) if best >= 0 else None
+        if self.param("admission"):
+            refused = self._refusal(view, float(terms["ttft_s"][slot]), terms, session)
+            if refused is not None:
+                return refused
         transfers: list[TransferPlan] = []
         fetched = 0
         if cached[slot] > hits[slot]:
@@ -175,10 +187,8 @@ class Elastic(Policy):
             if plan is not None:
                 fetched = plan.tokens
                 transfers.append(plan)
-        if best >= 0 and self.param("replicate"):
-            replica = self._replicate(view, best, slot, now)
-            if replica is not None:
-                transfers.append(replica)
+        if replica is not None:
+            transfers.append(replica)
         rule = "cold start: min TTFT over the global index"
         return placement(
             view,
@@ -193,12 +203,15 @@ class Elastic(Policy):
     def _replicate(
         self, view: RequestView, best: int, chosen: int, now: float
     ) -> TransferPlan | None:
-        """(d): the saving is the prefill of the copied prefix for each cold start expected on
-        the target over the horizon (the reuse rate spread over the instances)."""
+        """(d), when switched on: the saving is the prefill of the copied prefix for each cold
+        start expected on the target over the horizon (the reuse rate spread over the
+        instances). Changes only the prefix heat (`hot_prefix_copy`)."""
+        if not self.param("replicate"):
+            return None
         cost = self.cluster.cost
-        instances = max(int(view.eligible.sum()), 1)
 
         def saving(plan: TransferPlan, score: float) -> float:
+            instances = max(int(np.count_nonzero(view.eligible)), 1)  # only when a copy pays
             expected = score * self.param("horizon_s") / instances
             have = plan.skip_blocks * self.cluster.block_size
             return float(expected * cost.prefill_one(plan.tokens, have))
@@ -217,10 +230,22 @@ class Elastic(Policy):
 
     def _admit(self, view: RequestView, decision: Decision, session: Session | None) -> Decision:
         """(e): refuse only when the cluster as a whole cannot meet the TTFT SLO now."""
+        refused = self._refusal(view, decision.estimated_ttft_s, decision.terms, session)
+        return decision if refused is None else refused
+
+    def _refusal(
+        self,
+        view: RequestView,
+        estimated_ttft_s: float,
+        placed_terms: Mapping[str, FloatVec],
+        session: Session | None,
+    ) -> Decision | None:
+        """(e)'s rejection of a placement estimated at `estimated_ttft_s` and scored by
+        `placed_terms`, or None when it stands. Changes nothing."""
         waited = view.req.waited_s
-        if not decision.estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
-            return decision
-        terms = dict(decision.terms)
+        if not estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
+            return None
+        terms = dict(placed_terms)
         best = masked_min(terms["ttft_s"], view.eligible)
         if session is not None and session.host != NO_HOST:
             # Moving the KV is an option.
@@ -229,7 +254,7 @@ class Elastic(Policy):
         slo = self.cluster.config.slo
         refusal = admission.check(best, isolated_floor_s(view, terms), slo, waited_s=waited)
         if refusal is None:
-            return decision
+            return None
         return rejection(view, refusal.rule, refusal.retry_after_s, terms)
 
     # ---- completions and idle-gap migration ------------------------------------------------
