@@ -202,7 +202,7 @@ def plan_copy(
     assembled and priced (a hand-off, which ships a whole prompt, is `handoff_plan`)."""
     if upto <= have:
         return None
-    tokens = (upto - have) * cost.block_size
+    tokens, est_seconds = copy_price(cost, source, target, have=have, upto=upto)
     return TransferPlan(
         kind=kind,
         source=source,
@@ -211,11 +211,23 @@ def plan_copy(
         skip_blocks=have,
         tokens=tokens,
         nbytes=tokens * cost.kv_bytes_per_token,
-        est_seconds=cost.transfer_s(source, target, tokens),
+        est_seconds=est_seconds,
         on_critical_path=on_path,
         session_id=session_id,
         request_id=request_id,
     )
+
+
+def copy_price(
+    cost: CostModel, source: int, target: int, *, have: int, upto: int
+) -> tuple[int, float]:
+    """Tokens and idle-link seconds of copying blocks `have:upto` from `source` to `target`
+    (nothing when `upto <= have`): what `plan_copy` prices its order at, for a caller that
+    needs the price before it knows whether the order will be given."""
+    if upto <= have:
+        return 0, 0.0
+    tokens = (upto - have) * cost.block_size
+    return tokens, cost.transfer_s(source, target, tokens)
 
 
 def handoff_plan(cost: CostModel, view: RequestView, prefill: int, decode: int) -> TransferPlan:

@@ -3,12 +3,19 @@ by: a placement on a slot, or a rejection for now."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
 from kvsched.core.decision import Decision, TransferPlan
 from kvsched.core.pickers import masked_min
 from kvsched.core.request_view import RequestView
+
+# Admission's say on a placement estimated at the given TTFT and scored by the given terms:
+# its rejection, or None when it stands. Asked before the placement (and its transfer orders)
+# is built, so a refused request builds neither.
+Refusal = Callable[[float, dict[str, npt.NDArray[np.float64]]], "Decision | None"]
 
 
 def placement(
@@ -37,6 +44,22 @@ def placement(
         terms=terms,
         candidates=view.eligible,
     )
+
+
+def placement_unless_refused(
+    view: RequestView,
+    slot: int,
+    rule: str,
+    terms: dict[str, npt.NDArray[np.float64]],
+    refuse: Refusal | None,
+) -> Decision:
+    """`placement(view, slot, rule, terms)`, or `refuse`'s rejection of it (then the placement
+    is never built)."""
+    if refuse is not None:
+        refused = refuse(float(terms["ttft_s"][slot]), terms)
+        if refused is not None:
+            return refused
+    return placement(view, slot, rule, terms)
 
 
 def rejection(

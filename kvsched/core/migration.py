@@ -12,9 +12,15 @@ import numpy as np
 
 from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState
-from kvsched.core.cost import moving_terms, next_turn_ttft_s, plan_copy, ttft_terms
+from kvsched.core.cost import (
+    copy_price,
+    moving_terms,
+    next_turn_ttft_s,
+    plan_copy,
+    ttft_terms,
+)
 from kvsched.core.decision import Decision, TransferKind, TransferPlan
-from kvsched.core.decision_builders import placement
+from kvsched.core.decision_builders import Refusal, placement, placement_unless_refused
 from kvsched.core.pickers import argmin_eligible, least_pending
 from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.sessions import Session
@@ -51,54 +57,73 @@ class MigrationPlanner:
         out[host] = False
         return out
 
-    def on_arrival(self, view: RequestView, host: int, terms: dict[str, FloatVec]) -> Decision:
+    def on_arrival(
+        self,
+        view: RequestView,
+        host: int,
+        terms: dict[str, FloatVec],
+        refuse: Refusal | None = None,
+    ) -> Decision:
         """A turn arrived for a session on `host` (outside its cooldown): stay, or move it now.
-        `terms` are the staying estimates."""
+        `terms` are the staying estimates; `refuse` (admission), when given, may turn the
+        chosen placement into its rejection (`placement_unless_refused`)."""
         if self.by_ttft:
             # Moving saves at most the host's queue: below the margin nothing can pay.
             if terms["queue_s"][host] <= self.min_gain_s:
-                return placement(view, host, "affinity", terms)
+                return placement_unless_refused(view, host, "affinity", terms, refuse)
         elif self.cluster.load.pending_prefill_tokens[host] <= self.t_hot_tokens:
-            return placement(view, host, "affinity", terms)
+            return placement_unless_refused(view, host, "affinity", terms, refuse)
         context = view.req.prompt_tokens + view.req.output_tokens
         candidates = self.candidates(view.eligible, host, context)
         if not candidates.any():
-            return placement(view, host, "host busy, no cooler instance with room: stay", terms)
+            rule = "host busy, no cooler instance with room: stay"
+            return placement_unless_refused(view, host, rule, terms, refuse)
         if not self.by_ttft:
             target = least_pending(self.cluster, candidates)
-            return self.move_now(view, host, target, "host hot: migrate to least pending")
+            return self.move_now(view, host, target, "host hot: migrate to least pending", refuse)
         moving = moving_terms(self.cluster.cost, self.cluster.load, view, host)
         target = argmin_eligible(moving["ttft_s"], candidates)
         if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
-            return placement(view, host, "host busy, moving does not pay: stay", terms)
-        return self.move_now(view, host, target, "host busy: migrate now, min TTFT incl. transfer")
+            rule = "host busy, moving does not pay: stay"
+            return placement_unless_refused(view, host, rule, terms, refuse)
+        rule = "host busy: migrate now, min TTFT incl. transfer"
+        return self.move_now(view, host, target, rule, refuse)
 
-    def move_now(self, view: RequestView, host: int, target: int, rule: str) -> Decision:
+    def move_now(
+        self, view: RequestView, host: int, target: int, rule: str, refuse: Refusal | None = None
+    ) -> Decision:
         """The decision sending this turn to `target` with the session's KV copied from `host`
-        on its critical path."""
+        on its critical path (or `refuse`'s rejection of it: then no transfer order is built)."""
         cluster = self.cluster
+        have = int(view.hit_blocks[target])
+        upto = int(min(view.hit_blocks[host], view.max_blocks))
+        moved, est_seconds = copy_price(cluster.cost, host, target, have=have, upto=upto)
+        cached = np.array(view.hit_tokens)
+        cached[target] = min(view.hit_tokens[target] + moved, max(view.req.prompt_tokens - 1, 0))
+        transfer = np.zeros(cluster.n)
+        transfer[target] = est_seconds
+        terms = ttft_terms(cluster.cost, cluster.load, view, cached, transfer)
+        if refuse is not None:
+            refused = refuse(float(terms["ttft_s"][target]), terms)
+            if refused is not None:
+                return refused
         plan = plan_copy(
             cluster.cost,
             TransferKind.MIGRATE_SESSION,
             host,
             target,
             hashes=view.req.block_hashes,
-            have=int(view.hit_blocks[target]),
-            upto=int(min(view.hit_blocks[host], view.max_blocks)),
+            have=have,
+            upto=upto,
             on_path=True,
             session_id=view.req.session_id,
             request_id=view.req.request_id,
         )
-        moved = plan.tokens if plan is not None else 0
-        cached = np.array(view.hit_tokens)
-        cached[target] = min(view.hit_tokens[target] + moved, max(view.req.prompt_tokens - 1, 0))
-        transfer = np.zeros(cluster.n)
-        transfer[target] = plan.est_seconds if plan is not None else 0.0
         return placement(
             view,
             target,
             rule,
-            ttft_terms(cluster.cost, cluster.load, view, cached, transfer),
+            terms,
             cached_tokens=view.hit_tokens[target],
             fetched_tokens=moved,
             transfers=(plan,) if plan is not None else (),

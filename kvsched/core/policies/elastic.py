@@ -41,7 +41,12 @@ from kvsched.core.cost import (
     ttft_terms,
 )
 from kvsched.core.decision import Completion, Decision, TransferPlan
-from kvsched.core.decision_builders import placement, rejection
+from kvsched.core.decision_builders import (
+    Refusal,
+    placement,
+    placement_unless_refused,
+    rejection,
+)
 from kvsched.core.hotness import PrefixHeat
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, least_pending, masked_min
@@ -121,26 +126,32 @@ class Elastic(Policy):
         self.resident.expire(now, self.cluster.sessions)
         sid = view.req.session_id
         session = self.cluster.sessions.get(sid) if sid is not None else None
+        # Admission runs inside both: a refused request builds no placement or transfer order.
         if session is not None and session.host != NO_HOST and view.eligible[session.host]:
             decision = self._affine(view, session, now)
-            if self.param("admission"):
-                decision = self._admit(view, decision, session)
         else:
-            # Admission runs inside: a refused cold start builds no placement or fetch order.
             decision = self._cold(view, session, now)
         if not decision.rejected and sid is not None:
             self.resident.claim(sid, decision.instance, view.req.prompt_tokens, now)
         return decision
 
     def _affine(self, view: RequestView, session: Session, now: float) -> Decision:
+        """Stay on the session's host or move it now (b), then (e)."""
         host = session.host
         terms = ttft_terms(self.cluster.cost, self.cluster.load, view, view.hit_tokens)
+        refuse: Refusal | None = None
+        if self.param("admission"):
+
+            def refuse(estimated_ttft_s: float, terms: dict[str, FloatVec]) -> Decision | None:
+                return self._refusal(view, estimated_ttft_s, terms, session)
+
         if session.pending_target != NO_HOST:
             # Its KV is on the wire; the source still holds it: no second move.
-            return placement(view, host, "affinity (migration in flight)", terms)
+            rule = "affinity (migration in flight)"
+            return placement_unless_refused(view, host, rule, terms, refuse)
         if session.in_cooldown(now, self.param("t_cool_s")):
-            return placement(view, host, "affinity (cooldown)", terms)
-        return self.planner.on_arrival(view, host, terms)
+            return placement_unless_refused(view, host, "affinity (cooldown)", terms, refuse)
+        return self.planner.on_arrival(view, host, terms, refuse)
 
     def _cold(self, view: RequestView, session: Session | None, now: float) -> Decision:
         """(c), then (e): a refusal is decided before the placement's transfer orders are
