@@ -12,6 +12,7 @@ import pytest
 from kvsched.core.cluster import ClusterState, Role
 from kvsched.core.cost import ttft_terms
 from kvsched.core.decision import Decision, TransferKind, TransferPlan
+from kvsched.core.decision_builders import rejection
 from kvsched.core.index import Tier
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.request_view import FloatVec, RequestView, request_view
@@ -252,6 +253,54 @@ def test_moving_a_prompt_of_whole_blocks_leaves_its_last_token_to_compute() -> N
     (plan,) = decision.transfers
     assert (plan.n_blocks, decision.fetched_tokens) == (39, 39 * 16)  # not the last block
     assert decision.terms["cached_tokens"][1] == 39 * 16
+
+
+def test_a_refused_move_is_priced_as_the_move_and_comes_back_as_the_refusal() -> None:
+    # Admission is asked before the order is built: with the move's own estimate and terms.
+    cluster = hosted({HOST: 20_000})
+    cluster.index.store(2, CONTEXT[:10], None)
+    view, moved = moved_to(cluster, 2)
+    asked: list[tuple[float, dict[str, FloatVec]]] = []
+    refusal = rejection(view, "refused", 1.0, moved.terms)  # type: ignore[arg-type]
+
+    def refuse(estimated_ttft_s: float, terms: dict[str, FloatVec]) -> Decision | None:
+        asked.append((estimated_ttft_s, terms))
+        return refusal
+
+    decision = planner(cluster, by_ttft=False).move_now(view, HOST, 2, "moved", refuse)
+    assert decision is refusal
+    ((estimate, terms),) = asked
+    assert estimate == moved.estimated_ttft_s
+    assert set(terms) == set(moved.terms)
+    for name, values in terms.items():
+        assert list(values) == list(moved.terms[name]), name
+
+
+@pytest.mark.parametrize("pending", [20_000, 0], ids=["moves", "stays"])
+def test_a_placement_admission_lets_stand_is_the_one_without_admission(pending: int) -> None:
+    cluster = hosted({HOST: pending})
+    view = request_view(cluster, request(1, PROMPT, session="s"))
+    terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
+    asked: list[float] = []
+
+    def let_stand(estimated_ttft_s: float, _terms: dict[str, FloatVec]) -> Decision | None:
+        asked.append(estimated_ttft_s)
+        return None
+
+    plain = planner(cluster, by_ttft=False).on_arrival(view, HOST, terms)
+    admitted = planner(cluster, by_ttft=False).on_arrival(view, HOST, terms, let_stand)
+    assert asked == [plain.estimated_ttft_s]
+    assert (admitted.instance, admitted.rule, admitted.transfers) == (
+        plain.instance,
+        plain.rule,
+        plain.transfers,
+    )
+    assert (admitted.cached_tokens, admitted.fetched_tokens, admitted.estimated_ttft_s) == (
+        plain.cached_tokens,
+        plain.fetched_tokens,
+        plain.estimated_ttft_s,
+    )
+    assert (plain.instance != HOST) == (pending > HOT)
 
 
 # ---- moving during the idle gap ----------------------------------------------------------
