@@ -12,10 +12,14 @@ from kvsched.core.decision import Decision, TransferPlan
 from kvsched.core.pickers import masked_min
 from kvsched.core.request_view import RequestView
 
-# Admission's say on a placement estimated at the given TTFT and scored by the given terms:
-# its rejection, or None when it stands. Asked before the placement (and its transfer orders)
-# is built, so a refused request builds neither.
-Refusal = Callable[[float, dict[str, npt.NDArray[np.float64]]], "Decision | None"]
+# Admission's say on a placement estimated at the given TTFT and scored by the given terms
+# (with the terms of moving the session's host's part of the prompt, `cost.moving_terms`,
+# when the caller computed them, else None): its rejection, or None when it stands. Asked
+# before the placement (and its transfer orders) is built, so a refused request builds neither.
+Refusal = Callable[
+    [float, dict[str, npt.NDArray[np.float64]], "dict[str, npt.NDArray[np.float64]] | None"],
+    "Decision | None",
+]
 
 
 def placement(
@@ -52,11 +56,13 @@ def placement_unless_refused(
     rule: str,
     terms: dict[str, npt.NDArray[np.float64]],
     refuse: Refusal | None,
+    *,
+    moving: dict[str, npt.NDArray[np.float64]] | None = None,
 ) -> Decision:
     """`placement(view, slot, rule, terms)`, or `refuse`'s rejection of it (then the placement
-    is never built)."""
+    is never built); `moving` goes to `refuse` as it is."""
     if refuse is not None:
-        refused = refuse(float(terms["ttft_s"][slot]), terms)
+        refused = refuse(float(terms["ttft_s"][slot]), terms, moving)
         if refused is not None:
             return refused
     return placement(view, slot, rule, terms)

@@ -80,20 +80,29 @@ class MigrationPlanner:
             return placement_unless_refused(view, host, rule, terms, refuse)
         if not self.by_ttft:
             target = least_pending(self.cluster, candidates)
-            return self.move_now(view, host, target, "host hot: migrate to least pending", refuse)
+            rule = "host hot: migrate to least pending"
+            return self.move_now(view, host, target, rule, refuse=refuse)
         moving = moving_terms(self.cluster.cost, self.cluster.load, view, host)
         target = argmin_eligible(moving["ttft_s"], candidates)
         if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
             rule = "host busy, moving does not pay: stay"
-            return placement_unless_refused(view, host, rule, terms, refuse)
+            return placement_unless_refused(view, host, rule, terms, refuse, moving=moving)
         rule = "host busy: migrate now, min TTFT incl. transfer"
-        return self.move_now(view, host, target, rule, refuse)
+        return self.move_now(view, host, target, rule, refuse=refuse, moving=moving)
 
     def move_now(
-        self, view: RequestView, host: int, target: int, rule: str, refuse: Refusal | None = None
+        self,
+        view: RequestView,
+        host: int,
+        target: int,
+        rule: str,
+        *,
+        refuse: Refusal | None = None,
+        moving: dict[str, FloatVec] | None = None,
     ) -> Decision:
         """The decision sending this turn to `target` with the session's KV copied from `host`
-        on its critical path (or `refuse`'s rejection of it: then no transfer order is built)."""
+        on its critical path (or `refuse`'s rejection of it: then no transfer order is built;
+        `moving`, the host's `moving_terms` when already computed, goes to `refuse`)."""
         cluster = self.cluster
         have = int(view.hit_blocks[target])
         upto = int(min(view.hit_blocks[host], view.max_blocks))
@@ -104,7 +113,7 @@ class MigrationPlanner:
         transfer[target] = est_seconds
         terms = ttft_terms(cluster.cost, cluster.load, view, cached, transfer)
         if refuse is not None:
-            refused = refuse(float(terms["ttft_s"][target]), terms)
+            refused = refuse(float(terms["ttft_s"][target]), terms, moving)
             if refused is not None:
                 return refused
         plan = plan_copy(

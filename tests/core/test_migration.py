@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvsched.core.cluster import ClusterState, Role
-from kvsched.core.cost import ttft_terms
+from kvsched.core.cost import moving_terms, ttft_terms
 from kvsched.core.decision import Decision, TransferKind, TransferPlan
 from kvsched.core.decision_builders import rejection
 from kvsched.core.index import Tier
@@ -263,11 +263,14 @@ def test_a_refused_move_is_priced_as_the_move_and_comes_back_as_the_refusal() ->
     asked: list[tuple[float, dict[str, FloatVec]]] = []
     refusal = rejection(view, "refused", 1.0, moved.terms)  # type: ignore[arg-type]
 
-    def refuse(estimated_ttft_s: float, terms: dict[str, FloatVec]) -> Decision | None:
+    def refuse(
+        estimated_ttft_s: float, terms: dict[str, FloatVec], moving: dict[str, FloatVec] | None
+    ) -> Decision | None:
         asked.append((estimated_ttft_s, terms))
+        assert moving is None  # the caller computed no moving terms
         return refusal
 
-    decision = planner(cluster, by_ttft=False).move_now(view, HOST, 2, "moved", refuse)
+    decision = planner(cluster, by_ttft=False).move_now(view, HOST, 2, "moved", refuse=refuse)
     assert decision is refusal
     ((estimate, terms),) = asked
     assert estimate == moved.estimated_ttft_s
@@ -283,7 +286,9 @@ def test_a_placement_admission_lets_stand_is_the_one_without_admission(pending: 
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     asked: list[float] = []
 
-    def let_stand(estimated_ttft_s: float, _terms: dict[str, FloatVec]) -> Decision | None:
+    def let_stand(
+        estimated_ttft_s: float, _terms: dict[str, FloatVec], _moving: dict[str, FloatVec] | None
+    ) -> Decision | None:
         asked.append(estimated_ttft_s)
         return None
 
@@ -301,6 +306,28 @@ def test_a_placement_admission_lets_stand_is_the_one_without_admission(pending: 
         plain.estimated_ttft_s,
     )
     assert (plain.instance != HOST) == (pending > HOT)
+
+
+def test_a_move_by_ttft_hands_admission_the_moving_terms_it_chose_the_target_by() -> None:
+    cluster = hosted({HOST: 20_000})
+    view = request_view(cluster, request(1, PROMPT, session="s"))
+    terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
+    handed: list[dict[str, FloatVec] | None] = []
+
+    def let_stand(
+        _estimate: float, _terms: dict[str, FloatVec], moving: dict[str, FloatVec] | None
+    ) -> Decision | None:
+        handed.append(moving)
+        return None
+
+    decision = planner(cluster, by_ttft=True).on_arrival(view, HOST, terms, let_stand)
+    assert decision.instance != HOST
+    ((moving,),) = [handed]
+    assert moving is not None
+    expected = moving_terms(cluster.cost, cluster.load, view, HOST)
+    assert set(moving) == set(expected)
+    for name, values in expected.items():
+        assert list(moving[name]) == list(values), name
 
 
 # ---- moving during the idle gap ----------------------------------------------------------

@@ -142,8 +142,12 @@ class Elastic(Policy):
         refuse: Refusal | None = None
         if self.param("admission"):
 
-            def refuse(estimated_ttft_s: float, terms: dict[str, FloatVec]) -> Decision | None:
-                return self._refusal(view, estimated_ttft_s, terms, session)
+            def refuse(
+                estimated_ttft_s: float,
+                terms: dict[str, FloatVec],
+                moving: dict[str, FloatVec] | None,
+            ) -> Decision | None:
+                return self._refusal(view, estimated_ttft_s, terms, session, moving)
 
         if session.pending_target != NO_HOST:
             # Its KV is on the wire; the source still holds it: no second move.
@@ -250,9 +254,11 @@ class Elastic(Policy):
         estimated_ttft_s: float,
         placed_terms: Mapping[str, FloatVec],
         session: Session | None,
+        moving: dict[str, FloatVec] | None = None,
     ) -> Decision | None:
         """(e)'s rejection of a placement estimated at `estimated_ttft_s` and scored by
-        `placed_terms`, or None when it stands. Changes nothing."""
+        `placed_terms`, or None when it stands; `moving`: the session host's `moving_terms`
+        when the caller has them (computed here otherwise). Changes nothing."""
         waited = view.req.waited_s
         if not estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
             return None
@@ -260,7 +266,8 @@ class Elastic(Policy):
         best = masked_min(terms["ttft_s"], view.eligible)
         if session is not None and session.host != NO_HOST:
             # Moving the KV is an option.
-            moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
+            if moving is None:
+                moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
             best = min(best, masked_min(moving["ttft_s"], view.eligible))
         slo = self.cluster.config.slo
         refusal = admission.check(best, isolated_floor_s(view, terms), slo, waited_s=waited)
