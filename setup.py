@@ -1,7 +1,8 @@
-"""Builds the compiled prefix index (`kvsched.core._holdings`) and per-instance scoring
-(`kvsched.core._scoring`); everything else about the package is in pyproject.toml. pip runs
-this on `pip install .`, `pip install -e .` and wheel builds: it needs a C compiler and the
-Python headers, and says so plainly when one is missing."""
+"""Builds the compiled prefix index (`kvsched.core._holdings`), per-instance scoring
+(`kvsched.core._scoring`) and simulated engines' prefix cache (`kvsched.sim._cache`);
+everything else about the package is in pyproject.toml. pip runs this on `pip install .`,
+`pip install -e .` and wheel builds: it needs a C compiler and the Python headers, and says so
+plainly when one is missing."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 HINT = (
-    "kvsched's compiled prefix index and scoring (kvsched/core/_holdings.c, _scoring.c) need a "
-    "C compiler and the Python headers: install them (Debian/Ubuntu: apt-get install gcc "
-    "python3-dev) and run pip again"
+    "kvsched's compiled prefix index, scoring and simulator cache (kvsched/core/_holdings.c, "
+    "_scoring.c, kvsched/sim/_cache.c) need a C compiler and the Python headers: install "
+    "them (Debian/Ubuntu: apt-get install gcc python3-dev) and run pip again"
 )
 
 
@@ -58,6 +59,7 @@ setup(
             ["kvsched/core/_scoring.c"],
             extra_compile_args=[*C_FLAGS, "-ffp-contract=off", "-fno-fast-math"],
         ),
+        Extension("kvsched.sim._cache", ["kvsched/sim/_cache.c"], extra_compile_args=C_FLAGS),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -10,13 +10,23 @@ Every page is in exactly one state:
 so `free + evictable + locked == total` always (`check_integrity`). A block's node counts the
 requests whose held prefix passes through it (`lock`); a node is evictable when that count is 0
 and no cached child hangs below it, which keeps the cache prefix-closed.
+
+`PrefixCache` below is the reference: plain Python, easy to read, the oracle of the agreement
+tests, and the one the live engine uses (it reads `nodes`). `kvsched.sim._cache.Cache` is the
+same bookkeeping compiled from C (`_cache.c`, built by pip): the simulator's replays commit and
+evict a block per page of every prompt, which in Python was the largest piece of a replay's
+own time. `make_cache` picks one: the compiled one unless asked for the reference
+(`pure=True`, or the environment variable `KVSCHED_PURE_SIMCACHE=1` when `pure` is not given).
+The two agree on every result, event and eviction order (tests/sim/test_cache_agreement.py).
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvsched.core.events import BlocksRemoved, BlocksStored
 
@@ -33,6 +43,65 @@ class Node:
 
 
 CacheEvent = BlocksStored | BlocksRemoved
+# {hash: (parent hash or None, cached children, lock count, last access)}
+CacheSnapshot = dict[int, tuple[int | None, int, int, float]]
+PURE_ENV = "KVSCHED_PURE_SIMCACHE"
+
+
+class EngineCache(Protocol):
+    """What a simulated engine needs of its prefix cache (`PrefixCache` documents each)."""
+
+    @property
+    def total(self) -> int: ...
+    @property
+    def free(self) -> int: ...
+    @property
+    def private(self) -> int: ...
+    @property
+    def locked_nodes(self) -> int: ...
+    @property
+    def evictable(self) -> int: ...
+    @property
+    def locked(self) -> int: ...
+    @property
+    def available(self) -> int: ...
+    @property
+    def evicted_total(self) -> int: ...
+    def __len__(self) -> int: ...
+    def match(self, hashes: Sequence[int], limit: int, /) -> int: ...
+    def chain_match(self, hashes: Sequence[int], limit: int, /) -> int: ...
+    def lock_prefix(
+        self, hashes: Sequence[int], n: int, now: float, *, touch: bool = True
+    ) -> None: ...
+    def unlock_prefix(
+        self, hashes: Sequence[int], n: int, now: float, *, touch: bool = True
+    ) -> None: ...
+    def reserve(self, pages: int, /) -> bool: ...
+    def release(self, pages: int, /) -> None: ...
+    def commit(
+        self, hashes: Sequence[int], start: int, end: int, held: int, now: float, /
+    ) -> int: ...
+    def drain_events(self) -> list[CacheEvent]: ...
+    def snapshot(self) -> CacheSnapshot: ...
+    def check_integrity(self) -> None: ...
+
+
+def make_cache(total_pages: int, pure: bool | None = None) -> EngineCache:
+    """A prefix cache of `total_pages` pages: the compiled one, or the reference when `pure`
+    (None: as `KVSCHED_PURE_SIMCACHE` says)."""
+    if pure is None:
+        pure = os.environ.get(PURE_ENV, "") not in ("", "0")
+    if pure:
+        return PrefixCache(total_pages)
+    try:
+        from kvsched.sim._cache import Cache  # noqa: PLC0415  (built by pip)
+    except ImportError as exc:
+        raise ImportError(
+            "kvsched's compiled simulator cache (kvsched.sim._cache) is not built: reinstall "
+            "kvsched with pip (scripts/setup, or pip install -e .), which compiles it with the "
+            f"machine's C compiler, or set {PURE_ENV}=1 to use the pure-Python reference"
+        ) from exc
+    return Cache(total_pages, BlocksStored, BlocksRemoved)
 
 
 class PrefixCache:
@@ -65,6 +134,10 @@ class PrefixCache:
     def available(self) -> int:
         """Pages a reservation could get: free now or after evicting."""
         return self.free + self.evictable
+
+    def __len__(self) -> int:
+        """Cached blocks."""
+        return len(self.nodes)
 
     # ---- lookups -----------------------------------------------------------------------
 
@@ -257,6 +330,13 @@ class PrefixCache:
         """The blocks stored and removed since the last drain, in the order it happened."""
         events, self.events = self.events, []
         return events
+
+    def snapshot(self) -> CacheSnapshot:
+        """Every cached block with its parent, children, lock and last access (for tests)."""
+        return {
+            h: (None if n.parent is None else n.parent.hash, n.children, n.lock, n.last_access)
+            for h, n in self.nodes.items()
+        }
 
     def check_integrity(self) -> None:
         """Assert the page states add up and the cache is prefix-closed."""

@@ -22,7 +22,7 @@ from enum import Enum
 
 from kvsched.core.latency import LatencyModel
 from kvsched.core.load import LoadReport
-from kvsched.sim.cache import PrefixCache
+from kvsched.sim.cache import EngineCache, make_cache
 
 
 class JobKind(Enum):
@@ -97,12 +97,20 @@ class Engine:
     """Scheduler state of one instance; see the module docstring for its loop."""
 
     def __init__(
-        self, slot: int, spec: EngineSpec, latency: LatencyModel, gap_sink: GapSink | None = None
+        self,
+        slot: int,
+        spec: EngineSpec,
+        latency: LatencyModel,
+        gap_sink: GapSink | None = None,
+        *,
+        cache: EngineCache | None = None,
     ) -> None:
         self.slot = slot
         self.latency = latency
         self.bs = spec.block_size
-        self.cache = PrefixCache(spec.capacity_pages)
+        # The compiled cache unless `KVSCHED_PURE_SIMCACHE` asks for the reference (or the
+        # caller brings its own, as the live engine does).
+        self.cache = cache if cache is not None else make_cache(spec.capacity_pages)
         self.chunk_tokens = spec.chunk_tokens
         self.max_running = spec.max_running
         self.layers = spec.layers
@@ -167,7 +175,7 @@ class Engine:
             len(self.waiting) + len(self.handoffs),
             len(self.prefilling) + batch,  # `running`
             self.decode_ctx,
-            cache.free + len(cache.nodes) - cache.locked_nodes,  # `cache.available`
+            cache.available,
         )
 
     # ---- stepping ----------------------------------------------------------------------

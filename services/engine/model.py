@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvsched.core.cluster import build_cluster
 from kvsched.core.latency import LatencyModel
+from kvsched.sim.cache import PrefixCache
 from kvsched.sim.engine import Engine, EngineSpec
 from services.common.openai_api import bad_request
 from services.engine.settings import EngineSettings
@@ -30,8 +31,9 @@ class EngineModel:
     def capacity_blocks(self) -> int:
         return self.spec.capacity_pages
 
-    def new_engine(self) -> Engine:
-        return Engine(0, self.spec, self.latency)
+    def new_engine(self, cache: PrefixCache) -> Engine:
+        """Scheduler state over `cache` (the reference cache: the live engine reads its nodes)."""
+        return Engine(0, self.spec, self.latency, cache=cache)
 
     def output_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         """How many tokens a request gets: `max_tokens`, capped at the context the prompt

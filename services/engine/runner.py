@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
+from kvsched.sim.cache import PrefixCache
 from kvsched.sim.engine import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
 from services.common.kv_memory import KvMemory
@@ -87,7 +88,9 @@ class LiveEngine:
         hasher: VllmBlockHasher | None = None,
     ) -> None:
         self.model = model
-        self.engine = model.new_engine()
+        # The reference cache, whose `nodes` the KV memory, names and transfers follow.
+        self.cache = PrefixCache(model.capacity_blocks)
+        self.engine = model.new_engine(self.cache)
         self.publisher = publisher
         self.metrics = metrics
         self.scale = time_scale
@@ -96,7 +99,7 @@ class LiveEngine:
         self.names = EngineNames(model.block_size)
         self.memory = memory
         self.transfers = KvTransfers(
-            self.engine.cache,
+            self.cache,
             memory=memory,
             names=self.names,
             hasher=self.hasher,
@@ -351,7 +354,7 @@ class LiveEngine:
         between awaits the memory, the names and the cache agree."""
         memory, names, events = self.memory, self.names, self._unpublished
         stored = False
-        for change in self.engine.cache.drain_events():
+        for change in self.cache.drain_events():
             if isinstance(change, BlocksRemoved):
                 memory.remove(change.hashes)
                 events.append(names.removed(change.hashes))
@@ -386,13 +389,13 @@ class LiveEngine:
         (and no other) has a page, and every page is cached, free or staged for an import."""
         self.engine.check_integrity()
         self.memory.check_integrity()
-        assert self.memory.page_of.keys() == self.engine.cache.nodes.keys(), "memory != cache"
+        assert self.memory.page_of.keys() == self.cache.nodes.keys(), "memory != cache"
         self.transfers.check_integrity()
 
     def snapshot(self) -> list[dict[str, object]]:
         """Every cached block in engine names, parents before children (the cache is
         prefix-closed and its dict keeps insertion order, so a parent always comes first)."""
-        return self.names.snapshot(self.engine.cache.nodes)
+        return self.names.snapshot(self.cache.nodes)
 
 
 def _resolve(future: asyncio.Future[bool]) -> None:

@@ -48,7 +48,7 @@ async def test_stored_blocks_rehash_to_the_engines_cache_keys(
     got = await events.upto(eng.live.publisher.next_seq)
     stored = [e for e in got if isinstance(e, BlockStored)]
     assert stored[-1].medium == "GPU" and stored[-1].block_size == 16
-    assert sorted(rehash(got)) == sorted(eng.live.engine.cache.nodes)
+    assert sorted(rehash(got)) == sorted(eng.live.cache.nodes)
 
 
 async def test_cache_salt_and_session_ride_on_the_chain(start_engine: Any, events_of: Any) -> None:
@@ -63,12 +63,12 @@ async def test_cache_salt_and_session_ride_on_the_chain(start_engine: Any, event
     assert isinstance(first, BlockStored) and first.parent_block_hash is None
     assert first.extra_keys[0] == ["tenant-a"] and all(k is None for k in first.extra_keys[1:])
     assert first.session_id == "s-42"
-    assert sorted(rehash(got)) == sorted(eng.live.engine.cache.nodes)
+    assert sorted(rehash(got)) == sorted(eng.live.cache.nodes)
     # The same prompt unsalted is another chain.
     await eng.complete({**body, "cache_salt": None})
     got = await events.upto(eng.live.publisher.next_seq)
-    assert sorted(rehash(got)) == sorted(eng.live.engine.cache.nodes)
-    assert len(eng.live.engine.cache.nodes) == 1 + 2 * (len(new[0].token_ids) // 16)
+    assert sorted(rehash(got)) == sorted(eng.live.cache.nodes)
+    assert len(eng.live.cache.nodes) == 1 + 2 * (len(new[0].token_ids) // 16)
 
 
 async def test_eviction_is_announced_and_the_snapshot_equals_the_cache(
@@ -82,10 +82,10 @@ async def test_eviction_is_announced_and_the_snapshot_equals_the_cache(
     removed = [h for e in got if isinstance(e, BlockRemoved) for h in e.block_hashes]
     stored = {h for e in got if isinstance(e, BlockStored) for h in e.block_hashes}
     assert removed and set(removed) <= stored
-    assert sorted(rehash(got)) == sorted(eng.live.engine.cache.nodes)
+    assert sorted(rehash(got)) == sorted(eng.live.cache.nodes)
     snap = await eng.get_json("/kvsched/kv/snapshot")
     assert snap["next_seq"] == eng.live.publisher.next_seq and snap["block_size"] == 16
-    cache = eng.live.engine.cache.nodes
+    cache = eng.live.cache.nodes
     assert list(cache) == [b["block_hash"] for b in snap["blocks"]]
     seen: set[int] = set()
     for block in snap["blocks"]:  # parents come first
@@ -115,6 +115,6 @@ async def test_blocks_are_named_as_a_router_hashes_the_prompt(
     async with await eng.post("/tokenize", {"prompt": body["prompt"]}) as resp:
         ids = (await resp.json())["tokens"]
     expected = hashes.hasher(16).hash_prompt(ids, "t-9")
-    assert expected and list(eng.live.engine.cache.nodes) == expected
+    assert expected and list(eng.live.cache.nodes) == expected
     snap = await eng.get_json("/kvsched/kv/snapshot")
     assert [b["block_hash"] for b in snap["blocks"]] == expected

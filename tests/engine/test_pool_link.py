@@ -95,7 +95,7 @@ async def test_blocks_one_engine_computed_are_loaded_by_another_not_computed(
     second = await start(instance_id="e-1", kv_pool_socket=str(pool.socket))
     ids = prompt(1, 10 * BS + 5)
     assert await cached_tokens(first, ids) == 0
-    hashes = list(first.live.engine.cache.nodes)[:10]
+    hashes = list(first.live.cache.nodes)[:10]
 
     await wait_for(lambda: pool.pool.usage().blocks >= 10, 5.0, message="the prompt saved")
     assert pool.pool.format == BlockFormat(

@@ -70,7 +70,7 @@ async def test_an_abort_frees_a_queued_request_at_once(start_engine: Any) -> Non
     eng.live.abort(running)
     await wait_for(lambda: eng.live.engine.running == 0)
     eng.live.engine.check_integrity()
-    assert eng.live.engine.cache.locked == 0 and not eng.live.requests
+    assert eng.live.cache.locked == 0 and not eng.live.requests
 
 
 async def test_a_client_that_leaves_mid_stream_frees_its_request(start_engine: Any) -> None:
@@ -82,7 +82,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_request(start_engine: A
     assert eng.live.engine.running == 1
     resp.close()
     await wait_for(lambda: not eng.live.requests and eng.live.engine.running == 0)
-    assert eng.live.engine.cache.private == 0 and eng.live.engine.cache.locked == 0
+    assert eng.live.cache.private == 0 and eng.live.cache.locked == 0
     eng.live.engine.check_integrity()
 
 
@@ -94,7 +94,7 @@ async def test_a_client_that_leaves_a_plain_request_frees_it(start_engine: Any) 
     await wait_for(lambda: eng.live.engine.running == 1)
     post.cancel()  # the client gives up: its connection closes
     await wait_for(lambda: not eng.live.requests and eng.live.engine.running == 0)
-    assert eng.live.engine.cache.private == 0
+    assert eng.live.cache.private == 0
 
 
 async def test_a_stopped_engine_ends_its_streams_with_an_error(start_engine: Any) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from kvsched.core import scoring
 from kvsched.core.holdings import PURE_ENV
+from kvsched.sim import cache
 from tools.decision_digest import POLICIES, SLICES, TRACES, digests
 
 PINNED = {
@@ -25,13 +26,16 @@ PINNED = {
 
 
 @pytest.mark.parametrize(
-    "pure", ["1", "0"], ids=["pure index and scoring", "compiled index and scoring"]
+    "pure",
+    ["1", "0"],
+    ids=["pure index, scoring and cache", "compiled index, scoring and cache"],
 )
 def test_the_replay_decides_and_reports_as_pinned(
     pure: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The compiled index and scoring must decide as the references do.
+    # The compiled index, scoring and simulator cache must decide as the references do.
     monkeypatch.setenv(PURE_ENV, pure)
+    monkeypatch.setenv(cache.PURE_ENV, pure)
     monkeypatch.setattr(scoring, "active", scoring.load_kernels(pure == "1"))
     assert set(PINNED) == set(TRACES)
     for name in TRACES:
