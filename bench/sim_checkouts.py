@@ -50,7 +50,12 @@ def run_round(
     checkout: Path, trace: Path, instances: int, specs: tuple[str, ...]
 ) -> dict[str, tuple[float, float, float]]:
     """One replay of every policy in `checkout`'s code: {spec: (simulated s, wall s, CPU s)}."""
-    env = {**os.environ, "PYTHONPATH": str(checkout), "KVSCHED_PURE_INDEX": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(checkout),
+        "KVSCHED_PURE_INDEX": "0",
+        "KVSCHED_PURE_SIMCACHE": "0",
+    }
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(trace), str(instances), ",".join(specs)],
         check=False,
