@@ -553,13 +553,14 @@ static PyObject *Cache_snapshot(Cache *c, PyObject *unused) {
     for (Py_ssize_t i = 0; i < c->total; i++) {
         Node *nd = &c->nodes[i];
         if (!nd->alive) continue;
-        PyObject *parent = nd->parent == NIL ? (Py_INCREF(Py_None), Py_None)
-                                             : hash_obj(c->nodes[nd->parent].hash);
         PyObject *key = hash_obj(nd->hash);
-        PyObject *val = parent && key ? Py_BuildValue("(Niid)", parent, (int)nd->children,
-                                                      (int)nd->lock, nd->last_access)
-                                      : NULL;
-        if (!val && parent) Py_DECREF(parent);
+        PyObject *parent = !key                 ? NULL
+                           : nd->parent == NIL ? (Py_INCREF(Py_None), Py_None)
+                                               : hash_obj(c->nodes[nd->parent].hash);
+        /* "N" hands `parent` over to the tuple, or releases it on failure */
+        PyObject *val = parent ? Py_BuildValue("(Niid)", parent, (int)nd->children,
+                                               (int)nd->lock, nd->last_access)
+                               : NULL;
         if (!val || PyDict_SetItem(out, key, val) < 0) {
             Py_XDECREF(key);
             Py_XDECREF(val);
