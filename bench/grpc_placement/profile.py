@@ -26,13 +26,14 @@ _INNER = (
         ("block_hashes (", "request_info (", "packed_hashes.py"),
     ),
     ("proto <-> core conversion (convert.py)", ("conductor/convert.py",)),
+    ("protobuf parse of each message (grpc_requests)", ("common/grpc_requests.py",)),
     ("persister + etcd client + watch", ("persist.py", "common/store.py", "replica.py")),
     ("grpc.aio Python layer", ("grpc/aio/", "grpc/_")),
 )
 _OUTER = (
     ("Finish (scheduler.finish, recording.finish)", ("PlacementRpcs._finish",)),
     ("load reports (cursors.apply)", ("KvEventRpcs._apply",)),
-    ("recording.place: decide + record (numpy scoring)", ("core/recording.py",)),
+    ("recording.place: decide + record", ("core/recording.py",)),
     (
         "Scheduler.place: validation, idempotency, transfer names, sessions",
         ("Scheduler.place",),
@@ -41,7 +42,13 @@ _OUTER = (
     ("unary handler", ("Rpcs.",)),
     ("other Conductor code", ("services/", "kvsched/")),
 )
-_ROOTS = ("runpy", "conductor/__main__.py", "uvloop/__init__", "asyncio/runners.py")
+_ROOTS = (
+    "runpy",
+    "conductor/__main__.py",
+    "common/process.py",
+    "uvloop/__init__",
+    "asyncio/runners.py",
+)
 
 
 def profile_summary(path: Path) -> list[tuple[str, float]]:
