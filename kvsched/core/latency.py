@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -102,21 +103,61 @@ class LatencyModel:
         return k
 
 
+def latency_profiles() -> tuple[str, ...]:
+    """Names of the shipped profiles (`kvsched/data/latency/<name>.json`), sorted."""
+    return tuple(sorted(p.stem for p in data_path("latency").glob("*.json")))
+
+
+_CONSTANTS = ("step_s", "prefill_token_s", "attn_pair_s", "decode_seq_s", "decode_ctx_s")
+
+
 def load_latency(name: str = DEFAULT_LATENCY) -> LatencyModel:
-    """Load fitted constants shipped in `kvsched/data/latency/<name>.json`."""
+    """A shipped profile by name, or the profile in the JSON file `name` (a path ending in
+    `.json`, written like the shipped ones: model, gpu, the five constants in seconds and
+    kv_capacity_tokens). Raises ValueError naming the shipped profiles when neither exists,
+    and naming the field when a file holds a bad one."""
+    if name.endswith(".json"):
+        return _read_profile(Path(name), Path(name).stem)
     path = data_path("latency", f"{name}.json")
+    if not path.is_file():
+        known = ", ".join(latency_profiles())
+        raise ValueError(
+            f"no latency profile named {name!r}; known profiles: {known} (or a profile .json file)"
+        )
+    return _read_profile(path, name)
+
+
+def _read_profile(path: Path, default_name: str) -> LatencyModel:
+    where = f"latency profile {str(path)!r}"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"no latency profile named {name!r}") from None
+        known = ", ".join(latency_profiles())
+        raise ValueError(f"no {where}; known profiles: {known}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    missing = [k for k in ("model", "gpu", *_CONSTANTS, "kv_capacity_tokens") if k not in raw]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    constants: dict[str, float] = {}
+    for key in _CONSTANTS:
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: {key} must be a number")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}: {key} must be finite and >= 0, got {value}")
+        constants[key] = float(value)
+    if constants["step_s"] <= 0:
+        raise ValueError(f"{where}: step_s must be positive")
+    capacity = raw["kv_capacity_tokens"]
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"{where}: kv_capacity_tokens must be a positive integer")
     return LatencyModel(
-        name=name,
-        model=raw["model"],
-        gpu=raw["gpu"],
-        step_s=float(raw["step_s"]),
-        prefill_token_s=float(raw["prefill_token_s"]),
-        attn_pair_s=float(raw["attn_pair_s"]),
-        decode_seq_s=float(raw["decode_seq_s"]),
-        decode_ctx_s=float(raw["decode_ctx_s"]),
-        kv_capacity_tokens=int(raw["kv_capacity_tokens"]),
+        name=str(raw.get("name") or default_name),
+        model=str(raw["model"]),
+        gpu=str(raw["gpu"]),
+        kv_capacity_tokens=capacity,
+        **constants,
     )

@@ -11,6 +11,7 @@ from typing import TextIO
 
 from kvsched.core.cluster import SloConfig
 from kvsched.sim.compare import Comparison, expand_policies, run_comparison
+from kvsched.sim.hardware import add_hardware_arguments, hardware_from_args
 from kvsched.sim.traces import transform
 from kvsched.sim.traces.model import Trace
 from kvsched.sim.traces.weka import weka_shared_prefix
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--no-figures", action="store_true")
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_hardware_arguments(rp)
     return parser
 
 
@@ -160,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             slo=SloConfig(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo),
             warmup_fraction=args.warmup,
             sweep_loads=parse_loads(args.sweep),
+            hardware=hardware_from_args(args),
         )
         if args.instances <= 0 or args.load <= 0:
             raise ValueError("--instances and --load must be positive")

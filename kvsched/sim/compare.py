@@ -12,10 +12,11 @@ import numpy as np
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.latency import load_latency
-from kvsched.core.models import DEFAULT_MODEL, model_config
+from kvsched.core.models import model_config
 from kvsched.core.policies import ALL_POLICIES, parse_spec
 from kvsched.core.topology import DISTANCE_NAMES, TopologyConfig
 from kvsched.sim.figures import write_figures
+from kvsched.sim.hardware import HardwareOptions
 from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.replay import run_replay
@@ -39,8 +40,7 @@ class Comparison:
     slo: SloConfig = field(default_factory=SloConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     warmup_fraction: float = 0.05
-    latency_profile: str = "llama-3.1-8b-h100"
-    model: str = DEFAULT_MODEL  # architecture (KV bytes per token)
+    hardware: HardwareOptions = field(default_factory=HardwareOptions)  # model, GPU, KV, links
     sweep_loads: tuple[float, ...] = ()  # loads to sweep for goodput (besides `load`)
 
 
@@ -70,10 +70,11 @@ def _split_specs(text: str) -> list[str]:
 def replay_config(cmp: Comparison) -> ReplayConfig:
     cluster = ClusterConfig(
         n_instances=cmp.instances,
-        latency_profile=cmp.latency_profile,
-        model=cmp.model,
+        latency_profile=cmp.hardware.latency_profile,
+        model=cmp.hardware.model_config,
+        kv_capacity_tokens=cmp.hardware.capacity_tokens(),
         slo=cmp.slo,
-        topology=cmp.topology,
+        topology=cmp.hardware.topology(cmp.topology),
         block_size=cmp.trace.block_tokens,
     )
     return ReplayConfig(
@@ -245,7 +246,7 @@ def config_section(cmp: Comparison, config: ReplayConfig) -> dict[str, Any]:
             "bandwidth_gb_per_s": link.bandwidth_bytes_per_s / 1e9,
             "setup_ms": link.setup_s * 1e3,
         }
-        for name, link in zip(DISTANCE_NAMES, cmp.topology.links, strict=True)
+        for name, link in zip(DISTANCE_NAMES, cluster.topology.links, strict=True)
     }
     return {
         "policies": list(cmp.policies),
@@ -266,9 +267,10 @@ def config_section(cmp: Comparison, config: ReplayConfig) -> dict[str, Any]:
         "max_running": cluster.max_running,
         "speculative_ttl_s": cluster.speculative_ttl_s,
         "topology": {
-            "instances_per_node": cmp.topology.instances_per_node,
-            "nodes_per_rack": cmp.topology.nodes_per_rack,
-            "racks_per_spine": cmp.topology.racks_per_spine,
+            "instances_per_node": cluster.topology.instances_per_node,
+            "nodes_per_rack": cluster.topology.nodes_per_rack,
+            "racks_per_spine": cluster.topology.racks_per_spine,
             "links": links,
         },
+        "hardware": cmp.hardware.record(),
     }

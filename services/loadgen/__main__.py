@@ -28,6 +28,7 @@ from kvsched.sim.compare import (
     run_comparison,
     trace_section,
 )
+from kvsched.sim.hardware import HardwareOptions
 from kvsched.sim.meters import HotspotMeter
 from kvsched.sim.prepare import prepare
 from kvsched.sim.report import markdown_table, write_report
@@ -184,7 +185,7 @@ def live_cluster_shape(ep: dict[str, Any]) -> dict[str, Any]:
     GPUs' links)."""
     shape: dict[str, Any] = {}
     if ep.get("model_config"):
-        shape["model"] = ep["model_config"]
+        shape["hardware"] = HardwareOptions(model_config=ep["model_config"])
     per_node = Counter(e.get("node", "") for e in ep.get("engines", []))
     if per_node:
         shape["topology"] = TopologyConfig(instances_per_node=max(per_node.values()))
