@@ -79,6 +79,7 @@ def replay_config(cmp: Comparison) -> ReplayConfig:
     )
     return ReplayConfig(
         cluster=cluster,
+        max_model_len=cmp.hardware.max_model_len,
         seed=cmp.seed,
         load=cmp.load,
         closed_loop=cmp.closed_loop,
@@ -122,7 +123,7 @@ def run_comparison(
     window = measured_calls(cmp.trace, config, first.group_start)
     # Prompts longer than the model's context are refused by every policy alike: the ceilings
     # leave them out, as the served APC does.
-    max_len = first.cluster.cost.model.max_model_len
+    max_len = config.max_model_len or first.cluster.cost.model.max_model_len
     oversize = np.array([c.input_tokens > max_len for c in cmp.trace.calls], dtype=bool)
     report = {
         "trace": trace_section(cmp, prepared, window & ~oversize, int((window & oversize).sum())),
@@ -258,7 +259,7 @@ def config_section(cmp: Comparison, config: ReplayConfig) -> dict[str, Any]:
         "slo": asdict(cmp.slo),
         "model": model.name,
         "kv_bytes_per_token": model.kv_bytes_per_token,
-        "max_model_len": model.max_model_len,
+        "max_model_len": config.max_model_len or model.max_model_len,
         "gpu": latency.gpu,
         "latency_profile": asdict(latency),
         "kv_capacity_tokens": cluster.kv_capacity_tokens or latency.kv_capacity_tokens,

@@ -47,6 +47,7 @@ class HardwareOptions:
     latency_profile: str = DEFAULT_LATENCY  # shipped profile name or a profile .json
     kv_capacity_tokens: int = 0  # per instance; 0: from `gpu_memory`, else the profile's
     gpu_memory: GpuMemory | None = None
+    max_model_len: int = 0  # longest prompt an instance takes; 0: the model config's
     links: tuple[LinkSpeed, ...] = ()  # replace the topology's link class of each distance
 
     def __post_init__(self) -> None:
@@ -54,6 +55,8 @@ class HardwareOptions:
             raise ValueError(f"--kv-capacity must be positive, got {self.kv_capacity_tokens}")
         if self.kv_capacity_tokens and self.gpu_memory is not None:
             raise ValueError("--kv-capacity and --gpu-memory both set the KV capacity: give one")
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
         distances = [link.distance for link in self.links]
         if len(set(distances)) != len(distances):
             raise ValueError("--link names a link class twice")
@@ -74,14 +77,19 @@ class HardwareOptions:
         """Load the model config and the profile and size the KV cache: raises ValueError
         (naming the known profiles or models, or the bad number) before any replay starts."""
         model, latency = self.model(), self.latency()
+        if self.max_model_len > model.max_model_len:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds {model.name}'s context length "
+                f"({model.max_model_len} tokens)"
+            )
+        context = self.max_model_len or model.max_model_len
         capacity = self.capacity_tokens() or latency.kv_capacity_tokens
-        if capacity < model.max_model_len:
+        if capacity < context:
             # vLLM refuses to start so; an engine model left to try would never admit the
             # longest prompts (they wait for room that cannot come).
             raise ValueError(
-                f"a KV capacity of {capacity} tokens per instance is below {model.name}'s "
-                f"context length ({model.max_model_len} tokens): give a model config .json "
-                "with a smaller max_model_len, or more KV capacity"
+                f"a KV capacity of {capacity} tokens per instance is below the context length "
+                f"({context} tokens): lower --max-model-len, or give more KV capacity"
             )
 
     def topology(self, base: TopologyConfig) -> TopologyConfig:
@@ -149,6 +157,11 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
         help="with --gpu-memory: peak activation memory vLLM reserves (default 0)",
     )
     g.add_argument(
+        "--max-model-len",
+        metavar="TOKENS",
+        help="longest prompt an instance takes, as vLLM's flag (default: the model config's)",
+    )
+    g.add_argument(
         "--link",
         action="append",
         default=[],
@@ -177,11 +190,17 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareOptions:
         capacity = _integer("--kv-capacity", args.kv_capacity)
         if capacity <= 0:
             raise ValueError(f"--kv-capacity must be positive, got {capacity}")
+    max_model_len = 0
+    if args.max_model_len is not None:
+        max_model_len = _integer("--max-model-len", args.max_model_len)
+        if max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be positive, got {max_model_len}")
     options = HardwareOptions(
         model_config=args.model_config,
         latency_profile=args.latency_profile,
         kv_capacity_tokens=capacity,
         gpu_memory=gpu_memory,
+        max_model_len=max_model_len,
         links=tuple(parse_link(text) for text in args.link),
     )
     options.check()

@@ -20,6 +20,7 @@ class ReplayConfig:
     load: float = 1.0
     closed_loop: bool = False
     warmup_fraction: float = 0.05
+    max_model_len: int = 0  # the longest prompt an engine takes; 0: the model config's
     # Closed loop: a rejected turn comes back after its retry delay (an agent retries a 429),
     # up to this many times; its TTFT counts from its first arrival.
     max_retries: int = 20

@@ -61,7 +61,7 @@ class Replay:
             cluster_cfg,
             spec,
             config.seed,
-            max_prompt_tokens=model_config(cluster_cfg.model).max_model_len,
+            max_prompt_tokens=config.max_model_len or model_config(cluster_cfg.model).max_model_len,
             transfer_prefix="sim",
         )
         self.cluster = core.cluster

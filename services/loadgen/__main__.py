@@ -150,7 +150,7 @@ async def _bench(args: argparse.Namespace) -> int:
     )
     prepared = prepare(trace, seed=cmp.seed)
     window = measured_calls(trace, config, run.group_start)
-    max_len = model_config(config.cluster.model).max_model_len
+    max_len = config.max_model_len or model_config(config.cluster.model).max_model_len
     oversize = np.array([c.input_tokens > max_len for c in trace.calls], dtype=bool)
     report: dict[str, Any] = {
         "trace": trace_section(cmp, prepared, window & ~oversize, int((window & oversize).sum())),

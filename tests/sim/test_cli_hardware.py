@@ -114,6 +114,17 @@ def test_gpu_memory_sizes_the_kv_cache_as_vllm_does(tmp_path: Path) -> None:
     }
 
 
+def test_a_small_gpu_takes_a_shorter_context(tmp_path: Path) -> None:
+    # 24 GiB × 0.9 less 15 GiB of weights hold 54,400 tokens: under the 8B's 128K context
+    # (refused above) but a 32K one fits, and longer prompts are refused as oversize.
+    small = replay(tmp_path, "cache_aware", "--gpu-memory", "24", "--max-model-len", "32768")
+    config, trace = small["config"], small["trace"]
+    assert (config["kv_capacity_tokens"], config["max_model_len"]) == (54400, 32768)
+    assert config["hardware"]["model"]["max_model_len"] == 131072
+    assert trace["oversize_calls"] > 0
+    assert small["policies"]["cache_aware"]["rejected"] >= trace["oversize_calls"]
+
+
 def test_the_model_config_sizes_kv_and_weights(tmp_path: Path) -> None:
     qwen = replay(tmp_path, "cache_aware", "--model-config", "Qwen/Qwen3-32B", "--gpu-memory", "80")
     config = qwen["config"]
@@ -173,7 +184,10 @@ def test_link_speeds_set_transfer_times(tmp_path: Path) -> None:
         (["--kv-capacity", "0"], "--kv-capacity must be positive"),
         (["--kv-capacity", "-5"], "--kv-capacity must be positive"),
         (["--kv-capacity", "many"], "whole number of tokens"),
-        (["--kv-capacity", "4096"], "below meta-llama/Llama-3.1-8B-Instruct's context length"),
+        (["--kv-capacity", "4096"], "below the context length (131072 tokens)"),
+        (["--gpu-memory", "24"], "lower --max-model-len"),
+        (["--max-model-len", "200000"], "exceeds meta-llama/Llama-3.1-8B-Instruct's context"),
+        (["--max-model-len", "0"], "--max-model-len must be positive"),
         (["--gpu-memory", "0"], "GPU memory must be positive"),
         (["--gpu-memory", "16"], "leaves no room for KV cache"),
         (["--gpu-memory", "80", "--gpu-memory-utilization", "1.2"], "must be in (0, 1]"),
