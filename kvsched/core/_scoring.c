@@ -818,9 +818,21 @@ done:
 
 /* ---- hits ------------------------------------------------------------------------------------ */
 
-/* hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens): per slot the most
- * leading blocks any of the `matches` ({slot: blocks} dicts) gives it, and those blocks in
- * tokens capped at `cap_tokens` (request_view). */
+/* np.minimum(t, cap) for doubles: NaN propagates, else the smaller (the first on ties). */
+static inline double np_min(double a, double b) {
+    if (isnan(a)) {
+        return a;
+    }
+    if (isnan(b)) {
+        return b;
+    }
+    return a <= b ? a : b;
+}
+
+/* hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens, pool_tokens): per slot
+ * the most leading blocks any of the `matches` ({slot: blocks} dicts) gives it, those blocks
+ * in tokens capped at `cap_tokens`, and the tokens of them beyond the last match's (the GPU
+ * tier's, capped alike) (request_view.hit_vectors). */
 static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     CHECK_ARGS("hit_vectors", 4)
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
@@ -843,20 +855,29 @@ static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (cap == -1.0 && PyErr_Occurred()) {
         return NULL;
     }
-    Vec out[2] = {0};
-    PyObject *res[2] = {NULL, NULL};
+    Vec out[3] = {0};
+    PyObject *res[3] = {NULL, NULL, NULL};
     PyObject *result = NULL;
+    double *last = NULL;
     if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
+        (res[1] = vec_new(n, 'd', &out[1])) == NULL ||
+        (res[2] = vec_new(n, 'd', &out[2])) == NULL) {
         goto done;
     }
-    double *blocks = dvec(&out[0]), *tokens = dvec(&out[1]);
+    double *blocks = dvec(&out[0]), *tokens = dvec(&out[1]), *pool = dvec(&out[2]);
+    /* The last match's blocks are kept in `pool` until the end (then made its tokens). */
+    last = pool;
     memset(blocks, 0, (size_t)n * sizeof(double));
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); i++) {
+    memset(last, 0, (size_t)n * sizeof(double));
+    Py_ssize_t n_matches = PyTuple_GET_SIZE(args[1]);
+    for (Py_ssize_t i = 0; i < n_matches; i++) {
         PyObject *match = PyTuple_GET_ITEM(args[1], i);
         if (!PyDict_Check(match)) {
             PyErr_SetString(PyExc_TypeError, "matches: a tuple of dicts");
             goto done;
+        }
+        if (i > 0) {
+            memset(last, 0, (size_t)n * sizeof(double));
         }
         Py_ssize_t pos = 0;
         PyObject *key, *value;
@@ -873,18 +894,79 @@ static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t n
             if (count == -1.0 && PyErr_Occurred()) {
                 goto done;
             }
+            last[slot] = count;
             blocks[slot] = np_max(blocks[slot], count);
         }
     }
     for (Py_ssize_t j = 0; j < n; j++) {
-        double t = blocks[j] * bs;
-        /* np.minimum: NaN propagates, else the smaller (the first on ties). */
-        tokens[j] = isnan(t) ? t : (isnan(cap) ? cap : (t <= cap ? t : cap));
+        tokens[j] = np_min(blocks[j] * bs, cap);
+        pool[j] = tokens[j] - np_min(last[j] * bs, cap);
+    }
+    result = tuple_steal(3, res);
+    res[0] = res[1] = res[2] = NULL;
+done:
+    for (int i = 0; i < 3; i++) {
+        vec_close(&out[i]);
+        Py_XDECREF(res[i]);
+    }
+    return result;
+}
+
+/* ---- loading from the node's pool ------------------------------------------------------------ */
+
+/* pool_load(pool_tokens, prefill, (setup, per_byte, kv_bytes_per_token, layers))
+ *   -> (load, wait): cost.pool_load. */
+static PyObject *pool_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    CHECK_ARGS("pool_load", 3)
+    PyObject *consts = args[2];
+    if (!PyTuple_Check(consts) || PyTuple_GET_SIZE(consts) != 4) {
+        PyErr_SetString(PyExc_TypeError, "constants: a tuple of 4 numbers");
+        return NULL;
+    }
+    double k[4];
+    for (int i = 0; i < 4; i++) {
+        k[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(consts, i));
+        if (k[i] == -1.0 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    double setup = k[0], per_byte = k[1], kv = k[2], layers = k[3];
+    Vec in[2] = {0}, out[2] = {0};
+    PyObject *res[2] = {NULL, NULL};
+    PyObject *result = NULL;
+    Py_ssize_t n = -1;
+    int rc = vec_open(args[0], &in[0], 'd', -1, &n);
+    if (rc == 0) {
+        rc = vec_open(args[1], &in[1], 'd', n, NULL);
+    }
+    if (rc == UNSUPPORTED) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if (rc < 0) {
+        goto done;
+    }
+    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
+        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
+        goto done;
+    }
+    const double *tokens = dvec(&in[0]), *prefill = dvec(&in[1]);
+    double *load = dvec(&out[0]), *wait = dvec(&out[1]);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        /* cost.pool_load, operation by operation as numpy evaluates it. */
+        int loading = tokens[j] > 0;
+        double moving = setup + (tokens[j] * kv) * per_byte;
+        double l = loading ? moving : 0.0;
+        double hidden = np_min(l, prefill[j]) / layers;
+        double exposed = np_clip_low0(l - prefill[j]) + hidden;
+        load[j] = l;
+        wait[j] = loading ? exposed : 0.0;
     }
     result = tuple_steal(2, res);
     res[0] = res[1] = NULL;
 done:
     for (int i = 0; i < 2; i++) {
+        vec_close(&in[i]);
         vec_close(&out[i]);
         Py_XDECREF(res[i]);
     }
@@ -917,7 +999,10 @@ static PyMethodDef methods[] = {
     {"argmin", (PyCFunction)(void (*)(void))argmin, METH_FASTCALL,
      "argmin(values, eligible, tiebreaks) -> int"},
     {"hit_vectors", (PyCFunction)(void (*)(void))hit_vectors, METH_FASTCALL,
-     "hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens)"},
+     "hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens, pool_tokens)"},
+    {"pool_load", (PyCFunction)(void (*)(void))pool_load, METH_FASTCALL,
+     "pool_load(pool_tokens, prefill, (setup, per_byte, kv_bytes_per_token, layers)) -> "
+     "(load, wait)"},
     {NULL, NULL, 0, NULL},
 };
 

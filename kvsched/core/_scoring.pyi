@@ -1,7 +1,7 @@
 # Types of the compiled scoring kernels (_scoring.c); behaviour as kvsched.core.scoring.Kernels.
 from types import NotImplementedType
 
-from kvsched.core.scoring import BoolVec, Constants, FloatVec
+from kvsched.core.scoring import BoolVec, Constants, FloatVec, PoolConstants
 
 def ttft(
     prompt_tokens: float,
@@ -56,4 +56,7 @@ def argmin(
 ) -> int | NotImplementedType: ...
 def hit_vectors(
     n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int, /
-) -> tuple[FloatVec, FloatVec]: ...
+) -> tuple[FloatVec, FloatVec, FloatVec]: ...
+def pool_load(
+    pool_tokens: FloatVec, prefill: FloatVec, constants: PoolConstants, /
+) -> tuple[FloatVec, FloatVec] | NotImplementedType: ...

@@ -11,13 +11,13 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core.cost_model import CostModel
+from kvsched.core.cost_model import CostModel, default_pool_link
 from kvsched.core.index import PrefixIndex
 from kvsched.core.latency import DEFAULT_LATENCY, load_latency
 from kvsched.core.load import LoadTracker
 from kvsched.core.models import DEFAULT_MODEL, model_config
 from kvsched.core.sessions import SessionTable
-from kvsched.core.topology import Topology, TopologyConfig
+from kvsched.core.topology import LinkClass, Topology, TopologyConfig
 
 
 class Role(Enum):
@@ -48,6 +48,8 @@ class ClusterConfig:
     max_running: int = 256  # engine cap on admitted requests
     kv_capacity_tokens: int = 0  # 0: the latency profile's measured capacity
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    # The host link an engine loads its node pool's KV over (host DRAM to GPU memory).
+    pool_link: LinkClass = field(default_factory=default_pool_link)
     roles: tuple[Role, ...] = ()  # empty: every instance does both
     slo: SloConfig = field(default_factory=SloConfig)
     speculative_ttl_s: float = 5.0
@@ -59,6 +61,12 @@ class ClusterConfig:
             raise ValueError("roles must name one role per instance")
         if self.block_size <= 0 or self.chunk_tokens < self.block_size:
             raise ValueError("block size must be positive and the chunk at least one block")
+        link = self.pool_link
+        if not (link.bandwidth_bytes_per_s > 0 and link.setup_s >= 0):
+            raise ValueError(
+                "the pool link needs a positive bandwidth and a non-negative setup time, "
+                f"not {link.bandwidth_bytes_per_s} B/s and {link.setup_s} s"
+            )
 
 
 @dataclass
@@ -119,7 +127,9 @@ def build_cluster(config: ClusterConfig) -> ClusterState:
     latency = load_latency(config.latency_profile)
     model = model_config(config.model)
     topology = Topology.build(config.n_instances, config.topology)
-    cost = CostModel(latency, model, topology, config.block_size, config.chunk_tokens)
+    cost = CostModel(
+        latency, model, topology, config.block_size, config.chunk_tokens, config.pool_link
+    )
     capacity_tokens = config.kv_capacity_tokens or latency.kv_capacity_tokens
     capacity_blocks = capacity_tokens // config.block_size
     roles = config.roles or (Role.BOTH,) * config.n_instances

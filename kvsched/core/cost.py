@@ -35,12 +35,16 @@ def ttft_terms(
 ) -> dict[str, FloatVec]:
     """Estimated TTFT per slot, term by term: queue + prefill of the uncached tokens (with the
     decode passes it shares) + KV transfer on the critical path (`transfer_s`, none when
-    omitted). Computed for every slot; the view's `eligible` mask says which were candidates.
-    The numpy below is the reference; the compiled kernels compute the same floats."""
+    omitted) + the part of the load from the node's pool that the prefill does not hide
+    (`pool_load`: the slot's pool-only tokens, `view.pool_tokens`; none without any). Computed
+    for every slot; the view's `eligible` mask says which were candidates. The numpy below is
+    the reference; the compiled kernels compute the same floats."""
     queue = load.pending_prefill_s
     kernels = scoring.active
-    if kernels is not None:
-        out = kernels.ttft(
+    out = (
+        NotImplemented
+        if kernels is None
+        else kernels.ttft(
             float(view.req.prompt_tokens),
             cached,
             load.running,
@@ -49,32 +53,65 @@ def ttft_terms(
             transfer_s,
             cost.kernel_constants,
         )
-        if out is not NotImplemented:
-            prefill_s, transfer_out, ttft_s = out
-            return {
-                "hit_tokens": view.hit_tokens,
-                "cached_tokens": cached,
-                "queue_s": queue,
-                "prefill_s": prefill_s,
-                "transfer_s": transfer_out,
-                "ttft_s": ttft_s,
-            }
-    n_new = float(view.req.prompt_tokens) - cached
-    lat = cost.latency
-    # Every pass also carries the instance's running decodes.
-    per_pass = lat.step_s + lat.decode_seq_s * load.running + lat.decode_ctx_s * load.decode_tokens
-    prefill = cost.passes(n_new) * per_pass + n_new * (
-        lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5)
     )
-    transfer = np.zeros(len(queue)) if transfer_s is None else transfer_s
+    if out is not NotImplemented:
+        prefill, transfer, ttft = out
+    else:
+        n_new = float(view.req.prompt_tokens) - cached
+        lat = cost.latency
+        # Every pass also carries the instance's running decodes.
+        per_pass = (
+            lat.step_s + lat.decode_seq_s * load.running + lat.decode_ctx_s * load.decode_tokens
+        )
+        prefill = cost.passes(n_new) * per_pass + n_new * (
+            lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5)
+        )
+        transfer = np.zeros(len(queue)) if transfer_s is None else transfer_s
+        ttft = queue + prefill + transfer
+    pool = view.pool_tokens
+    if pool is None:  # nothing to load anywhere: the terms (and floats) of a GPU-only index
+        pool = np.zeros(len(queue))
+        load_s, wait_s = np.zeros(len(queue)), np.zeros(len(queue))
+    else:
+        load_s, wait_s = pool_load(cost, pool, prefill)
+        ttft = ttft + wait_s
     return {
         "hit_tokens": view.hit_tokens,
         "cached_tokens": cached,
         "queue_s": queue,
         "prefill_s": prefill,
         "transfer_s": transfer,
-        "ttft_s": queue + prefill + transfer,
+        "pool_tokens": pool,
+        "load_s": load_s,
+        "load_wait_s": wait_s,
+        "ttft_s": ttft,
     }
+
+
+def pool_load(
+    cost: CostModel, pool_tokens: FloatVec, prefill_s: FloatVec
+) -> tuple[FloatVec, FloatVec]:
+    """(load_s, load_wait_s) per slot: the time to load its `pool_tokens` from the node's pool
+    over the host link (`CostModel.pool_link`: setup + bytes / bandwidth; 0 with nothing to
+    load), and how much of it the prefill of the rest (`prefill_s`) does not hide.
+
+    The load runs layer by layer ahead of the prefill, which computes layer l once layer l's
+    KV is in (Mooncake's layer-wise prefill; vLLM's connector waits per layer the same way):
+    over L layers of equal shares the two finish after max(load, prefill) + min(load,
+    prefill) / L, so the TTFT grows by max(load − prefill, 0) + min(load, prefill) / L over
+    the prefill alone. A pool-only prefix thus costs more than the same prefix in GPU memory
+    and, while its load is faster than recomputing it, less than a cold start. Pure."""
+    kernels = scoring.active
+    if kernels is not None:
+        out = kernels.pool_load(pool_tokens, prefill_s, cost.pool_constants)
+        if out is not NotImplemented:
+            return out
+    setup, per_byte, kv, layers = cost.pool_constants
+    loading = pool_tokens > 0
+    load = np.where(loading, setup + (pool_tokens * kv) * per_byte, 0.0)
+    hidden = np.minimum(load, prefill_s) / layers
+    wait = np.where(loading, np.clip(load - prefill_s, 0.0, None) + hidden, 0.0)
+    return load, wait
 
 
 def moving_terms(
@@ -131,7 +168,10 @@ def tbt_s(cost: CostModel, load: LoadTracker, view: RequestView) -> FloatVec:
 
 def isolated_floor_s(view: RequestView, terms: dict[str, FloatVec]) -> float:
     """The best TTFT any eligible instance could give with an empty queue."""
-    return masked_min(terms["prefill_s"] + terms["transfer_s"], view.eligible)
+    alone = terms["prefill_s"] + terms["transfer_s"]
+    if view.pool_tokens is not None:
+        alone = alone + terms["load_wait_s"]
+    return masked_min(alone, view.eligible)
 
 
 # ---- fetching a prefix from its holder -------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The cost model of one cluster: prefill, decode and transfer times, and the bandwidth of
-each link as measured transfers correct it. Immutable and vectorised over instance slots."""
+"""The cost model of one cluster: prefill, decode and transfer times, the load of KV from a
+node's pool (host DRAM) into an engine's GPU memory, and the bandwidth of each link as
+measured transfers correct it. Immutable and vectorised over instance slots."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ FloatVec = npt.NDArray[np.float64]
 MEASURED_WEIGHT = 0.3
 
 
+def default_pool_link() -> LinkClass:
+    """The host link an engine loads its node pool's KV over (host DRAM to GPU memory).
+
+    PCIe Gen5 x16 carries 63 GB/s each way (32 GT/s x 16 lanes, 128b/130b); host-to-device
+    copies measured on H100 reach 52.8-57 GB/s (NVIDIA/nvbandwidth issues #6 and #24), so
+    50 GB/s is an achieved rate with headroom for the pool's page gathering. The setup is an
+    assumption: the order of a few copy launches and a PCIe round trip (docs/latency-model.md,
+    "Loading from the node pool")."""
+    return LinkClass(50e9, 20e-6)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Latency, KV size and network terms of one cluster. Immutable; vectorised where a policy
@@ -28,6 +40,8 @@ class CostModel:
     topology: Topology
     block_size: int
     chunk_tokens: int
+    # What a load from the node's pool (the CPU tier) into GPU memory costs.
+    pool_link: LinkClass = field(default_factory=default_pool_link)
     # [src, dst] link setup seconds and seconds per byte (0 on the diagonal).
     setup_s: FloatVec = field(init=False, repr=False)
     s_per_byte: FloatVec = field(init=False, repr=False)
@@ -78,6 +92,18 @@ class CostModel:
             lat.attn_pair_s,
             float(self.chunk_tokens),
             float(self.kv_bytes_per_token),
+        )
+
+    @cached_property
+    def pool_constants(self) -> tuple[float, float, float, float]:
+        """What the compiled pool-load kernel reads (`kvsched.core.scoring.PoolConstants`):
+        the pool link's setup seconds and seconds per byte, KV bytes per token, and layers."""
+        link = self.pool_link
+        return (
+            link.setup_s,
+            1.0 / link.bandwidth_bytes_per_s,
+            float(self.kv_bytes_per_token),
+            float(self.model.layers),
         )
 
     def prefill_s(self, n_new: FloatVec, n_cached: FloatVec) -> FloatVec:

@@ -25,6 +25,9 @@ class RequestView:
     hit_blocks: FloatVec  # leading prompt blocks held (GPU or its node pool; speculative too)
     hit_tokens: FloatVec  # the same in tokens, capped so one prompt token is always computed
     max_blocks: int  # most blocks any placement can reuse (prompt − 1 tokens, whole blocks)
+    # Of `hit_tokens`, those beyond the GPU hit that only the node's pool holds: loaded over
+    # the host link before they are used (`cost.pool_load`). None when no slot has any.
+    pool_tokens: FloatVec | None = None
 
     @property
     def best_slot(self) -> int:
@@ -41,28 +44,46 @@ class RequestView:
 
 def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     """The request's hits on every instance; the candidates are the live instances that take
-    prompt work. A hit is the longer of what an instance holds in its own memory (GPU tier)
-    and in its node's KV pool (CPU tier), which the engine loads before its prefill; the
-    load's time is not modelled yet (a memcpy, against a recompute). Changes nothing."""
+    prompt work. A hit is the longer of what an instance holds in its own memory (GPU tier,
+    speculative placements included) and in its node's KV pool (CPU tier); the blocks the
+    pool adds beyond the GPU hit are the pool-only ones, which the engine loads over the host
+    link before its prefill uses them (`cost.pool_load` prices that; policies that count only
+    hits read `hit_blocks` and `hit_tokens` alone). Changes nothing."""
     bs = cluster.block_size
     eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
     cap = max(req.prompt_tokens - 1, 0)
     max_blocks = cap // bs
     index = cluster.index
+    pooled = index.match(req.block_hashes, Tier.CPU, max_blocks)
+    in_gpu = index.match(req.block_hashes, Tier.GPU, max_blocks)
     kernels = scoring.active
     if kernels is not None:
-        matches = (
-            index.match(req.block_hashes, Tier.CPU, max_blocks),
-            index.match(req.block_hashes, Tier.GPU, max_blocks),
-        )
-        blocks, tokens = kernels.hit_vectors(cluster.n, matches, bs, cap)
+        blocks, tokens, pool = kernels.hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
+    else:
+        blocks, tokens, pool = hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
+    # An empty CPU tier (every trace without a node pool) leaves `pool` all zeros: skipping
+    # it keeps those decisions' floats exactly what they were before the tier was priced.
+    if not pooled or not pool.any():
         return RequestView(req, eligible, blocks, tokens, max_blocks)
-    blocks = np.zeros(cluster.n)
-    for tier in (Tier.CPU, Tier.GPU):
-        hits = index.match(req.block_hashes, tier, max_blocks)
-        if hits:  # a shared prefix has every instance in it: no Python loop over them
-            slots = np.fromiter(hits.keys(), dtype=np.intp, count=len(hits))
-            matched = np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
+    return RequestView(req, eligible, blocks, tokens, max_blocks, pool)
+
+
+def hit_vectors(
+    n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int
+) -> tuple[FloatVec, FloatVec, FloatVec]:
+    """(blocks, tokens, pool_tokens) over `n` slots: the most leading blocks any of `matches`
+    ({slot: blocks}) gives each slot, those in tokens capped at `cap_tokens`, and the tokens
+    of them beyond the last match's (the GPU tier's, capped alike). The reference of the
+    compiled `hit_vectors`. Pure."""
+    blocks = np.zeros(n)
+    last = np.zeros(n)
+    for match in matches:
+        last = np.zeros(n)
+        if match:  # a shared prefix has every instance in it: no Python loop over them
+            slots = np.fromiter(match.keys(), dtype=np.intp, count=len(match))
+            matched = np.fromiter(match.values(), dtype=np.float64, count=len(match))
+            last[slots] = matched
             blocks[slots] = np.maximum(blocks[slots], matched)  # slots are distinct
-    tokens = np.minimum(blocks * bs, cap)
-    return RequestView(req, eligible, blocks, tokens, max_blocks)
+    tokens = np.minimum(blocks * block_size, cap_tokens)
+    pool = tokens - np.minimum(last * block_size, cap_tokens)
+    return blocks, tokens, pool

@@ -1,10 +1,10 @@
 """Which per-instance scoring runs: the compiled kernels (`_scoring.c`) or the numpy reference.
 
 A placement decision scores every instance slot with vector arithmetic (`kvsched.core.cost`'s
-TTFT terms and prefix fetches, the pickers' masked minima, the request view's hit vectors).
-Each of those functions keeps its numpy code as the reference and, when compiled kernels are
-active, hands the same inputs to one C loop instead (a dozen numpy calls of about a
-microsecond each become one). The kernels compute bit-identical floats (see `_scoring.c` for
+TTFT terms, pool loads and prefix fetches, the pickers' masked minima, the request view's hit
+vectors). Each of those functions keeps its numpy code as the reference and, when compiled
+kernels are active, hands the same inputs to one C loop instead (a dozen numpy calls of about
+a microsecond each become one). The kernels compute bit-identical floats (see `_scoring.c` for
 why), so a decision never depends on which runs; the property tests hold them to it.
 
 The compiled kernels are active unless the environment variable `KVSCHED_PURE_SCORING=1` asks
@@ -27,6 +27,9 @@ BoolVec = npt.NDArray[np.bool_]
 # step_s, decode_seq_s, decode_ctx_s, prefill_token_s, attn_pair_s, chunk_tokens,
 # kv_bytes_per_token (`CostModel.kernel_constants`)
 Constants = tuple[float, float, float, float, float, float, float]
+# The pool link's setup_s and seconds per byte, kv_bytes_per_token, layers
+# (`CostModel.pool_constants`)
+PoolConstants = tuple[float, float, float, float]
 PURE_ENV = "KVSCHED_PURE_SCORING"
 
 
@@ -118,8 +121,13 @@ class Kernels(Protocol):
 
     def hit_vectors(
         self, n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int, /
-    ) -> tuple[FloatVec, FloatVec]:
-        """(blocks, tokens) of `request_view.request_view`."""
+    ) -> tuple[FloatVec, FloatVec, FloatVec]:
+        """`request_view.hit_vectors`: (blocks, tokens, pool_tokens)."""
+
+    def pool_load(
+        self, pool_tokens: FloatVec, prefill: FloatVec, constants: PoolConstants, /
+    ) -> tuple[FloatVec, FloatVec] | NotImplementedType:
+        """(load, load_wait) of `cost.pool_load`."""
 
 
 def pure_by_default() -> bool:

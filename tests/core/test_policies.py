@@ -355,3 +355,37 @@ def test_decisions_explain_every_candidate() -> None:
     assert np.isclose(
         rows[0]["ttft_s"], rows[0]["queue_s"] + rows[0]["prefill_s"] + rows[0]["transfer_s"]
     )
+
+
+def pool_scene(spec: str, prefix_blocks: int, new_blocks: int) -> Decision:
+    """Node 0 (slots 0-3) holds a prefix in its pool; slot 2 also in GPU memory, behind a
+    queue of 2,000 prompt tokens (48 ms). Where does `spec` send a request reusing it?"""
+    name, params = parse_spec(spec)
+    cluster = make_cluster(8, roles=POLICIES[name].roles(8, params))
+    hashes = chain(1, prefix_blocks)
+    for slot in range(4):  # the node's pool is every one of its instances' CPU tier
+        cluster.index.store(slot, hashes, None, Tier.CPU)
+    cluster.index.store(2, hashes, None)
+    set_load(cluster, 2, pending=2000)
+    return place(make_policy(spec, cluster), request(1, hashes + chain(2, new_blocks)), 0.0)
+
+
+@pytest.mark.parametrize("spec", ["mooncake", "elastic"])
+def test_tiered_policies_weigh_a_pool_only_prefix_by_its_load(spec: str) -> None:
+    # 96K tokens to load (0.25 s at 50 GB/s) for 80 new ones (16 ms of prefill): the load
+    # is not hidden, and the GPU holder's queue costs less than it.
+    loaded = pool_scene(spec, 6000, 5)
+    assert loaded.instance == 2
+    assert loaded.terms["load_wait_s"][0] > loaded.terms["queue_s"][2] > 0
+    # 3.2K tokens to load (8 ms) under 3.2K new ones (88 ms): the prefill hides the load
+    # but for its first layer, so an idle instance of the node beats the busy holder.
+    hidden = pool_scene(spec, 200, 200)
+    assert hidden.instance == 0
+    assert 0 < hidden.terms["load_wait_s"][0] < hidden.terms["load_s"][0] / 16
+
+
+def test_cache_aware_counts_a_pool_only_prefix_as_a_hit_as_published() -> None:
+    # The router's radix tree knows no tiers: the longest match wins, loaded or not.
+    decision = pool_scene("cache_aware", 6000, 5)
+    assert decision.instance == 0
+    assert decision.terms["load_wait_s"][0] > 0  # the terms still say what the load costs

@@ -20,6 +20,7 @@ from kvsched.core.cost import (
     fetch_when_cheaper,
     isolated_floor_s,
     moving_terms,
+    pool_load,
     ttft_terms,
 )
 from kvsched.core.decision import RequestInfo
@@ -29,7 +30,7 @@ from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, masked_min
 from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
 from kvsched.core.policies.elastic import cold_score
-from kvsched.core.request_view import RequestView, request_view
+from kvsched.core.request_view import RequestView, hit_vectors, request_view
 from kvsched.core.topology import TopologyConfig
 
 # Finite, never -0.0 (numpy's own loops may order signed zeros differently; no score makes one).
@@ -107,7 +108,9 @@ def scenes(draw: st.DrawFn) -> tuple[ClusterState, RequestView]:
     eligible[draw(st.integers(0, n - 1))] = True
     prompt = draw(st.integers(1, 2_000_000))
     req = RequestInfo(1, prompt, draw(st.integers(0, 4096)), (), "s")
-    return cluster, RequestView(req, eligible, hits / 16, hits, 0)
+    # Some of the hits only in the node's pool (loaded over the host link), or none anywhere.
+    pool = np.minimum(draw(vec), hits) if draw(st.booleans()) else None
+    return cluster, RequestView(req, eligible, hits / 16, hits, 0, pool)
 
 
 @settings(deadline=None)  # an example builds a cluster: its time varies on a shared machine
@@ -216,8 +219,43 @@ def test_request_views_are_identical(n: int, data: st.DataObject) -> None:
     prompt = data.draw(st.integers(1, 50 * 16))
     req = RequestInfo(1, prompt, 16, (*base, 99, 98), None)
     ref, got = both(lambda: request_view(cluster, req))
-    for name in ("eligible", "hit_blocks", "hit_tokens", "max_blocks"):
+    for name in ("eligible", "hit_blocks", "hit_tokens", "max_blocks", "pool_tokens"):
         assert_identical(getattr(ref, name), getattr(got, name), name)
+
+
+@settings(deadline=None)
+@given(
+    st.integers(0, 80),
+    st.lists(st.dictionaries(st.integers(0, 79), st.integers(0, 5000)), max_size=3),
+    st.sampled_from([1, 16, 64]),
+    st.integers(0, 80_000),
+)
+def test_hit_vectors_are_identical(
+    n: int, matches: list[dict[int, int]], block_size: int, cap: int
+) -> None:
+    kept = tuple({slot: count for slot, count in m.items() if slot < n} for m in matches)
+    ref = hit_vectors(n, kept, block_size, cap)
+    got = _scoring.hit_vectors(n, kept, block_size, cap)
+    assert_identical(ref, got, "hit vectors")
+    _, tokens, pool = ref
+    assert (pool >= 0).all() and (pool <= tokens).all()  # the pool adds to the GPU's hit
+
+
+@settings(deadline=None)
+@given(scenes(), st.data())
+def test_pool_loads_are_identical(
+    scene: tuple[ClusterState, RequestView], data: st.DataObject
+) -> None:
+    cluster, view = scene
+    n = cluster.n
+    pool = np.minimum(
+        np.array(data.draw(st.lists(tokens, min_size=n, max_size=n))), view.hit_tokens
+    )
+    prefill = np.array(data.draw(st.lists(seconds, min_size=n, max_size=n)))
+    ref, got = both(lambda: pool_load(cluster.cost, pool, prefill))
+    assert_identical(ref, got, "pool load")
+    load, wait = ref
+    assert (wait <= load).all()  # the prefill hides some of the load, never adds to it
 
 
 def test_the_kernels_take_the_vectors_policies_hand_them() -> None:
@@ -286,6 +324,10 @@ def place_all(spec: str, seed: int) -> list[tuple[Any, ...]]:
     chains = [[rng.getrandbits(64) for _ in range(64)] for _ in range(12)]
     for chain in chains:
         cluster.index.store(rng.randrange(16), chain[: rng.randrange(1, 65)], None)
+    for chain in chains[::3]:  # a node's pool holds some prefixes: both its instances do
+        node = rng.randrange(4)
+        for slot in range(2 * node, 2 * node + 2):
+            cluster.index.store(slot, chain[: rng.randrange(1, 65)], None, Tier.CPU)
     for slot in range(16):
         load = LoadReport(rng.randrange(0, 30_000), rng.random(), 2, 8, 40_000, 20_000)
         cluster.load.report(slot, load)

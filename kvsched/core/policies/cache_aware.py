@@ -22,6 +22,9 @@ class CacheAware(Policy):
     2. Else, if the best prefix match covers more than `cache_threshold` of the prompt: the
        instance with the longest match (ties: shortest queue).
     3. Else: the instance with the fewest cached blocks (most room), ties by shortest queue.
+
+    A match is a match whichever tier holds it (GPU memory or the node's pool), as the
+    router's own radix tree does not know tiers; the TTFT terms it records price the load.
     """
 
     name = "cache_aware"

@@ -89,6 +89,11 @@ class Mooncake(_Disaggregated):
       from the best holder + prefill of the rest; otherwise queue + prefill on p's own prefix.
       Pick the minimum. When the chosen instance fetches, the fetch is a transfer on the
       critical path (which also replicates the prefix there).
+    - A prefix held in an instance's node pool (the DRAM tier, Mooncake's distributed KV
+      cache) beyond its GPU memory is loaded from there, layer by layer, overlapped with the
+      prefill of the rest (the paper's layer-wise prefill): its estimate adds the part of
+      that load the prefill does not hide (`load_wait_s`, `cost.pool_load`), so a pool-only
+      prefix ranks between a GPU hit of the same length and recomputing it.
     - Decode instance: the lowest estimated TBT with room for the KV (colocated: the same).
     - Early rejection: when the TTFT or TBT estimate misses its SLO, reject (429) with a
       retry delay. A request whose own isolated prefill already exceeds the TTFT SLO is not

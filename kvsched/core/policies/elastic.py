@@ -22,6 +22,11 @@ parts, each switchable for ablation:
     saving exceeds 1.5 × the copy's cost.
 (e) `admission`: reject (with a retry delay) a request when no instance, with or without
     moving its session's KV, meets the TTFT SLO although one would on an idle cluster.
+
+Every TTFT estimate above counts KV tiers: a prefix held only in an instance's node pool (the
+DRAM tier) costs the part of its load over the host link that the prefill of the rest does
+not hide (`load_wait_s`, `cost.pool_load`); one in GPU memory costs nothing to reuse. (The
+idle-gap planning of (a) still reads GPU holdings only.)
 """
 
 from __future__ import annotations
