@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
+from kvsched.core.cost_model import default_pool_link
 from kvsched.core.latency import DEFAULT_LATENCY
+from kvsched.core.topology import LinkClass
 from services.common import block_hashes
 from services.common.admin_token import read_admin_token
 from services.common.block_hashes import BlockHashes
@@ -40,6 +42,8 @@ class ConductorSettings:
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     latency_profile: str = DEFAULT_LATENCY
     kv_capacity_tokens: int = 0  # KV cache per instance; 0: the latency profile's measured one
+    # The host link an engine loads its node pool's KV over (prices a pool-only prefix).
+    pool_link: LinkClass = field(default_factory=default_pool_link)
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     max_prompt_tokens: int = 131_072
@@ -91,6 +95,7 @@ class ConductorSettings:
             model=self.model,
             block_size=self.block_size,
             kv_capacity_tokens=self.kv_capacity_tokens,
+            pool_link=self.pool_link,
             slo=SloConfig(self.ttft_slo_s, self.tpot_slo_s),
         )
 
@@ -115,6 +120,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         d.kv_capacity_tokens,
         "KV cache tokens an instance holds (0: profile's)",
     )
+    _flag(
+        p,
+        "pool-bandwidth",
+        d.pool_link.bandwidth_bytes_per_s,
+        "bytes/s an engine loads KV from its node's pool into GPU memory at (host link)",
+    )
+    _flag(p, "pool-setup", d.pool_link.setup_s, "seconds each such load adds to its bytes' time")
     _flag(p, "ttft-slo", d.ttft_slo_s, "time-to-first-token objective, seconds")
     _flag(p, "tpot-slo", d.tpot_slo_s, "time-per-output-token objective, seconds")
     _flag(p, "max-prompt-tokens", d.max_prompt_tokens, "longest prompt accepted")
@@ -190,6 +202,8 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         p.error("--session-ttl, --max-sessions and --max-sessions-per-tenant must not be negative")
     if a.mirror_batches < 1:
         p.error("--mirror-batches must be at least 1")
+    if not (a.pool_bandwidth > 0 and a.pool_setup >= 0):
+        p.error("--pool-bandwidth must be positive and --pool-setup not negative")
     if a.transfer_timeout <= 0 or a.transfer_timeout_factor < 0:
         p.error("--transfer-timeout must be positive and --transfer-timeout-factor not negative")
     tls = SERVER_TLS.read(p, a)
@@ -218,6 +232,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         model=a.model,
         latency_profile=a.latency_profile,
         kv_capacity_tokens=a.kv_capacity_tokens,
+        pool_link=LinkClass(a.pool_bandwidth, a.pool_setup),
         ttft_slo_s=a.ttft_slo,
         tpot_slo_s=a.tpot_slo,
         max_prompt_tokens=a.max_prompt_tokens,

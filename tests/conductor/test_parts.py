@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.cluster import Role
+from kvsched.core.cluster import Role, build_cluster
 from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
@@ -215,3 +215,14 @@ def test_without_mutual_tls_or_insecure_it_refuses_to_start(
     assert s.tls is not None and s.tls.client_ca_file == "ca.pem" and s.admin_token == "s3cret"
     assert "s3cret" not in repr(s)
     assert settings.parse(["--insecure"]).admin_token is None
+
+
+def test_the_pool_link_flags_reach_the_cost_model() -> None:
+    s = settings.parse(["--pool-bandwidth", "2.5e10", "--pool-setup", "0.001", "--insecure"])
+    link = build_cluster(s.cluster_config()).cost.pool_link
+    assert (link.bandwidth_bytes_per_s, link.setup_s) == (2.5e10, 0.001)
+    default = settings.parse(["--insecure"]).cluster_config().pool_link
+    assert default.bandwidth_bytes_per_s == 50e9
+    for bad in (["--pool-bandwidth", "0"], ["--pool-setup", "-1"], ["--pool-bandwidth", "nan"]):
+        with pytest.raises(SystemExit):
+            settings.parse([*bad, "--insecure"])
