@@ -16,11 +16,16 @@ over both compiled). The first row is one bare `PrefixIndex.match` of the same p
 index walk every cache-aware policy pays; no scoring); the rest are whole decisions, which
 the three builds must make identically (the bench fails otherwise).
 
+`--pooled` puts the DRAM tier in: every chain is also held in its holder's node pool (the CPU
+tier of the node's four instances), and the holder's GPU memory keeps only its first half, so
+most prompts have pool-only blocks whose load the TTFT-scoring policies price
+(`cost.pool_load`); compare its rows with a run without it for what that pricing costs.
+
 `--profile SPEC` then runs that policy's decisions once more, compiled, under cProfile and
 prints where their time goes.
 
     .venv/bin/python -m bench.placement [--decisions 400] [--policies elastic,...] [--pure]
-        [--profile elastic]
+        [--pooled] [--profile elastic]
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from bench.prefix_workload import draw_chains, draw_loads, draw_prompt
 from kvsched.core import recording, scoring
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import RequestInfo
-from kvsched.core.index import PrefixIndex
+from kvsched.core.index import PrefixIndex, Tier
 from kvsched.core.policies import Policy, make_policy
 
 N, BLOCK, PROMPT, TOTAL_BLOCKS = 64, 16, 32_768, 1_000_000
@@ -57,13 +62,19 @@ POLICIES = (
 
 
 def build(
-    spec: str, rng: random.Random, pure: bool
+    spec: str, rng: random.Random, pure: bool, pooled: bool = False
 ) -> tuple[ClusterState, Policy, list[list[int]]]:
     cluster = build_cluster(ClusterConfig(n_instances=N, block_size=BLOCK, speculative_ttl_s=1.0))
     cluster.index = PrefixIndex(N, pure=pure)
+    node_of = cluster.cost.topology.node_of
     chains: list[list[int]] = []
     for slot, chain in draw_chains(rng, TOTAL_BLOCKS, N):
-        cluster.index.store(slot, chain, None)
+        if pooled:  # in the node's pool whole, half of it still in the holder's GPU memory
+            for peer in (s for s in range(N) if node_of[s] == node_of[slot]):
+                cluster.index.store(peer, chain, None, Tier.CPU)
+            cluster.index.store(slot, chain[: len(chain) // 2], None)
+        else:
+            cluster.index.store(slot, chain, None)
         chains.append(chain)
     for slot, report in enumerate(draw_loads(rng, N)):
         cluster.load.report(slot, report)
@@ -121,13 +132,15 @@ def timed_decisions(
     return times
 
 
-def interleaved_decisions(spec: str, builds: tuple[Build, ...], seed: int, count: int) -> Rows:
+def interleaved_decisions(
+    spec: str, builds: tuple[Build, ...], seed: int, count: int, pooled: bool = False
+) -> Rows:
     """Each build's decision times for the same `count` prompts, interleaved; the first
     build's match times too. Every build must decide as the first did."""
     runs = []
     for build_ in builds:
         rng = random.Random(seed)
-        cluster, policy, chains = build(spec, rng, build_.pure_index)
+        cluster, policy, chains = build(spec, rng, build_.pure_index, pooled)
         runs.append((build_, cluster, policy, random.Random(seed + 1)))
         reqs = requests(chains, count, rng)
     # What the builds hold lives to the end: keep the collector's full passes off it (they
@@ -174,10 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pure", action="store_true", help="the references only (pure index, numpy scoring)"
     )
+    parser.add_argument(
+        "--pooled", action="store_true", help="chains also in their node's pool (the DRAM tier)"
+    )
     parser.add_argument("--profile", metavar="SPEC", help="profile this policy's decisions")
     args = parser.parse_args(argv)
     builds = BUILDS[:1] if args.pure else BUILDS
-    print(f"{N} instances, {TOTAL_BLOCKS:,} indexed blocks, {PROMPT:,}-token prompts")
+    tier = ", also in their node's pool (half in GPU memory)" if args.pooled else ""
+    print(f"{N} instances, {TOTAL_BLOCKS:,} indexed blocks{tier}, {PROMPT:,}-token prompts")
     print("ms per call, p50 and p99, per build; scoring: compiled index with numpy scoring")
     print("over both compiled (p50); total: references over both compiled (p50)")
     head = f"{'measure':<22}" + "".join(f" {b.name:>16} {'p99':>7}" for b in builds)
@@ -186,13 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     print(head)
     first = True
     for spec in args.policies.split(","):
-        rows = interleaved_decisions(spec, builds, args.seed, args.decisions)
+        rows = interleaved_decisions(spec, builds, args.seed, args.decisions, args.pooled)
         if first:
             _line("index.match", rows.match, scoring_ratio=False)
             first = False
         _line(spec, rows.decisions, scoring_ratio=True)
     print(f"goal: p50 <= {GOAL_MS} ms per elastic decision")
-    print("reproduce: .venv/bin/python -m bench.placement")
+    print("reproduce: .venv/bin/python -m bench.placement" + (" --pooled" if args.pooled else ""))
     if args.profile:
         profile(args.profile, args.seed, args.decisions)
 

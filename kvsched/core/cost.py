@@ -70,8 +70,7 @@ def ttft_terms(
         ttft = queue + prefill + transfer
     pool = view.pool_tokens
     if pool is None:  # nothing to load anywhere: the terms (and floats) of a GPU-only index
-        pool = np.zeros(len(queue))
-        load_s, wait_s = np.zeros(len(queue)), np.zeros(len(queue))
+        pool = load_s = wait_s = cost.no_load
     else:
         load_s, wait_s = pool_load(cost, pool, prefill)
         ttft = ttft + wait_s

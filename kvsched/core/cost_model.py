@@ -106,6 +106,15 @@ class CostModel:
             float(self.model.layers),
         )
 
+    @cached_property
+    def no_load(self) -> FloatVec:
+        """Zero seconds (or tokens) on every slot, read-only: the pool-load terms of a decision
+        with nothing to load, shared by all of them rather than allocated per decision (terms
+        are only read)."""
+        zeros = np.zeros(len(self.setup_s))
+        zeros.flags.writeable = False
+        return zeros
+
     def prefill_s(self, n_new: FloatVec, n_cached: FloatVec) -> FloatVec:
         """Isolated chunked prefill time per candidate (arrays of equal shape)."""
         return self.latency.prefill(n_new, n_cached, self.chunk_tokens)
