@@ -829,10 +829,39 @@ static inline double np_min(double a, double b) {
     return a <= b ? a : b;
 }
 
-/* hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens, pool_tokens): per slot
- * the most leading blocks any of the `matches` ({slot: blocks} dicts) gives it, those blocks
- * in tokens capped at `cap_tokens`, and the tokens of them beyond the last match's (the GPU
- * tier's, capped alike) (request_view.hit_vectors). */
+/* hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens, pool_tokens|None): per
+ * slot the most leading blocks any of the `matches` ({slot: blocks} dicts) gives it, those
+ * blocks in tokens capped at `cap_tokens`, and the tokens of them beyond the last match's (the
+ * GPU tier's, capped alike), None when no slot has any (request_view.hit_vectors). The third
+ * vector is only made when an earlier match holds something: a GPU-only index allocates none. */
+static int add_match(PyObject *match, Py_ssize_t n, double *blocks, double *last) {
+    if (!PyDict_Check(match)) {
+        PyErr_SetString(PyExc_TypeError, "matches: a tuple of dicts");
+        return -1;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(match, &pos, &key, &value)) {
+        Py_ssize_t slot = PyLong_AsSsize_t(key);
+        if (slot == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (slot < 0 || slot >= n) {
+            PyErr_Format(PyExc_IndexError, "slot %zd of %zd", slot, n);
+            return -1;
+        }
+        double count = PyFloat_AsDouble(value);
+        if (count == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (last != NULL) {
+            last[slot] = count;
+        }
+        blocks[slot] = np_max(blocks[slot], count);
+    }
+    return 0;
+}
+
 static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     CHECK_ARGS("hit_vectors", 4)
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
@@ -858,49 +887,43 @@ static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t n
     Vec out[3] = {0};
     PyObject *res[3] = {NULL, NULL, NULL};
     PyObject *result = NULL;
-    double *last = NULL;
     if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL ||
-        (res[2] = vec_new(n, 'd', &out[2])) == NULL) {
+        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
         goto done;
     }
-    double *blocks = dvec(&out[0]), *tokens = dvec(&out[1]), *pool = dvec(&out[2]);
-    /* The last match's blocks are kept in `pool` until the end (then made its tokens). */
-    last = pool;
+    double *blocks = dvec(&out[0]), *tokens = dvec(&out[1]), *pool = NULL;
     memset(blocks, 0, (size_t)n * sizeof(double));
-    memset(last, 0, (size_t)n * sizeof(double));
     Py_ssize_t n_matches = PyTuple_GET_SIZE(args[1]);
+    int earlier = 0; /* whether a match before the last holds anything */
     for (Py_ssize_t i = 0; i < n_matches; i++) {
         PyObject *match = PyTuple_GET_ITEM(args[1], i);
-        if (!PyDict_Check(match)) {
-            PyErr_SetString(PyExc_TypeError, "matches: a tuple of dicts");
+        if (i == n_matches - 1 && earlier) {
+            /* The last match's blocks go to `pool` (its tokens are taken off at the end). */
+            if ((res[2] = vec_new(n, 'd', &out[2])) == NULL) {
+                goto done;
+            }
+            pool = dvec(&out[2]);
+            memset(pool, 0, (size_t)n * sizeof(double));
+        }
+        if (add_match(match, n, blocks, pool) < 0) {
             goto done;
         }
-        if (i > 0) {
-            memset(last, 0, (size_t)n * sizeof(double));
-        }
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        while (PyDict_Next(match, &pos, &key, &value)) {
-            Py_ssize_t slot = PyLong_AsSsize_t(key);
-            if (slot == -1 && PyErr_Occurred()) {
-                goto done;
-            }
-            if (slot < 0 || slot >= n) {
-                PyErr_Format(PyExc_IndexError, "slot %zd of %zd", slot, n);
-                goto done;
-            }
-            double count = PyFloat_AsDouble(value);
-            if (count == -1.0 && PyErr_Occurred()) {
-                goto done;
-            }
-            last[slot] = count;
-            blocks[slot] = np_max(blocks[slot], count);
+        if (i < n_matches - 1 && PyDict_GET_SIZE(match) > 0) {
+            earlier = 1;
         }
     }
+    int any = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         tokens[j] = np_min(blocks[j] * bs, cap);
-        pool[j] = tokens[j] - np_min(last[j] * bs, cap);
+        if (pool != NULL) {
+            pool[j] = tokens[j] - np_min(pool[j] * bs, cap);
+            any |= pool[j] != 0.0;
+        }
+    }
+    if (!any) {
+        vec_close(&out[2]);
+        Py_CLEAR(res[2]);
+        res[2] = Py_NewRef(Py_None);
     }
     result = tuple_steal(3, res);
     res[0] = res[1] = res[2] = NULL;
@@ -999,7 +1022,7 @@ static PyMethodDef methods[] = {
     {"argmin", (PyCFunction)(void (*)(void))argmin, METH_FASTCALL,
      "argmin(values, eligible, tiebreaks) -> int"},
     {"hit_vectors", (PyCFunction)(void (*)(void))hit_vectors, METH_FASTCALL,
-     "hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens, pool_tokens)"},
+     "hit_vectors(n, matches, block_size, cap_tokens) -> (blocks, tokens, pool_tokens|None)"},
     {"pool_load", (PyCFunction)(void (*)(void))pool_load, METH_FASTCALL,
      "pool_load(pool_tokens, prefill, (setup, per_byte, kv_bytes_per_token, layers)) -> "
      "(load, wait)"},

@@ -61,20 +61,18 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
         blocks, tokens, pool = kernels.hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
     else:
         blocks, tokens, pool = hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
-    # An empty CPU tier (every trace without a node pool) leaves `pool` all zeros: skipping
-    # it keeps those decisions' floats exactly what they were before the tier was priced.
-    if not pooled or not pool.any():
-        return RequestView(req, eligible, blocks, tokens, max_blocks)
+    # No pool-only tokens (every trace without a node pool): None, which keeps those
+    # decisions' floats exactly what they were before the tier was priced.
     return RequestView(req, eligible, blocks, tokens, max_blocks, pool)
 
 
 def hit_vectors(
     n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int
-) -> tuple[FloatVec, FloatVec, FloatVec]:
+) -> tuple[FloatVec, FloatVec, FloatVec | None]:
     """(blocks, tokens, pool_tokens) over `n` slots: the most leading blocks any of `matches`
     ({slot: blocks}) gives each slot, those in tokens capped at `cap_tokens`, and the tokens
-    of them beyond the last match's (the GPU tier's, capped alike). The reference of the
-    compiled `hit_vectors`. Pure."""
+    of them beyond the last match's (the GPU tier's, capped alike), None when no slot has any.
+    The reference of the compiled `hit_vectors`. Pure."""
     blocks = np.zeros(n)
     last = np.zeros(n)
     for match in matches:
@@ -86,4 +84,4 @@ def hit_vectors(
             blocks[slots] = np.maximum(blocks[slots], matched)  # slots are distinct
     tokens = np.minimum(blocks * block_size, cap_tokens)
     pool = tokens - np.minimum(last * block_size, cap_tokens)
-    return blocks, tokens, pool
+    return blocks, tokens, pool if pool.any() else None

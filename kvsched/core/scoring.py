@@ -121,8 +121,8 @@ class Kernels(Protocol):
 
     def hit_vectors(
         self, n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int, /
-    ) -> tuple[FloatVec, FloatVec, FloatVec]:
-        """`request_view.hit_vectors`: (blocks, tokens, pool_tokens)."""
+    ) -> tuple[FloatVec, FloatVec, FloatVec | None]:
+        """`request_view.hit_vectors`: (blocks, tokens, pool_tokens or None)."""
 
     def pool_load(
         self, pool_tokens: FloatVec, prefill: FloatVec, constants: PoolConstants, /
