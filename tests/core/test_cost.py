@@ -143,3 +143,16 @@ def test_the_pool_link_is_configuration() -> None:
         ClusterConfig(n_instances=1, pool_link=LinkClass(0.0, 0.0))
     with pytest.raises(ValueError, match="non-negative setup"):
         ClusterConfig(n_instances=1, pool_link=LinkClass(1e9, -1.0))
+
+
+def test_the_isolated_floor_counts_the_load_it_cannot_hide() -> None:
+    # Admission asks whether any instance could meet the SLO on an idle cluster: loading a
+    # long pool-only prefix for a short prompt is part of that floor.
+    cluster = make_cluster(3)
+    hashes = chain(1, 6000)  # 96K tokens: their load outlasts the 80 new tokens' prefill
+    cluster.index.store(1, hashes, None, Tier.CPU)
+    view = request_view(cluster, request(1, hashes + chain(2, 5)))
+    terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
+    wait = terms["load_wait_s"][1]
+    assert wait > terms["prefill_s"][1]  # load-bound
+    assert isolated_floor_s(view, terms) == terms["prefill_s"][1] + terms["transfer_s"][1] + wait
