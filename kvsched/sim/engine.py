@@ -124,6 +124,9 @@ class Engine:
         self.decode_ctx = 0  # context tokens of decoding jobs at the current tick
         self.pending_tokens = 0  # prompt tokens queued or mid-prefill, not computed yet
         self.pending_s = 0.0  # isolated prefill estimate of those tokens
+        # The part of `pending_s` still queued: jobs in `waiting`, not admitted yet (the hotspot
+        # index's measure of work that waits); changes only on submit, admission and abort.
+        self.queued_s = 0.0
         self.step: _Step | None = None
         self.gap_sink = gap_sink
         # Counters for the report.
@@ -155,6 +158,7 @@ class Engine:
             )
             self.pending_tokens += n_new
             self.pending_s += job.est_prefill_s
+            self.queued_s += job.est_prefill_s
             job.computed = job.prompt - n_new  # provisional until admission
             self.waiting.append(job)
         else:
@@ -278,6 +282,7 @@ class Engine:
                 self.prefilling.remove(job)
             else:
                 self.waiting.remove(job)
+                self._unqueue(job)
             self.pending_tokens -= job.prompt - job.computed
             self.pending_s -= job.est_prefill_s
             job.est_prefill_s = 0.0
@@ -343,6 +348,7 @@ class Engine:
                 break
             job.private += pages
             self.waiting.popleft()
+            self.queued_s -= job.est_prefill_s  # the provisional estimate it was queued with
             job.admitted_at = now
             cached_tokens = min(extra * bs, job.prompt - 1)
             job.local_hit_tokens = min(job.held * bs, cached_tokens)
@@ -361,7 +367,15 @@ class Engine:
             budget -= take
         if skipped:
             self.waiting.extendleft(reversed(skipped))
+        if not self.waiting:
+            self.queued_s = 0.0  # no float drift survives an empty queue
         return budget
+
+    def _unqueue(self, job: Job) -> None:
+        """`job` has left `waiting`: its estimate leaves `queued_s`."""
+        self.queued_s -= job.est_prefill_s
+        if not self.waiting:
+            self.queued_s = 0.0  # no float drift survives an empty queue
 
     def _progress(self, job: Job, take: int, now: float, out: StepOutcome) -> None:
         bs = self.bs
@@ -428,6 +442,8 @@ class Engine:
     def check_integrity(self) -> None:
         self.cache.check_integrity()
         assert self.pending_tokens >= 0
+        queued = sum(j.est_prefill_s for j in self.waiting)
+        assert abs(self.queued_s - queued) <= 1e-9 * max(1.0, queued), (self.queued_s, queued)
         assert self.decode_ctx == sum(
             j.prompt + j.output - (j.finish_tick - self.tick) for j in self.decoding
         )

@@ -48,8 +48,12 @@ class EngineFeedback:
         self._scheduler.apply(slot, list(split(stored, self._max_blocks)))
 
     def report(self, slot: int) -> None:
-        """Send the engine's load report to the scheduler and its pending prefill tokens to
-        the hotspot meter, as of now."""
+        """Send the engine's load report to the scheduler, and its pending prefill tokens and
+        queued prefill seconds to the hotspot meter, as of now. The replay reports after
+        every submission and step, so every change of the queue is seen when it happens."""
         engine = self._engines[slot]
         self._scheduler.apply(slot, (engine.report(),))
-        self._hotspot.set(self._clock.now, slot, float(engine.pending_tokens))
+        hotspot, now = self._hotspot, self._clock.now
+        hotspot.set(now, slot, float(engine.pending_tokens))
+        if engine.queued_s != hotspot.queued[slot]:  # most steps leave the queue as it was
+            hotspot.set_queued(now, slot, engine.queued_s)

@@ -18,7 +18,8 @@ from kvsched.sim.records import ReplayResult
 HEADLINES = (
     ("ttft_p90", "TTFT p90 (s)", "lower is better"),
     ("apc", "APC (prompt tokens reused)", "higher is better"),
-    ("hotspot_index", "Hotspot index (max/mean pending)", "lower is better"),
+    ("hotspot_index", "Hotspot index (queued prefill s, max − mean)", "lower is better"),
+    ("hotspot_pmr", "HPMR (max/mean pending, busy instants)", "lower is better"),
     ("tpot_p90", "TPOT p90 (s)", "lower is better"),
     ("slo_attainment", "SLO attainment", "higher is better"),
     ("amplification", "Wall-clock amplification", "lower is better"),

@@ -4,19 +4,37 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_right
 
 import numpy as np
 
 
 class HotspotMeter:
-    """Integrates, exactly between load changes, statistics of L_i(t) = pending prefill tokens
-    of instance i: the hotspot index (time-weighted max/mean over instants with pending work),
-    its coefficient of variation, the share of time some instance is hot (above 1.5 × the
-    median and above one chunk), and each instance's time-averaged load."""
+    """Load balance over time, integrated exactly between changes, of two per-instance loads.
+
+    Q_i(t), the prefill seconds queued on instance i (requests waiting, not the ones being
+    prefilled; `set_queued`), gives the hotspot index: the time average over a window of
+    max_i Q_i − mean_i Q_i, in seconds (`hotspot_index`). It is 0 when no request ever waits
+    while another instance has less queued, and it cannot saturate.
+
+    L_i(t), pending prefill tokens (queued or mid-prefill; `set`), gives the older companions,
+    over the whole run: HPMR (time-weighted max/mean over instants with pending work, which
+    reads near N whenever one cold start at a time is all the work), its coefficient of
+    variation, the share of time some instance is hot (above 1.5 × the median and above one
+    chunk), and each instance's time-averaged load."""
 
     def __init__(self, n: int, chunk_tokens: int) -> None:
         self.n = n
         self.chunk = chunk_tokens
+        self.queued = [0.0] * n  # Q_i: queued prefill seconds, as of the last change
+        # False when a source cannot say what is queued (a live engine without the field):
+        # the index is then unknown (NaN), not 0.
+        self.queued_known = True
+        # The excess max Q − mean Q is piecewise constant: one entry per instant it changed,
+        # with ∫ excess dt up to that instant, so any window's average is two look-ups.
+        self._excess_t = array("d")
+        self._excess_area = array("d")
+        self._excess = array("d")
         self.loads = [0.0] * n
         self.last_t = 0.0
         self.started = False
@@ -50,6 +68,44 @@ class HotspotMeter:
             self.log_t.append(now)
             self.log_slot.append(slot)
             self.log_value.append(value)
+
+    def set_queued(self, now: float, slot: int, seconds: float) -> None:
+        """Instance `slot` has `seconds` of prefill queued (waiting, not admitted) from `now`
+        on. Times must not go back; a call that changes nothing records nothing."""
+        queued = self.queued
+        if queued[slot] == seconds:
+            return
+        queued[slot] = seconds
+        # O(N) per change, not per event: the queues change on submission, admission and
+        # abort only. max ≥ mean in exact arithmetic; the clamp keeps rounding from below 0.
+        excess = max(max(queued) - sum(queued) / self.n, 0.0)
+        times, areas, values = self._excess_t, self._excess_area, self._excess
+        if not times:
+            times.append(now)
+            areas.append(0.0)
+            values.append(excess)
+            return
+        last = len(times) - 1
+        if now <= times[last]:  # the same instant: the later value holds from it on
+            values[last] = excess
+            return
+        times.append(now)
+        areas.append(areas[last] + values[last] * (now - times[last]))
+        values.append(excess)
+
+    def excess_area(self, t: float) -> float:
+        """∫ (max Q − mean Q) dt from time 0 (or the first change) up to `t`."""
+        i = bisect_right(self._excess_t, t) - 1
+        if i < 0:
+            return 0.0
+        return self._excess_area[i] + self._excess[i] * (t - self._excess_t[i])
+
+    def hotspot_index(self, start: float, end: float) -> float:
+        """Time average of max Q − mean Q over [start, end], in seconds of queued prefill;
+        NaN for an empty window or when the queues were not known."""
+        if not end > start or not self.queued_known:
+            return math.nan
+        return (self.excess_area(end) - self.excess_area(start)) / (end - start)
 
     def finish(self, now: float) -> None:
         if now > self.last_t:
@@ -90,11 +146,14 @@ class HotspotMeter:
         hot = ordered[-1] > 1.5 * median and ordered[-1] > self.chunk
         return mean, max(loads), math.sqrt(var), hot
 
-    def summary(self) -> dict[str, float]:
+    def summary(self, start: float, end: float) -> dict[str, float]:
+        """The figures: the hotspot index over the window [start, end] (the measured span),
+        the companions over the whole run, as they always were."""
         busy = self.busy_s or math.nan
         mean_area = sum(self.area) / self.n
         return {
-            "hotspot_index": self.ratio_area / busy,
+            "hotspot_index": self.hotspot_index(start, end),
+            "hotspot_pmr": self.ratio_area / busy,
             "hotspot_cv": self.cv_area / busy,
             "hot_time_share": self.hot_s / busy,
             "persistent_skew": max(self.area) / mean_area if mean_area > 0 else math.nan,

@@ -18,7 +18,8 @@ TABLE = (
     ("e2e_p90", "E2E p90", "{:.2f}"),
     ("apc", "APC", "{:.3f}"),
     ("apc_transfer", "APC xfer", "{:.3f}"),
-    ("hotspot_index", "Hotspot", "{:.2f}"),
+    ("hotspot_index", "Hotspot", "{:.3f}"),
+    ("hotspot_pmr", "HPMR", "{:.2f}"),
     ("hotspot_cv", "HCV", "{:.2f}"),
     ("amplification", "Ampl.", "{:.2f}"),
     ("slo_attainment", "SLO att.", "{:.3f}"),
@@ -56,6 +57,7 @@ _LOWER_BETTER = {
     "tpot_p90",
     "e2e_p90",
     "hotspot_index",
+    "hotspot_pmr",
     "hotspot_cv",
     "amplification",
 }

@@ -32,6 +32,19 @@ def measured_calls(trace: Trace, config: ReplayConfig, group_start: dict[str, fl
     return np.array([c.timestamp_s >= cut for c in calls], dtype=bool)
 
 
+def measured_from(trace: Trace, config: ReplayConfig, group_start: dict[str, float]) -> float:
+    """When the measurement window opens on the replay's clock (seconds from its start), for
+    the figures of time rather than of calls (the hotspot index): the warm-up cut of
+    `measured_calls`, where open loop places a call at (timestamp − first) / load."""
+    calls = trace.calls
+    frac = config.warmup_fraction
+    if not calls:
+        return 0.0
+    if config.closed_loop:
+        return frac * max(group_start.values(), default=0.0)
+    return frac * (calls[-1].timestamp_s - calls[0].timestamp_s) / config.load
+
+
 def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
@@ -121,7 +134,8 @@ def summarize(result: ReplayResult, trace: Trace, config: ReplayConfig) -> dict[
         "wall_seconds": result.wall_s,
         "events": result.events,
     }
-    row.update(result.hotspot.summary())
+    window_start = measured_from(trace, config, result.group_start)
+    row.update(result.hotspot.summary(window_start, result.end_time))
     if config.closed_loop:
         row.update(amplification(result, trace, measured))
     else:

@@ -284,12 +284,14 @@ class EngineApp:
         )
 
     async def load(self, request: web.Request) -> web.Response:
-        """`Engine.report()`: the load a scheduler reads (seconds are model seconds)."""
+        """`Engine.report()`: the load a scheduler reads (seconds are model seconds), and the
+        part of the pending prefill still queued, not admitted (for the hotspot index)."""
         r = self.live.engine.report()
         return web.json_response(
             {
                 "pending_prefill_tokens": r.pending_prefill_tokens,
                 "pending_prefill_s": r.pending_prefill_s,
+                "queued_prefill_s": self.live.engine.queued_s,
                 "waiting": r.waiting,
                 "running": r.running,
                 "decode_tokens": r.decode_tokens,

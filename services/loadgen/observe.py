@@ -34,7 +34,9 @@ async def sample_loads(
     now: Callable[[], float],
     stop: asyncio.Event,
 ) -> None:
-    """Feed each engine's pending prefill tokens into `meter` until `stop` is set."""
+    """Feed each engine's pending prefill tokens and queued prefill seconds into `meter`
+    until `stop` is set. An engine that does not say what is queued (no `queued_prefill_s`)
+    leaves the hotspot index unknown, rather than 0."""
     while not stop.is_set():
         tick = time.monotonic()
         loads = await asyncio.gather(*(get_json(http, f"{u}/kvsched/load") for u in engines))
@@ -42,6 +44,11 @@ async def sample_loads(
         for slot, load in enumerate(loads):
             if isinstance(load, dict):
                 meter.set(t, slot, float(load.get("pending_prefill_tokens", 0)))
+                queued = load.get("queued_prefill_s")
+                if isinstance(queued, int | float):
+                    meter.set_queued(t, slot, float(queued))
+                else:
+                    meter.queued_known = False
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(SAMPLE_S - (time.monotonic() - tick), 0.0)):
                 await stop.wait()

@@ -31,7 +31,8 @@ COMPARED = (
     ("tpot_p50", "{:.4f}"),
     ("tpot_p90", "{:.4f}"),
     ("e2e_p50", "{:.2f}"),
-    ("hotspot_index", "{:.2f}"),
+    ("hotspot_index", "{:.3f}"),
+    ("hotspot_pmr", "{:.2f}"),
 )
 
 

@@ -234,8 +234,9 @@ async def test_kvsched_info_and_load(start_engine: Any) -> None:
     assert kv["endpoint"].startswith("tcp://127.0.0.1:") and kv["topic"] == "kv-events"
     assert kv["replay_endpoint"].startswith("tcp://127.0.0.1:") and kv["shape"] == "map"
     load = await eng.get_json("/kvsched/load")
-    assert load == {"pending_prefill_tokens": 0, "pending_prefill_s": 0.0, "waiting": 0,
-                    "running": 0, "decode_tokens": 0, "free_blocks": 500}  # fmt: skip
+    assert load == {"pending_prefill_tokens": 0, "pending_prefill_s": 0.0,
+                    "queued_prefill_s": 0.0, "waiting": 0, "running": 0, "decode_tokens": 0,
+                    "free_blocks": 500}  # fmt: skip
 
 
 async def test_sglang_server_and_model_info(start_engine: Any) -> None:

@@ -25,6 +25,7 @@ POLICY_KEYS = {
     "apc_local",
     "apc_transfer",
     "hotspot_index",
+    "hotspot_pmr",
     "hotspot_cv",
     "amplification",
     "amplification_ideal",
