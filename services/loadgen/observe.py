@@ -35,8 +35,10 @@ async def sample_loads(
     stop: asyncio.Event,
 ) -> None:
     """Feed each engine's pending prefill tokens and queued prefill seconds into `meter`
-    until `stop` is set. An engine that does not say what is queued (no `queued_prefill_s`)
-    leaves the hotspot index unknown, rather than 0."""
+    until `stop` is set. An engine that answers without saying what is queued (no
+    `queued_prefill_s`), or no engine ever saying it (real vLLM has no `/kvsched/load`), leaves
+    the hotspot index unknown, rather than 0."""
+    said = False
     while not stop.is_set():
         tick = time.monotonic()
         loads = await asyncio.gather(*(get_json(http, f"{u}/kvsched/load") for u in engines))
@@ -47,11 +49,14 @@ async def sample_loads(
                 queued = load.get("queued_prefill_s")
                 if isinstance(queued, int | float):
                     meter.set_queued(t, slot, float(queued))
+                    said = True
                 else:
                     meter.queued_known = False
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(SAMPLE_S - (time.monotonic() - tick), 0.0)):
                 await stop.wait()
+    if not said:
+        meter.queued_known = False
     meter.finish(now())
 
 
