@@ -64,9 +64,13 @@ async def test_an_abort_frees_a_queued_request_at_once(start_engine: Any) -> Non
     queued = eng.live.submit([4] * 100, 10)
     await running.wait(0)
     assert len(eng.live.engine.waiting) == 1 and eng.live.engine.report().waiting == 1
+    # What `/kvsched/load` says is queued (the hotspot index's measure): the waiting prompt.
+    load = await eng.get_json("/kvsched/load")
+    assert load["queued_prefill_s"] == queued.job.est_prefill_s > 0
     eng.live.abort(queued)
     await wait_for(lambda: not eng.live.engine.waiting and queued.job.rid not in eng.live.requests)
     assert eng.live.engine.pending_tokens == 0 and eng.live.engine.running == 1
+    assert eng.live.engine.queued_s == 0.0
     eng.live.abort(running)
     await wait_for(lambda: eng.live.engine.running == 0)
     eng.live.engine.check_integrity()
