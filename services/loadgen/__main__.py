@@ -139,6 +139,7 @@ async def _bench(args: argparse.Namespace) -> int:
     ]
     if not engines:
         hotspot = HotspotMeter(n, config.cluster.chunk_tokens)  # nothing sampled: NaN
+        hotspot.queued_known = False
     row = live_row(
         run,
         trace,
