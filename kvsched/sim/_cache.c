@@ -311,7 +311,10 @@ static int lookup_nth(Cache *c, PyObject *hashes, Py_ssize_t n, int32_t *out) {
     return 0;
 }
 
-static PyObject *Cache_lock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
+/* lock_prefix (step +1) and unlock_prefix (step -1): a request starts or stops holding the
+ * first n blocks of `hashes`, walking from hashes[n-1]'s node to the root. A node unlocked to 0
+ * with no cached child becomes evictable (pushed to the LRU after its touch). */
+static PyObject *lock_walk(Cache *c, PyObject *args, PyObject *kwds, int step) {
     PyObject *hashes;
     Py_ssize_t n;
     double now;
@@ -323,35 +326,24 @@ static PyObject *Cache_lock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
     if (lookup_nth(c, hashes, n, &node) < 0) return NULL;
     while (node != NIL) {
         Node *nd = &c->nodes[node];
-        if (nd->lock == 0) c->locked_nodes += 1;
-        nd->lock += 1;
+        if (step > 0 && nd->lock == 0) c->locked_nodes += 1;
+        nd->lock += step;
         if (touch) nd->last_access = now;
-        node = nd->parent;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *Cache_unlock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
-    PyObject *hashes;
-    Py_ssize_t n;
-    double now;
-    int touch = 1;
-    static char *kwlist[] = {"hashes", "n", "now", "touch", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Ond|$p", kwlist, &hashes, &n, &now, &touch))
-        return NULL;
-    int32_t node;
-    if (lookup_nth(c, hashes, n, &node) < 0) return NULL;
-    while (node != NIL) {
-        Node *nd = &c->nodes[node];
-        nd->lock -= 1;
-        if (touch) nd->last_access = now;
-        if (nd->lock == 0) {
+        if (step < 0 && nd->lock == 0) {
             c->locked_nodes -= 1;
             if (nd->children == 0 && heap_push(c, node) < 0) return NULL;
         }
         node = nd->parent;
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *Cache_lock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
+    return lock_walk(c, args, kwds, +1);
+}
+
+static PyObject *Cache_unlock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
+    return lock_walk(c, args, kwds, -1);
 }
 
 static int evict(Cache *c, Py_ssize_t pages) {
