@@ -12,7 +12,8 @@
  * Vectors are read and written through the buffer protocol (1-D, C-contiguous float64 "d" or
  * bool "?"), so no numpy headers are needed to build; outputs are made with numpy.empty. A
  * function given a vector of another kind returns NotImplemented and the caller computes the
- * reference instead.
+ * reference instead. Each kernel opens its arguments through `kernel_open` from a layout that
+ * names their kinds, and states only its own loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,87 +23,6 @@
 static PyObject *np_empty;      /* numpy.empty */
 static PyObject *np_bool;       /* numpy.bool_ */
 static PyObject *dtype_kwnames; /* ("dtype",) */
-
-/* ---- vectors ------------------------------------------------------------------------------ */
-
-enum { UNSUPPORTED = -2 };
-
-/* A read or written vector: its buffer and data. */
-typedef struct {
-    Py_buffer buf;
-    int held;
-} Vec;
-
-/* Open `obj` as a 1-D C-contiguous vector of `kind` ('d' or '?') and `n` items (n < 0: any
- * length, set into *n_out). Returns 0, UNSUPPORTED (not such a vector; no error set) or -1
- * (error set). */
-static int vec_open(PyObject *obj, Vec *v, char kind, Py_ssize_t n, Py_ssize_t *n_out) {
-    v->held = 0;
-    /* Inputs are only read; outputs are arrays this module just made, so writing them is
-     * safe without asking for a writable buffer. */
-    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
-        return UNSUPPORTED;
-    }
-    v->held = 1;
-    Py_ssize_t size = kind == 'd' ? 8 : 1;
-    const char *fmt = v->buf.format;
-    if (v->buf.ndim != 1 || v->buf.itemsize != size || fmt == NULL || fmt[0] != kind ||
-        fmt[1] != '\0') {
-        PyBuffer_Release(&v->buf);
-        v->held = 0;
-        return UNSUPPORTED;
-    }
-    Py_ssize_t len = v->buf.shape[0];
-    if (n >= 0 && len != n) {
-        PyBuffer_Release(&v->buf);
-        v->held = 0;
-        PyErr_Format(PyExc_ValueError, "vectors of %zd and %zd slots", n, len);
-        return -1;
-    }
-    if (n_out != NULL) {
-        *n_out = len;
-    }
-    return 0;
-}
-
-static void vec_close(Vec *v) {
-    if (v->held) {
-        PyBuffer_Release(&v->buf);
-        v->held = 0;
-    }
-}
-
-static inline double *dvec(Vec *v) { return (double *)v->buf.buf; }
-static inline const char *bvec(Vec *v) { return (const char *)v->buf.buf; }
-
-/* A fresh numpy array of n float64 (kind 'd') or bool ('?'), opened as `v`. */
-static PyObject *vec_new(Py_ssize_t n, char kind, Vec *v) {
-    PyObject *size = PyLong_FromSsize_t(n);
-    if (size == NULL) {
-        return NULL;
-    }
-    PyObject *arr;
-    if (kind == 'd') {
-        arr = PyObject_CallOneArg(np_empty, size);
-    } else {
-        PyObject *args[2] = {size, np_bool};
-        arr = PyObject_Vectorcall(np_empty, args, 1, dtype_kwnames);
-    }
-    Py_DECREF(size);
-    if (arr == NULL) {
-        return NULL;
-    }
-    int rc = vec_open(arr, v, kind, n, NULL);
-    if (rc != 0) {
-        Py_DECREF(arr);
-        if (rc == UNSUPPORTED) {
-            PyErr_SetString(PyExc_RuntimeError, "numpy.empty made no C-contiguous vector");
-        }
-        return NULL;
-    }
-    return arr;
-}
 
 /* numpy's maximum and clip(lower=0) for doubles: NaN propagates; otherwise the larger (the
  * first on ties, as numpy's loop keeps it). */
@@ -125,15 +45,18 @@ typedef struct {
     double kv_bytes_per_token;
 } Constants;
 
-static int read_constants(PyObject *obj, Constants *c) {
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 7) {
-        PyErr_SetString(PyExc_TypeError, "constants: a tuple of 7 numbers");
+/* The node pool's host link constants a pool load reads (`CostModel.pool_constants`). */
+typedef struct {
+    double setup_s, per_byte, kv_bytes_per_token, layers;
+} PoolConstants;
+
+/* Reads `obj`, a tuple of `count` numbers, into *out[0], ..., *out[count - 1]. */
+static int read_numbers(PyObject *obj, Py_ssize_t count, double *const *out) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != count) {
+        PyErr_Format(PyExc_TypeError, "constants: a tuple of %zd numbers", count);
         return -1;
     }
-    double *out[7] = {&c->step_s,          &c->decode_seq_s, &c->decode_ctx_s,
-                      &c->prefill_token_s, &c->attn_pair_s,  &c->chunk,
-                      &c->kv_bytes_per_token};
-    for (int i = 0; i < 7; i++) {
+    for (Py_ssize_t i = 0; i < count; i++) {
         double v = PyFloat_AsDouble(PyTuple_GET_ITEM(obj, i));
         if (v == -1.0 && PyErr_Occurred()) {
             return -1;
@@ -143,27 +66,232 @@ static int read_constants(PyObject *obj, Constants *c) {
     return 0;
 }
 
-/* A transfer matrix row: `matrix` is an n x n C-contiguous float64 buffer. */
-static int row_open(PyObject *matrix, Vec *v, Py_ssize_t n, Py_ssize_t src, const double **row) {
-    v->held = 0;
-    if (PyObject_GetBuffer(matrix, &v->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
-        return UNSUPPORTED;
-    }
-    v->held = 1;
-    const char *fmt = v->buf.format;
-    if (v->buf.ndim != 2 || v->buf.itemsize != 8 || fmt == NULL || fmt[0] != 'd' ||
-        fmt[1] != '\0' || v->buf.shape[0] != n || v->buf.shape[1] != n) {
-        vec_close(v);
-        return UNSUPPORTED;
-    }
-    if (src < 0 || src >= n) {
-        vec_close(v);
-        PyErr_Format(PyExc_IndexError, "slot %zd of %zd", src, n);
+static int read_constants(PyObject *obj, Constants *c) {
+    double *const out[7] = {&c->step_s,          &c->decode_seq_s, &c->decode_ctx_s,
+                            &c->prefill_token_s, &c->attn_pair_s,  &c->chunk,
+                            &c->kv_bytes_per_token};
+    return read_numbers(obj, 7, out);
+}
+
+static int read_pool_constants(PyObject *obj, PoolConstants *p) {
+    double *const out[4] = {&p->setup_s, &p->per_byte, &p->kv_bytes_per_token, &p->layers};
+    return read_numbers(obj, 4, out);
+}
+
+static int slot_arg(PyObject *obj, Py_ssize_t n, Py_ssize_t *slot) {
+    /* Any integer (numpy's too), as numpy's indexing takes it. */
+    Py_ssize_t s = PyNumber_AsSsize_t(obj, PyExc_IndexError);
+    if (s == -1 && PyErr_Occurred()) {
         return -1;
     }
-    *row = (const double *)v->buf.buf + src * n;
+    if (s < 0 || s >= n) {
+        PyErr_Format(PyExc_IndexError, "slot %zd of %zd", s, n);
+        return -1;
+    }
+    *slot = s;
     return 0;
+}
+
+/* ---- a kernel's arguments and outputs --------------------------------------------------------- */
+
+enum { MAX_ARGS = 8, MAX_TIEBREAKS = 8, MAX_BUFFERS = 2 + MAX_TIEBREAKS, MAX_OUTPUTS = 3 };
+
+/* One kernel call: what it read and what it made. `kernel_open` reads the arguments as the
+ * kernel's layout says, a letter an argument:
+ *
+ *   'f'  a number                                                   -> num[i]
+ *   'c'  the step-time constants                                    -> c
+ *   'p'  the node pool's host link constants                        -> pool
+ *   'd'  a float64 vector, '?' a bool vector, 'D' a float64 vector or None (NULL): the first
+ *        vector's length is the slot count n, every other must have n slots  -> vec[i]
+ *   's'  a slot of those n                                          -> slot
+ *   'r'  an n x n float64 transfer matrix, read at the slot's row   -> vec[i]
+ *   '-'  read by the kernel itself
+ *
+ * The kinds are read in that order, each in argument order, so a call with several bad
+ * arguments fails on the one it always has. Buffers stay open and outputs held until
+ * `kernel_done`, which every kernel returns through. */
+typedef struct {
+    Py_ssize_t n, slot;
+    double num[MAX_ARGS];
+    const void *vec[MAX_ARGS];
+    Constants c;
+    PoolConstants pool;
+    int unsupported; /* an argument is not of its kind: the answer is NotImplemented */
+    int n_held, n_out;
+    Py_buffer held[MAX_BUFFERS + MAX_OUTPUTS];
+    PyObject *out[MAX_OUTPUTS];
+    void *made[MAX_OUTPUTS]; /* the outputs' data, where this kernel made them */
+} Kernel;
+
+/* Opens `obj` as a C-contiguous buffer of `kind` ('d' float64, '?' bool): 1-D of n slots (any
+ * length while n is unknown, which then sets it) or 2-D of n x n. Returns 0 with its data in
+ * *data, or -1: unsupported (no error set) when it is not such a buffer, ValueError when a
+ * vector has another length. */
+static int buffer_open(Kernel *k, PyObject *obj, char kind, int ndim, const void **data) {
+    if (k->n_held == MAX_BUFFERS + MAX_OUTPUTS) {
+        PyErr_SetString(PyExc_RuntimeError, "a scoring kernel opened too many vectors");
+        return -1;
+    }
+    Py_buffer *b = &k->held[k->n_held];
+    /* Inputs are only read; outputs are arrays this module just made, so writing them is
+     * safe without asking for a writable buffer. */
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        k->unsupported = 1;
+        return -1;
+    }
+    const char *fmt = b->format;
+    int fits = b->ndim == ndim && b->itemsize == (kind == 'd' ? 8 : 1) && fmt != NULL &&
+               fmt[0] == kind && fmt[1] == '\0';
+    if (fits && ndim == 2) {
+        fits = b->shape[0] == k->n && b->shape[1] == k->n;
+    }
+    if (!fits) {
+        PyBuffer_Release(b);
+        k->unsupported = 1;
+        return -1;
+    }
+    if (ndim == 1 && k->n < 0) {
+        k->n = b->shape[0];
+    } else if (ndim == 1 && b->shape[0] != k->n) {
+        PyErr_Format(PyExc_ValueError, "vectors of %zd and %zd slots", k->n, b->shape[0]);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    k->n_held++;
+    *data = b->buf;
+    return 0;
+}
+
+/* The reading order of the layout's letters (see Kernel). */
+static int pass_of(char kind) {
+    switch (kind) {
+    case 'f':
+        return 0;
+    case 'c':
+    case 'p':
+        return 1;
+    case 'd':
+    case '?':
+    case 'D':
+        return 2;
+    case 's':
+        return 3;
+    case 'r':
+        return 4;
+    default:
+        return -1;
+    }
+}
+
+/* Starts `k` and reads `args` as `layout` says (see Kernel). 0, or -1: an error set, or
+ * k->unsupported. */
+static int kernel_open(Kernel *k, const char *name, const char *layout, PyObject *const *args,
+                       Py_ssize_t nargs) {
+    k->n = -1;
+    k->unsupported = k->n_held = k->n_out = 0;
+    Py_ssize_t want = (Py_ssize_t)strlen(layout);
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    for (int pass = 0; pass <= 4; pass++) {
+        for (Py_ssize_t i = 0; i < nargs; i++) {
+            char kind = layout[i];
+            if (pass_of(kind) != pass) {
+                continue;
+            }
+            int rc = 0;
+            if (kind == 'f') {
+                k->num[i] = PyFloat_AsDouble(args[i]);
+                rc = k->num[i] == -1.0 && PyErr_Occurred() ? -1 : 0;
+            } else if (kind == 'c') {
+                rc = read_constants(args[i], &k->c);
+            } else if (kind == 'p') {
+                rc = read_pool_constants(args[i], &k->pool);
+            } else if (kind == 'D' && args[i] == Py_None) {
+                k->vec[i] = NULL;
+            } else if (kind == 's') {
+                rc = slot_arg(args[i], k->n, &k->slot);
+            } else if (kind == 'r') {
+                rc = buffer_open(k, args[i], 'd', 2, &k->vec[i]);
+                if (rc == 0) {
+                    k->vec[i] = (const double *)k->vec[i] + k->slot * k->n;
+                }
+            } else {
+                rc = buffer_open(k, args[i], kind == '?' ? '?' : 'd', 1, &k->vec[i]);
+            }
+            if (rc < 0) {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Makes the next outputs, a letter each ('d' float64, '?' bool), as fresh numpy vectors of n
+ * slots with their data in made[]. 0, or -1 with an error set. */
+static int kernel_outputs(Kernel *k, const char *kinds) {
+    for (const char *kind = kinds; *kind != '\0'; kind++) {
+        PyObject *size = PyLong_FromSsize_t(k->n);
+        if (size == NULL) {
+            return -1;
+        }
+        PyObject *arr;
+        if (*kind == 'd') {
+            arr = PyObject_CallOneArg(np_empty, size);
+        } else {
+            PyObject *args[2] = {size, np_bool};
+            arr = PyObject_Vectorcall(np_empty, args, 1, dtype_kwnames);
+        }
+        Py_DECREF(size);
+        if (arr == NULL) {
+            return -1;
+        }
+        k->out[k->n_out] = arr;
+        const void *data;
+        if (buffer_open(k, arr, *kind, 1, &data) < 0) {
+            Py_DECREF(arr);
+            if (k->unsupported) {
+                k->unsupported = 0;
+                PyErr_SetString(PyExc_RuntimeError, "numpy.empty made no C-contiguous vector");
+            }
+            return -1;
+        }
+        k->made[k->n_out++] = (void *)data;
+    }
+    return 0;
+}
+
+/* The outputs, in the order made: the one itself, or a tuple of them. */
+static PyObject *kernel_result(Kernel *k) {
+    if (k->n_out == 1) {
+        return Py_NewRef(k->out[0]);
+    }
+    PyObject *t = PyTuple_New(k->n_out);
+    if (t == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < k->n_out; i++) {
+        PyTuple_SET_ITEM(t, i, Py_NewRef(k->out[i]));
+    }
+    return t;
+}
+
+/* Releases what the call opened and made, and returns `result`, or NotImplemented when an
+ * argument was not of its kind. */
+static PyObject *kernel_done(Kernel *k, PyObject *result) {
+    for (int i = 0; i < k->n_held; i++) {
+        PyBuffer_Release(&k->held[i]);
+    }
+    for (int i = 0; i < k->n_out; i++) {
+        Py_DECREF(k->out[i]);
+    }
+    if (result == NULL && k->unsupported) {
+        return Py_NewRef(Py_NotImplemented);
+    }
+    return result;
 }
 
 /* CostModel.transfer_from for one slot: seconds to move `tokens` from the row's source. */
@@ -186,93 +314,31 @@ static inline double prefill_one(const Constants *c, double n_new, double n_cach
     return (a + b) + attn * pairs;
 }
 
-static PyObject *tuple_steal(Py_ssize_t n, PyObject **items) {
-    PyObject *t = PyTuple_New(n);
-    if (t == NULL) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_XDECREF(items[i]);
-        }
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyTuple_SET_ITEM(t, i, items[i]);
-    }
-    return t;
-}
-
-static int slot_arg(PyObject *obj, Py_ssize_t n, Py_ssize_t *slot) {
-    /* Any integer (numpy's too), as numpy's indexing takes it. */
-    Py_ssize_t s = PyNumber_AsSsize_t(obj, PyExc_IndexError);
-    if (s == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (s < 0 || s >= n) {
-        PyErr_Format(PyExc_IndexError, "slot %zd of %zd", s, n);
-        return -1;
-    }
-    *slot = s;
-    return 0;
-}
-
-#define CHECK_ARGS(name, want)                                                              \
-    if (nargs != (want)) {                                                                  \
-        PyErr_Format(PyExc_TypeError, name " takes %d arguments (%zd given)", (want), nargs); \
-        return NULL;                                                                        \
-    }
-
 /* ---- ttft ---------------------------------------------------------------------------------- */
 
 /* ttft(prompt_tokens, cached, running, decode_tokens, queue, transfer|None, constants)
  *   -> (prefill, transfer, ttft). `transfer` is returned as given, or a new zero vector. */
 static PyObject *ttft(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("ttft", 7)
-    double prompt = PyFloat_AsDouble(args[0]);
-    if (prompt == -1.0 && PyErr_Occurred()) {
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "ttft", "fddddDc", args, nargs) < 0 || kernel_outputs(&k, "d") < 0) {
+        return kernel_done(&k, NULL);
     }
-    Constants c;
-    if (read_constants(args[6], &c) < 0) {
-        return NULL;
-    }
-    Vec in[5] = {0};
-    Vec out[3] = {0};
-    PyObject *res[3] = {NULL, NULL, NULL};
-    PyObject *result = NULL;
-    Py_ssize_t n = -1;
-    int has_transfer = args[5] != Py_None;
-    int rc = vec_open(args[1], &in[0], 'd', -1, &n);
-    for (int i = 1; rc == 0 && i < 4; i++) {
-        rc = vec_open(args[i + 1], &in[i], 'd', n, NULL);
-    }
-    if (rc == 0 && has_transfer) {
-        rc = vec_open(args[5], &in[4], 'd', n, NULL);
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL) {
-        goto done;
-    }
-    if (has_transfer) {
-        res[1] = Py_NewRef(args[5]);
+    const double *transfer = k.vec[5];
+    if (transfer != NULL) {
+        k.out[k.n_out++] = Py_NewRef(args[5]);
+    } else if (kernel_outputs(&k, "d") < 0) {
+        return kernel_done(&k, NULL);
     } else {
-        if ((res[1] = vec_new(n, 'd', &out[1])) == NULL) {
-            goto done;
-        }
-        memset(dvec(&out[1]), 0, (size_t)n * sizeof(double));
+        /* adding its zeros is adding the reference's 0.0 */
+        transfer = memset(k.made[1], 0, (size_t)k.n * sizeof(double));
     }
-    if ((res[2] = vec_new(n, 'd', &out[2])) == NULL) {
-        goto done;
+    if (kernel_outputs(&k, "d") < 0) {
+        return kernel_done(&k, NULL);
     }
-    const double *cached = dvec(&in[0]), *running = dvec(&in[1]);
-    const double *decode = dvec(&in[2]), *queue = dvec(&in[3]);
-    const double *transfer = has_transfer ? dvec(&in[4]) : NULL;
-    double *prefill = dvec(&out[0]), *est = dvec(&out[2]);
-    for (Py_ssize_t j = 0; j < n; j++) {
+    const double *cached = k.vec[1], *running = k.vec[2], *decode = k.vec[3], *queue = k.vec[4];
+    double prompt = k.num[0], *prefill = k.made[0], *est = k.made[2];
+    const Constants c = k.c;
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         /* cost.ttft_terms, operation by operation as numpy evaluates it. */
         double n_new = prompt - cached[j];
         double per_pass = (c.step_s + c.decode_seq_s * running[j]) + c.decode_ctx_s * decode[j];
@@ -280,19 +346,9 @@ static PyObject *ttft(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         double pairs = cached[j] + n_new * 0.5;
         double per_token = c.prefill_token_s + c.attn_pair_s * pairs;
         prefill[j] = passes * per_pass + n_new * per_token;
-        est[j] = (queue[j] + prefill[j]) + (transfer ? transfer[j] : 0.0);
+        est[j] = (queue[j] + prefill[j]) + transfer[j];
     }
-    result = tuple_steal(3, res);
-    res[0] = res[1] = res[2] = NULL;
-done:
-    for (int i = 0; i < 5; i++) {
-        vec_close(&in[i]);
-    }
-    for (int i = 0; i < 3; i++) {
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* ---- moving a host's prefix ------------------------------------------------------------------ */
@@ -300,56 +356,19 @@ done:
 /* moving(host, hits, setup, per_byte, kv_bytes_per_token) -> (cached, transfer): every slot
  * after the host's part of the prompt moved there (cost.moving_terms before its TTFT). */
 static PyObject *moving(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("moving", 5)
-    double kv = PyFloat_AsDouble(args[4]);
-    if (kv == -1.0 && PyErr_Occurred()) {
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "moving", "sdrrf", args, nargs) < 0 || kernel_outputs(&k, "dd") < 0) {
+        return kernel_done(&k, NULL);
     }
-    Vec hv = {0}, sv = {0}, pv = {0}, out[2] = {0};
-    PyObject *res[2] = {NULL, NULL};
-    PyObject *result = NULL;
-    Py_ssize_t n = -1, host;
-    const double *setup = NULL, *per_byte = NULL;
-    int rc = vec_open(args[1], &hv, 'd', -1, &n);
-    if (rc == 0 && slot_arg(args[0], n, &host) < 0) {
-        rc = -1;
-    }
-    if (rc == 0) {
-        rc = row_open(args[2], &sv, n, host, &setup);
-    }
-    if (rc == 0) {
-        rc = row_open(args[3], &pv, n, host, &per_byte);
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
-        goto done;
-    }
-    const double *hits = dvec(&hv);
-    double *cached = dvec(&out[0]), *transfer = dvec(&out[1]);
-    double held = hits[host];
-    for (Py_ssize_t j = 0; j < n; j++) {
+    const double *hits = k.vec[1], *setup = k.vec[2], *per_byte = k.vec[3];
+    double *cached = k.made[0], *transfer = k.made[1];
+    double held = hits[k.slot], kv = k.num[4];
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         double moved = np_clip_low0(held - hits[j]);
         cached[j] = np_max(hits[j], held);
         transfer[j] = transfer_one(moved, kv, setup[j], per_byte[j]);
     }
-    result = tuple_steal(2, res);
-    res[0] = res[1] = NULL;
-done:
-    vec_close(&hv);
-    vec_close(&sv);
-    vec_close(&pv);
-    for (int i = 0; i < 2; i++) {
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* ---- fetching a prefix from its holder ------------------------------------------------------- */
@@ -357,135 +376,46 @@ done:
 /* fetch_when_cheaper(holder, prompt_tokens, hits, eligible, setup, per_byte, constants,
  *   holder_prefill_s) -> (fetch, cached, transfer): cost.fetch_when_cheaper. */
 static PyObject *fetch_when_cheaper(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("fetch_when_cheaper", 8)
-    double prompt = PyFloat_AsDouble(args[1]);
-    if (prompt == -1.0 && PyErr_Occurred()) {
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "fetch_when_cheaper", "sfd?rrcf", args, nargs) < 0 ||
+        kernel_outputs(&k, "?dd") < 0) {
+        return kernel_done(&k, NULL);
     }
-    double own = PyFloat_AsDouble(args[7]);
-    if (own == -1.0 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Constants c;
-    if (read_constants(args[6], &c) < 0) {
-        return NULL;
-    }
-    Vec hv = {0}, ev = {0}, sv = {0}, pv = {0}, out[3] = {0};
-    PyObject *res[3] = {NULL, NULL, NULL};
-    PyObject *result = NULL;
-    Py_ssize_t n = -1, holder;
-    const double *setup = NULL, *per_byte = NULL;
-    int rc = vec_open(args[2], &hv, 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[3], &ev, '?', n, NULL);
-    }
-    if (rc == 0 && slot_arg(args[0], n, &holder) < 0) {
-        rc = -1;
-    }
-    if (rc == 0) {
-        rc = row_open(args[4], &sv, n, holder, &setup);
-    }
-    if (rc == 0) {
-        rc = row_open(args[5], &pv, n, holder, &per_byte);
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    if ((res[0] = vec_new(n, '?', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL ||
-        (res[2] = vec_new(n, 'd', &out[2])) == NULL) {
-        goto done;
-    }
-    const double *hits = dvec(&hv);
-    const char *eligible = bvec(&ev);
-    char *fetch = (char *)out[0].buf.buf;
-    double *cached = dvec(&out[1]), *transfer = dvec(&out[2]);
-    double held = hits[holder];
-    for (Py_ssize_t j = 0; j < n; j++) {
+    const double *hits = k.vec[2], *setup = k.vec[4], *per_byte = k.vec[5];
+    const char *eligible = k.vec[3];
+    char *fetch = k.made[0];
+    double *cached = k.made[1], *transfer = k.made[2];
+    double prompt = k.num[1], own = k.num[7], held = hits[k.slot];
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         double extra = np_clip_low0(held - hits[j]);
-        double fetch_s = transfer_one(extra, c.kv_bytes_per_token, setup[j], per_byte[j]);
-        double saved = prefill_one(&c, prompt - hits[j], hits[j]) - own;
+        double fetch_s = transfer_one(extra, k.c.kv_bytes_per_token, setup[j], per_byte[j]);
+        double saved = prefill_one(&k.c, prompt - hits[j], hits[j]) - own;
         int f = eligible[j] && extra > 0 && fetch_s < saved;
         fetch[j] = (char)f;
         cached[j] = f ? held : hits[j];
         transfer[j] = f ? fetch_s : 0.0;
     }
-    result = tuple_steal(3, res);
-    res[0] = res[1] = res[2] = NULL;
-done:
-    vec_close(&hv);
-    vec_close(&ev);
-    vec_close(&sv);
-    vec_close(&pv);
-    for (int i = 0; i < 3; i++) {
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* fetch_from(holder, hits, fetch, setup, per_byte, kv_bytes_per_token) -> (cached, transfer):
  * cost.fetch_from. */
 static PyObject *fetch_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("fetch_from", 6)
-    double kv = PyFloat_AsDouble(args[5]);
-    if (kv == -1.0 && PyErr_Occurred()) {
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "fetch_from", "sd?rrf", args, nargs) < 0 ||
+        kernel_outputs(&k, "dd") < 0) {
+        return kernel_done(&k, NULL);
     }
-    Vec hv = {0}, fv = {0}, sv = {0}, pv = {0}, out[2] = {0};
-    PyObject *res[2] = {NULL, NULL};
-    PyObject *result = NULL;
-    Py_ssize_t n = -1, holder;
-    const double *setup = NULL, *per_byte = NULL;
-    int rc = vec_open(args[1], &hv, 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[2], &fv, '?', n, NULL);
-    }
-    if (rc == 0 && slot_arg(args[0], n, &holder) < 0) {
-        rc = -1;
-    }
-    if (rc == 0) {
-        rc = row_open(args[3], &sv, n, holder, &setup);
-    }
-    if (rc == 0) {
-        rc = row_open(args[4], &pv, n, holder, &per_byte);
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
-        goto done;
-    }
-    const double *hits = dvec(&hv);
-    const char *fetch = bvec(&fv);
-    double *cached = dvec(&out[0]), *transfer = dvec(&out[1]);
-    double held = hits[holder];
-    for (Py_ssize_t j = 0; j < n; j++) {
+    const double *hits = k.vec[1], *setup = k.vec[3], *per_byte = k.vec[4];
+    const char *fetch = k.vec[2];
+    double *cached = k.made[0], *transfer = k.made[1];
+    double held = hits[k.slot], kv = k.num[5];
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         double t = transfer_one(held - hits[j], kv, setup[j], per_byte[j]);
         transfer[j] = fetch[j] ? t : 0.0;
         cached[j] = fetch[j] ? held : hits[j];
     }
-    result = tuple_steal(2, res);
-    res[0] = res[1] = NULL;
-done:
-    vec_close(&hv);
-    vec_close(&fv);
-    vec_close(&sv);
-    vec_close(&pv);
-    for (int i = 0; i < 2; i++) {
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* ---- migration candidates --------------------------------------------------------------------- */
@@ -494,53 +424,20 @@ done:
  * MigrationPlanner.candidates (eligible slots other than the host with room for the context
  * and fewer pending prefill tokens than the host). */
 static PyObject *candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("candidates", 6)
-    double bs = PyFloat_AsDouble(args[2]);
-    if (bs == -1.0 && PyErr_Occurred()) {
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "candidates", "?dffds", args, nargs) < 0 ||
+        kernel_outputs(&k, "?") < 0) {
+        return kernel_done(&k, NULL);
     }
-    double context = PyFloat_AsDouble(args[3]);
-    if (context == -1.0 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Vec ev = {0}, fv = {0}, pv = {0}, out = {0};
-    PyObject *res = NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = -1, host;
-    int rc = vec_open(args[0], &ev, '?', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[1], &fv, 'd', n, NULL);
-    }
-    if (rc == 0) {
-        rc = vec_open(args[4], &pv, 'd', n, NULL);
-    }
-    if (rc == 0 && slot_arg(args[5], n, &host) < 0) {
-        rc = -1;
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0 || (res = vec_new(n, '?', &out)) == NULL) {
-        goto done;
-    }
-    const char *eligible = bvec(&ev);
-    const double *free_blocks = dvec(&fv), *pending = dvec(&pv);
-    char *mask = (char *)out.buf.buf;
-    double limit = pending[host];
-    for (Py_ssize_t j = 0; j < n; j++) {
+    const char *eligible = k.vec[0];
+    const double *free_blocks = k.vec[1], *pending = k.vec[4];
+    char *mask = k.made[0];
+    double bs = k.num[2], context = k.num[3], limit = pending[k.slot];
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         mask[j] = (char)(eligible[j] && free_blocks[j] * bs >= context && pending[j] < limit);
     }
-    mask[host] = 0;
-    result = res;
-    res = NULL;
-done:
-    vec_close(&ev);
-    vec_close(&fv);
-    vec_close(&pv);
-    vec_close(&out);
-    Py_XDECREF(res);
-    return result;
+    mask[k.slot] = 0;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* ---- a cold start's score (elastic) ------------------------------------------------------------ */
@@ -551,45 +448,17 @@ done:
  * the slots to pick from (the eligible ones whose resident sessions leave room for the
  * context, or `eligible` itself when none does). NotImplemented when no slot is eligible. */
 static PyObject *cold_score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("cold_score", 7)
-    double context = PyFloat_AsDouble(args[5]);
-    if (context == -1.0 && PyErr_Occurred()) {
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "cold_score", "ddd?dff", args, nargs) < 0) {
+        return kernel_done(&k, NULL);
     }
-    double capacity = PyFloat_AsDouble(args[6]);
-    if (capacity == -1.0 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Vec tv = {0}, pv = {0}, qv = {0}, ev = {0}, rv = {0}, out[2] = {0};
-    PyObject *res[2] = {NULL, NULL};
-    PyObject *result = NULL;
-    Py_ssize_t n = -1;
-    int rc = vec_open(args[0], &tv, 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[1], &pv, 'd', n, NULL);
-    }
-    if (rc == 0) {
-        rc = vec_open(args[2], &qv, 'd', n, NULL);
-    }
-    if (rc == 0) {
-        rc = vec_open(args[3], &ev, '?', n, NULL);
-    }
-    if (rc == 0) {
-        rc = vec_open(args[4], &rv, 'd', n, NULL);
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    const double *ttft = dvec(&tv), *prefill = dvec(&pv), *pending = dvec(&qv);
-    const double *resident = dvec(&rv);
-    const char *eligible = bvec(&ev);
+    const double *ttft = k.vec[0], *prefill = k.vec[1], *pending = k.vec[2];
+    const double *resident = k.vec[4];
+    const char *eligible = k.vec[3];
+    double context = k.num[5], capacity = k.num[6];
     Py_ssize_t count = 0, busy = 0;
     double floor = 0.0;
-    for (Py_ssize_t j = 0; j < n; j++) {
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         if (!eligible[j]) {
             continue;
         }
@@ -601,118 +470,85 @@ static PyObject *cold_score(PyObject *self, PyObject *const *args, Py_ssize_t na
         count++;
     }
     if (count == 0) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
+        return kernel_done(&k, Py_NewRef(Py_NotImplemented));
     }
     /* np.mean of the busy flags: their count (exact) over the eligible slots'. */
     double share = (double)busy / (double)count;
-    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, '?', &out[1])) == NULL) {
-        goto done;
+    if (kernel_outputs(&k, "d?") < 0) {
+        return kernel_done(&k, NULL);
     }
-    double *score = dvec(&out[0]);
-    char *fits = (char *)out[1].buf.buf;
+    double *score = k.made[0];
+    char *fits = k.made[1];
     int any = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         double extra = prefill[j] - floor;
         score[j] = ttft[j] + share * extra;
         fits[j] = (char)(eligible[j] && resident[j] + context <= capacity);
         any |= fits[j];
     }
     if (!any) {
-        Py_SETREF(res[1], Py_NewRef(args[3]));
+        Py_SETREF(k.out[1], Py_NewRef(args[3]));
     }
-    result = tuple_steal(2, res);
-    res[0] = res[1] = NULL;
-done:
-    vec_close(&tv);
-    vec_close(&pv);
-    vec_close(&qv);
-    vec_close(&ev);
-    vec_close(&rv);
-    for (int i = 0; i < 2; i++) {
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* best_slot(hit_blocks, eligible) -> int: RequestView.best_slot, the eligible slot with the
  * longest hit (the first on ties; numpy's argmax, a NaN first of all), or -1 when its hit is
  * not positive. */
 static PyObject *best_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("best_slot", 2)
-    Vec hv = {0}, ev = {0};
-    Py_ssize_t n = -1;
-    PyObject *result = NULL;
-    int rc = vec_open(args[0], &hv, 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[1], &ev, '?', n, NULL);
+    Kernel k;
+    if (kernel_open(&k, "best_slot", "d?", args, nargs) < 0) {
+        return kernel_done(&k, NULL);
     }
-    if (rc == UNSUPPORTED || (rc == 0 && n == 0)) {
+    if (k.n == 0) {
         /* An empty vector: numpy's argmax raises, and so does the reference. */
-        result = Py_NewRef(Py_NotImplemented);
-    } else if (rc == 0) {
-        const double *hits = dvec(&hv);
-        const char *eligible = bvec(&ev);
-        Py_ssize_t best = 0;
-        double bv = eligible[0] ? hits[0] : -1.0;
-        for (Py_ssize_t j = 1; j < n && !isnan(bv); j++) {
-            double x = eligible[j] ? hits[j] : -1.0;
-            if (isnan(x) || x > bv) {
-                best = j;
-                bv = x;
-            }
-        }
-        result = PyLong_FromSsize_t(bv > 0 ? best : -1);
+        return kernel_done(&k, Py_NewRef(Py_NotImplemented));
     }
-    vec_close(&hv);
-    vec_close(&ev);
-    return result;
+    const double *hits = k.vec[0];
+    const char *eligible = k.vec[1];
+    Py_ssize_t best = 0;
+    double bv = eligible[0] ? hits[0] : -1.0;
+    for (Py_ssize_t j = 1; j < k.n && !isnan(bv); j++) {
+        double x = eligible[j] ? hits[j] : -1.0;
+        if (isnan(x) || x > bv) {
+            best = j;
+            bv = x;
+        }
+    }
+    return kernel_done(&k, PyLong_FromSsize_t(bv > 0 ? best : -1));
 }
 
 /* ---- picking --------------------------------------------------------------------------------- */
 
 /* masked_min(values, mask) -> float: np.min(values[mask]); ValueError when the mask is empty. */
 static PyObject *masked_min(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("masked_min", 2)
-    Vec vv = {0}, mv = {0};
-    Py_ssize_t n = -1;
-    int rc = vec_open(args[0], &vv, 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[1], &mv, '?', n, NULL);
+    Kernel k;
+    if (kernel_open(&k, "masked_min", "d?", args, nargs) < 0) {
+        return kernel_done(&k, NULL);
     }
-    PyObject *result = NULL;
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-    } else if (rc == 0) {
-        const double *v = dvec(&vv);
-        const char *m = bvec(&mv);
-        int any = 0;
-        double best = 0.0;
-        for (Py_ssize_t j = 0; j < n; j++) {
-            if (!m[j]) {
-                continue;
-            }
-            if (!any) {
-                best = v[j];
-                any = 1;
-            } else if (isnan(v[j]) && !isnan(best)) {
-                best = v[j];
-            } else if (v[j] < best) {
-                best = v[j];
-            }
+    const double *v = k.vec[0];
+    const char *m = k.vec[1];
+    int any = 0;
+    double best = 0.0;
+    for (Py_ssize_t j = 0; j < k.n; j++) {
+        if (!m[j]) {
+            continue;
         }
-        if (any) {
-            result = PyFloat_FromDouble(best);
-        } else {
-            PyErr_SetString(PyExc_ValueError,
-                            "zero-size array to reduction operation minimum which has no identity");
+        if (!any) {
+            best = v[j];
+            any = 1;
+        } else if (isnan(v[j]) && !isnan(best)) {
+            best = v[j];
+        } else if (v[j] < best) {
+            best = v[j];
         }
     }
-    vec_close(&vv);
-    vec_close(&mv);
-    return result;
+    if (!any) {
+        PyErr_SetString(PyExc_ValueError,
+                        "zero-size array to reduction operation minimum which has no identity");
+        return kernel_done(&k, NULL);
+    }
+    return kernel_done(&k, PyFloat_FromDouble(best));
 }
 
 /* numpy's sort order for doubles: NaN after everything. */
@@ -720,34 +556,29 @@ static inline int sort_lt(double a, double b) { return a < b || (isnan(b) && !is
 
 /* argmin(values, eligible, tiebreaks) -> int: pickers.argmin_eligible. */
 static PyObject *argmin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("argmin", 3)
-    if (!PyTuple_Check(args[2])) {
+    /* The tiebreaks are checked before any vector is opened, as they always were. */
+    PyObject *ties = nargs == 3 ? args[2] : NULL;
+    if (ties != NULL && !PyTuple_Check(ties)) {
         PyErr_SetString(PyExc_TypeError, "tiebreaks: a tuple of vectors");
         return NULL;
     }
-    Py_ssize_t keys = PyTuple_GET_SIZE(args[2]);
-    if (keys > 8) {
+    if (ties != NULL && PyTuple_GET_SIZE(ties) > MAX_TIEBREAKS) {
         Py_RETURN_NOTIMPLEMENTED;
     }
-    Vec vv = {0}, mv = {0}, tv[8] = {{{0}}};
-    Py_ssize_t n = -1;
-    PyObject *result = NULL;
-    int rc = vec_open(args[0], &vv, 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[1], &mv, '?', n, NULL);
+    Kernel k;
+    if (kernel_open(&k, "argmin", "d?-", args, nargs) < 0) {
+        return kernel_done(&k, NULL);
     }
-    for (Py_ssize_t k = 0; rc == 0 && k < keys; k++) {
-        rc = vec_open(PyTuple_GET_ITEM(args[2], k), &tv[k], 'd', n, NULL);
+    Py_ssize_t keys = PyTuple_GET_SIZE(ties);
+    const void *tie[MAX_TIEBREAKS];
+    for (Py_ssize_t t = 0; t < keys; t++) {
+        if (buffer_open(&k, PyTuple_GET_ITEM(ties, t), 'd', 1, &tie[t]) < 0) {
+            return kernel_done(&k, NULL);
+        }
     }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    const double *v = dvec(&vv);
-    const char *m = bvec(&mv);
+    const double *v = k.vec[0];
+    const char *m = k.vec[1];
+    Py_ssize_t n = k.n;
     /* np.argmin over np.where(eligible, values, inf): the first NaN, else the first minimum. */
     Py_ssize_t best = -1;
     int any = 0;
@@ -768,7 +599,7 @@ static PyObject *argmin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (!any) {
         PyErr_SetString(PyExc_ValueError, "no eligible instance");
-        goto done;
+        return kernel_done(&k, NULL);
     }
     double bv = m[best] ? v[best] : INFINITY;
     if (keys > 0) {
@@ -786,10 +617,10 @@ static PyObject *argmin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 if (sort_lt(a, b)) {
                     lt = 1;
                 } else if (!sort_lt(b, a)) {
-                    for (Py_ssize_t k = 0; k < keys; k++) {
-                        const double *t = dvec(&tv[k]);
-                        a = m[j] ? t[j] : INFINITY;
-                        b = m[win] ? t[win] : INFINITY;
+                    for (Py_ssize_t t = 0; t < keys; t++) {
+                        const double *tv = tie[t];
+                        a = m[j] ? tv[j] : INFINITY;
+                        b = m[win] ? tv[win] : INFINITY;
                         if (sort_lt(a, b)) {
                             lt = 1;
                             break;
@@ -806,14 +637,7 @@ static PyObject *argmin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             best = win;
         }
     }
-    result = PyLong_FromSsize_t(best);
-done:
-    vec_close(&vv);
-    vec_close(&mv);
-    for (Py_ssize_t k = 0; k < keys; k++) {
-        vec_close(&tv[k]);
-    }
-    return result;
+    return kernel_done(&k, PyLong_FromSsize_t(best));
 }
 
 /* ---- hits ------------------------------------------------------------------------------------ */
@@ -863,35 +687,35 @@ static int add_match(PyObject *match, Py_ssize_t n, double *blocks, double *last
 }
 
 static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("hit_vectors", 4)
+    Kernel k;
+    if (kernel_open(&k, "hit_vectors", "----", args, nargs) < 0) {
+        return kernel_done(&k, NULL);
+    }
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
     if (n == -1 && PyErr_Occurred()) {
-        return NULL;
+        return kernel_done(&k, NULL);
     }
     if (n < 0) {
         PyErr_SetString(PyExc_ValueError, "a negative number of slots");
-        return NULL;
+        return kernel_done(&k, NULL);
     }
     if (!PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "matches: a tuple of dicts");
-        return NULL;
+        return kernel_done(&k, NULL);
     }
     double bs = PyFloat_AsDouble(args[2]);
     if (bs == -1.0 && PyErr_Occurred()) {
-        return NULL;
+        return kernel_done(&k, NULL);
     }
     double cap = PyFloat_AsDouble(args[3]);
     if (cap == -1.0 && PyErr_Occurred()) {
-        return NULL;
+        return kernel_done(&k, NULL);
     }
-    Vec out[3] = {0};
-    PyObject *res[3] = {NULL, NULL, NULL};
-    PyObject *result = NULL;
-    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
-        goto done;
+    k.n = n;
+    if (kernel_outputs(&k, "dd") < 0) {
+        return kernel_done(&k, NULL);
     }
-    double *blocks = dvec(&out[0]), *tokens = dvec(&out[1]), *pool = NULL;
+    double *blocks = k.made[0], *tokens = k.made[1], *pool = NULL;
     memset(blocks, 0, (size_t)n * sizeof(double));
     Py_ssize_t n_matches = PyTuple_GET_SIZE(args[1]);
     int earlier = 0; /* whether a match before the last holds anything */
@@ -899,14 +723,13 @@ static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyObject *match = PyTuple_GET_ITEM(args[1], i);
         if (i == n_matches - 1 && earlier) {
             /* The last match's blocks go to `pool` (its tokens are taken off at the end). */
-            if ((res[2] = vec_new(n, 'd', &out[2])) == NULL) {
-                goto done;
+            if (kernel_outputs(&k, "d") < 0) {
+                return kernel_done(&k, NULL);
             }
-            pool = dvec(&out[2]);
-            memset(pool, 0, (size_t)n * sizeof(double));
+            pool = memset(k.made[2], 0, (size_t)n * sizeof(double));
         }
         if (add_match(match, n, blocks, pool) < 0) {
-            goto done;
+            return kernel_done(&k, NULL);
         }
         if (i < n_matches - 1 && PyDict_GET_SIZE(match) > 0) {
             earlier = 1;
@@ -920,19 +743,8 @@ static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t n
             any |= pool[j] != 0.0;
         }
     }
-    if (!any) {
-        vec_close(&out[2]);
-        Py_CLEAR(res[2]);
-        res[2] = Py_NewRef(Py_None);
-    }
-    result = tuple_steal(3, res);
-    res[0] = res[1] = res[2] = NULL;
-done:
-    for (int i = 0; i < 3; i++) {
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    /* A pool vector with no token in it is answered None (kernel_done drops the vector). */
+    return kernel_done(&k, PyTuple_Pack(3, k.out[0], k.out[1], any ? k.out[2] : Py_None));
 }
 
 /* ---- loading from the node's pool ------------------------------------------------------------ */
@@ -940,60 +752,24 @@ done:
 /* pool_load(pool_tokens, prefill, (setup, per_byte, kv_bytes_per_token, layers))
  *   -> (load, wait): cost.pool_load. */
 static PyObject *pool_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS("pool_load", 3)
-    PyObject *consts = args[2];
-    if (!PyTuple_Check(consts) || PyTuple_GET_SIZE(consts) != 4) {
-        PyErr_SetString(PyExc_TypeError, "constants: a tuple of 4 numbers");
-        return NULL;
+    Kernel k;
+    if (kernel_open(&k, "pool_load", "ddp", args, nargs) < 0 || kernel_outputs(&k, "dd") < 0) {
+        return kernel_done(&k, NULL);
     }
-    double k[4];
-    for (int i = 0; i < 4; i++) {
-        k[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(consts, i));
-        if (k[i] == -1.0 && PyErr_Occurred()) {
-            return NULL;
-        }
-    }
-    double setup = k[0], per_byte = k[1], kv = k[2], layers = k[3];
-    Vec in[2] = {0}, out[2] = {0};
-    PyObject *res[2] = {NULL, NULL};
-    PyObject *result = NULL;
-    Py_ssize_t n = -1;
-    int rc = vec_open(args[0], &in[0], 'd', -1, &n);
-    if (rc == 0) {
-        rc = vec_open(args[1], &in[1], 'd', n, NULL);
-    }
-    if (rc == UNSUPPORTED) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto done;
-    }
-    if (rc < 0) {
-        goto done;
-    }
-    if ((res[0] = vec_new(n, 'd', &out[0])) == NULL ||
-        (res[1] = vec_new(n, 'd', &out[1])) == NULL) {
-        goto done;
-    }
-    const double *tokens = dvec(&in[0]), *prefill = dvec(&in[1]);
-    double *load = dvec(&out[0]), *wait = dvec(&out[1]);
-    for (Py_ssize_t j = 0; j < n; j++) {
+    const double *tokens = k.vec[0], *prefill = k.vec[1];
+    double *load = k.made[0], *wait = k.made[1];
+    const PoolConstants p = k.pool;
+    for (Py_ssize_t j = 0; j < k.n; j++) {
         /* cost.pool_load, operation by operation as numpy evaluates it. */
         int loading = tokens[j] > 0;
-        double moving = setup + (tokens[j] * kv) * per_byte;
+        double moving = p.setup_s + (tokens[j] * p.kv_bytes_per_token) * p.per_byte;
         double l = loading ? moving : 0.0;
-        double hidden = np_min(l, prefill[j]) / layers;
+        double hidden = np_min(l, prefill[j]) / p.layers;
         double exposed = np_clip_low0(l - prefill[j]) + hidden;
         load[j] = l;
         wait[j] = loading ? exposed : 0.0;
     }
-    result = tuple_steal(2, res);
-    res[0] = res[1] = NULL;
-done:
-    for (int i = 0; i < 2; i++) {
-        vec_close(&in[i]);
-        vec_close(&out[i]);
-        Py_XDECREF(res[i]);
-    }
-    return result;
+    return kernel_done(&k, kernel_result(&k));
 }
 
 /* ---- module ---------------------------------------------------------------------------------- */
