@@ -215,18 +215,31 @@ static void Cache_dealloc(Cache *c) {
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
-static PyObject *Cache_match(Cache *c, PyObject *const *args, Py_ssize_t nargs) {
+/* The (hashes, limit) of match and chain_match: `hashes` as a fast sequence (a new reference;
+ * NULL with an error set) with its items, and how many of them to look at (at most `limit`,
+ * at least 0). */
+static PyObject *hashes_upto(PyObject *const *args, Py_ssize_t nargs, const char *usage,
+                             PyObject ***items, Py_ssize_t *n) {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "match(hashes, limit)");
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
     if (limit == -1 && PyErr_Occurred()) return NULL;
     PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence");
     if (!seq) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t hi = PySequence_Fast_GET_SIZE(seq), lo = 0;
-    if (limit < hi) hi = limit;
+    *items = PySequence_Fast_ITEMS(seq);
+    *n = PySequence_Fast_GET_SIZE(seq);
+    if (limit < *n) *n = limit;
+    if (*n < 0) *n = 0;
+    return seq;
+}
+
+static PyObject *Cache_match(Cache *c, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject **items;
+    Py_ssize_t hi, lo = 0;
+    PyObject *seq = hashes_upto(args, nargs, "match(hashes, limit)", &items, &hi);
+    if (!seq) return NULL;
     uint64_t h;
     Py_ssize_t result = 0;
     if (hi <= 0) goto done;
@@ -256,18 +269,10 @@ fail:
 }
 
 static PyObject *Cache_chain_match(Cache *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "chain_match(hashes, limit)");
-        return NULL;
-    }
-    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
-    if (limit == -1 && PyErr_Occurred()) return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence");
+    PyObject **items;
+    Py_ssize_t n;
+    PyObject *seq = hashes_upto(args, nargs, "chain_match(hashes, limit)", &items, &n);
     if (!seq) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (limit < n) n = limit;
-    if (n < 0) n = 0;
     int32_t parent = NIL;
     Py_ssize_t i = 0;
     for (; i < n; i++) {
