@@ -97,7 +97,7 @@ static int slot_arg(PyObject *obj, Py_ssize_t n, Py_ssize_t *slot) {
 enum { MAX_ARGS = 8, MAX_TIEBREAKS = 8, MAX_BUFFERS = 2 + MAX_TIEBREAKS, MAX_OUTPUTS = 3 };
 
 /* One kernel call: what it read and what it made. `kernel_open` reads the arguments as the
- * kernel's layout says, a letter an argument:
+ * kernel's Layout says, a letter an argument:
  *
  *   'f'  a number                                                   -> num[i]
  *   'c'  the step-time constants                                    -> c
@@ -124,11 +124,14 @@ typedef struct {
     void *made[MAX_OUTPUTS]; /* the outputs' data, where this kernel made them */
 } Kernel;
 
+/* (buffer_open, kernel_open and kernel_done are inline: every kernel call runs them, and as
+ * calls they cost up to a tenth of a small kernel's instructions.) */
+
 /* Opens `obj` as a C-contiguous buffer of `kind` ('d' float64, '?' bool): 1-D of n slots (any
  * length while n is unknown, which then sets it) or 2-D of n x n. Returns 0 with its data in
  * *data, or -1: unsupported (no error set) when it is not such a buffer, ValueError when a
  * vector has another length. */
-static int buffer_open(Kernel *k, PyObject *obj, char kind, int ndim, const void **data) {
+static inline int buffer_open(Kernel *k, PyObject *obj, char kind, int ndim, const void **data) {
     if (k->n_held == MAX_BUFFERS + MAX_OUTPUTS) {
         PyErr_SetString(PyExc_RuntimeError, "a scoring kernel opened too many vectors");
         return -1;
@@ -164,67 +167,80 @@ static int buffer_open(Kernel *k, PyObject *obj, char kind, int ndim, const void
     return 0;
 }
 
-/* The reading order of the layout's letters (see Kernel). */
-static int pass_of(char kind) {
-    switch (kind) {
-    case 'f':
-        return 0;
-    case 'c':
-    case 'p':
-        return 1;
-    case 'd':
-    case '?':
-    case 'D':
-        return 2;
-    case 's':
-        return 3;
-    case 'r':
-        return 4;
-    default:
-        return -1;
+/* A kernel's arguments: its name, their kinds (a letter an argument, see Kernel) and, worked
+ * out on its first call, the order they are read in. */
+typedef struct {
+    const char *name, *kinds;
+    Py_ssize_t nargs;           /* 0 until the first call */
+    int n_read;                 /* the arguments not marked '-' */
+    signed char read[MAX_ARGS]; /* their positions, in reading order */
+} Layout;
+
+/* Fills in `l`'s count and reading order from its letters: 'f', 'c' and 'p', the vectors, 's',
+ * 'r'. */
+static void layout_ready(Layout *l) {
+    static const char *const passes[] = {"f", "cp", "d?D", "s", "r"};
+    Py_ssize_t nargs = (Py_ssize_t)strlen(l->kinds);
+    l->n_read = 0;
+    for (int pass = 0; pass < 5; pass++) {
+        for (Py_ssize_t i = 0; i < nargs && i < MAX_ARGS; i++) {
+            if (strchr(passes[pass], l->kinds[i]) != NULL) {
+                l->read[l->n_read++] = (signed char)i;
+            }
+        }
     }
+    l->nargs = nargs;
 }
 
-/* Starts `k` and reads `args` as `layout` says (see Kernel). 0, or -1: an error set, or
+/* Starts `k` and reads `args` as `l` says (see Kernel). 0, or -1: an error set, or
  * k->unsupported. */
-static int kernel_open(Kernel *k, const char *name, const char *layout, PyObject *const *args,
-                       Py_ssize_t nargs) {
+static inline int kernel_open(Kernel *k, Layout *l, PyObject *const *args, Py_ssize_t nargs) {
     k->n = -1;
     k->unsupported = k->n_held = k->n_out = 0;
-    Py_ssize_t want = (Py_ssize_t)strlen(layout);
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+    if (l->nargs == 0) {
+        layout_ready(l);
+    }
+    if (nargs != l->nargs) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", l->name, l->nargs,
+                     nargs);
         return -1;
     }
-    for (int pass = 0; pass <= 4; pass++) {
-        for (Py_ssize_t i = 0; i < nargs; i++) {
-            char kind = layout[i];
-            if (pass_of(kind) != pass) {
-                continue;
-            }
-            int rc = 0;
-            if (kind == 'f') {
-                k->num[i] = PyFloat_AsDouble(args[i]);
-                rc = k->num[i] == -1.0 && PyErr_Occurred() ? -1 : 0;
-            } else if (kind == 'c') {
-                rc = read_constants(args[i], &k->c);
-            } else if (kind == 'p') {
-                rc = read_pool_constants(args[i], &k->pool);
-            } else if (kind == 'D' && args[i] == Py_None) {
+    for (int r = 0; r < l->n_read; r++) {
+        int i = l->read[r], rc = 0;
+        switch (l->kinds[i]) {
+        case 'f':
+            k->num[i] = PyFloat_AsDouble(args[i]);
+            rc = k->num[i] == -1.0 && PyErr_Occurred() ? -1 : 0;
+            break;
+        case 'c':
+            rc = read_constants(args[i], &k->c);
+            break;
+        case 'p':
+            rc = read_pool_constants(args[i], &k->pool);
+            break;
+        case 'd':
+        case 'D':
+            if (l->kinds[i] == 'D' && args[i] == Py_None) {
                 k->vec[i] = NULL;
-            } else if (kind == 's') {
-                rc = slot_arg(args[i], k->n, &k->slot);
-            } else if (kind == 'r') {
-                rc = buffer_open(k, args[i], 'd', 2, &k->vec[i]);
-                if (rc == 0) {
-                    k->vec[i] = (const double *)k->vec[i] + k->slot * k->n;
-                }
             } else {
-                rc = buffer_open(k, args[i], kind == '?' ? '?' : 'd', 1, &k->vec[i]);
+                rc = buffer_open(k, args[i], 'd', 1, &k->vec[i]);
             }
-            if (rc < 0) {
-                return -1;
+            break;
+        case '?':
+            rc = buffer_open(k, args[i], '?', 1, &k->vec[i]);
+            break;
+        case 's':
+            rc = slot_arg(args[i], k->n, &k->slot);
+            break;
+        case 'r':
+            rc = buffer_open(k, args[i], 'd', 2, &k->vec[i]);
+            if (rc == 0) {
+                k->vec[i] = (const double *)k->vec[i] + k->slot * k->n;
             }
+            break;
+        }
+        if (rc < 0) {
+            return -1;
         }
     }
     return 0;
@@ -281,7 +297,7 @@ static PyObject *kernel_result(Kernel *k) {
 
 /* Releases what the call opened and made, and returns `result`, or NotImplemented when an
  * argument was not of its kind. */
-static PyObject *kernel_done(Kernel *k, PyObject *result) {
+static inline PyObject *kernel_done(Kernel *k, PyObject *result) {
     for (int i = 0; i < k->n_held; i++) {
         PyBuffer_Release(&k->held[i]);
     }
@@ -318,9 +334,11 @@ static inline double prefill_one(const Constants *c, double n_new, double n_cach
 
 /* ttft(prompt_tokens, cached, running, decode_tokens, queue, transfer|None, constants)
  *   -> (prefill, transfer, ttft). `transfer` is returned as given, or a new zero vector. */
+static Layout ttft_args = {"ttft", "fddddDc"};
+
 static PyObject *ttft(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "ttft", "fddddDc", args, nargs) < 0 || kernel_outputs(&k, "d") < 0) {
+    if (kernel_open(&k, &ttft_args, args, nargs) < 0 || kernel_outputs(&k, "d") < 0) {
         return kernel_done(&k, NULL);
     }
     const double *transfer = k.vec[5];
@@ -355,9 +373,11 @@ static PyObject *ttft(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 
 /* moving(host, hits, setup, per_byte, kv_bytes_per_token) -> (cached, transfer): every slot
  * after the host's part of the prompt moved there (cost.moving_terms before its TTFT). */
+static Layout moving_args = {"moving", "sdrrf"};
+
 static PyObject *moving(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "moving", "sdrrf", args, nargs) < 0 || kernel_outputs(&k, "dd") < 0) {
+    if (kernel_open(&k, &moving_args, args, nargs) < 0 || kernel_outputs(&k, "dd") < 0) {
         return kernel_done(&k, NULL);
     }
     const double *hits = k.vec[1], *setup = k.vec[2], *per_byte = k.vec[3];
@@ -375,9 +395,11 @@ static PyObject *moving(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* fetch_when_cheaper(holder, prompt_tokens, hits, eligible, setup, per_byte, constants,
  *   holder_prefill_s) -> (fetch, cached, transfer): cost.fetch_when_cheaper. */
+static Layout fetch_when_cheaper_args = {"fetch_when_cheaper", "sfd?rrcf"};
+
 static PyObject *fetch_when_cheaper(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "fetch_when_cheaper", "sfd?rrcf", args, nargs) < 0 ||
+    if (kernel_open(&k, &fetch_when_cheaper_args, args, nargs) < 0 ||
         kernel_outputs(&k, "?dd") < 0) {
         return kernel_done(&k, NULL);
     }
@@ -400,9 +422,11 @@ static PyObject *fetch_when_cheaper(PyObject *self, PyObject *const *args, Py_ss
 
 /* fetch_from(holder, hits, fetch, setup, per_byte, kv_bytes_per_token) -> (cached, transfer):
  * cost.fetch_from. */
+static Layout fetch_from_args = {"fetch_from", "sd?rrf"};
+
 static PyObject *fetch_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "fetch_from", "sd?rrf", args, nargs) < 0 ||
+    if (kernel_open(&k, &fetch_from_args, args, nargs) < 0 ||
         kernel_outputs(&k, "dd") < 0) {
         return kernel_done(&k, NULL);
     }
@@ -423,9 +447,11 @@ static PyObject *fetch_from(PyObject *self, PyObject *const *args, Py_ssize_t na
 /* candidates(eligible, free_blocks, block_size, context_tokens, pending, host) -> bool vector:
  * MigrationPlanner.candidates (eligible slots other than the host with room for the context
  * and fewer pending prefill tokens than the host). */
+static Layout candidates_args = {"candidates", "?dffds"};
+
 static PyObject *candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "candidates", "?dffds", args, nargs) < 0 ||
+    if (kernel_open(&k, &candidates_args, args, nargs) < 0 ||
         kernel_outputs(&k, "?") < 0) {
         return kernel_done(&k, NULL);
     }
@@ -447,9 +473,11 @@ static PyObject *candidates(PyObject *self, PyObject *const *args, Py_ssize_t na
  * cheapest eligible slot's weighted by the share of eligible slots with queued prefill, and
  * the slots to pick from (the eligible ones whose resident sessions leave room for the
  * context, or `eligible` itself when none does). NotImplemented when no slot is eligible. */
+static Layout cold_score_args = {"cold_score", "ddd?dff"};
+
 static PyObject *cold_score(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "cold_score", "ddd?dff", args, nargs) < 0) {
+    if (kernel_open(&k, &cold_score_args, args, nargs) < 0) {
         return kernel_done(&k, NULL);
     }
     const double *ttft = k.vec[0], *prefill = k.vec[1], *pending = k.vec[2];
@@ -495,9 +523,11 @@ static PyObject *cold_score(PyObject *self, PyObject *const *args, Py_ssize_t na
 /* best_slot(hit_blocks, eligible) -> int: RequestView.best_slot, the eligible slot with the
  * longest hit (the first on ties; numpy's argmax, a NaN first of all), or -1 when its hit is
  * not positive. */
+static Layout best_slot_args = {"best_slot", "d?"};
+
 static PyObject *best_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "best_slot", "d?", args, nargs) < 0) {
+    if (kernel_open(&k, &best_slot_args, args, nargs) < 0) {
         return kernel_done(&k, NULL);
     }
     if (k.n == 0) {
@@ -521,9 +551,11 @@ static PyObject *best_slot(PyObject *self, PyObject *const *args, Py_ssize_t nar
 /* ---- picking --------------------------------------------------------------------------------- */
 
 /* masked_min(values, mask) -> float: np.min(values[mask]); ValueError when the mask is empty. */
+static Layout masked_min_args = {"masked_min", "d?"};
+
 static PyObject *masked_min(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "masked_min", "d?", args, nargs) < 0) {
+    if (kernel_open(&k, &masked_min_args, args, nargs) < 0) {
         return kernel_done(&k, NULL);
     }
     const double *v = k.vec[0];
@@ -555,6 +587,8 @@ static PyObject *masked_min(PyObject *self, PyObject *const *args, Py_ssize_t na
 static inline int sort_lt(double a, double b) { return a < b || (isnan(b) && !isnan(a)); }
 
 /* argmin(values, eligible, tiebreaks) -> int: pickers.argmin_eligible. */
+static Layout argmin_args = {"argmin", "d?-"};
+
 static PyObject *argmin(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     /* The tiebreaks are checked before any vector is opened, as they always were. */
     PyObject *ties = nargs == 3 ? args[2] : NULL;
@@ -566,7 +600,7 @@ static PyObject *argmin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     }
     Kernel k;
-    if (kernel_open(&k, "argmin", "d?-", args, nargs) < 0) {
+    if (kernel_open(&k, &argmin_args, args, nargs) < 0) {
         return kernel_done(&k, NULL);
     }
     Py_ssize_t keys = PyTuple_GET_SIZE(ties);
@@ -686,9 +720,11 @@ static int add_match(PyObject *match, Py_ssize_t n, double *blocks, double *last
     return 0;
 }
 
+static Layout hit_vectors_args = {"hit_vectors", "----"};
+
 static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "hit_vectors", "----", args, nargs) < 0) {
+    if (kernel_open(&k, &hit_vectors_args, args, nargs) < 0) {
         return kernel_done(&k, NULL);
     }
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
@@ -751,9 +787,11 @@ static PyObject *hit_vectors(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 /* pool_load(pool_tokens, prefill, (setup, per_byte, kv_bytes_per_token, layers))
  *   -> (load, wait): cost.pool_load. */
+static Layout pool_load_args = {"pool_load", "ddp"};
+
 static PyObject *pool_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Kernel k;
-    if (kernel_open(&k, "pool_load", "ddp", args, nargs) < 0 || kernel_outputs(&k, "dd") < 0) {
+    if (kernel_open(&k, &pool_load_args, args, nargs) < 0 || kernel_outputs(&k, "dd") < 0) {
         return kernel_done(&k, NULL);
     }
     const double *tokens = k.vec[0], *prefill = k.vec[1];

@@ -316,6 +316,31 @@ def test_the_kernels_refuse_mismatched_vectors_and_slots() -> None:
         _scoring.masked_min(np.zeros(3))  # type: ignore[call-arg]
 
 
+def test_each_kind_of_argument_is_refused_as_the_kernels_always_have() -> None:
+    # The kernels read their arguments through one opener: numbers and constants first, then
+    # vectors, then the slot, then the transfer matrices' rows.
+    cost, hits = cluster_of(3, 8192).cost, np.zeros(3)
+    consts = cost.kernel_constants
+    with pytest.raises(TypeError, match="constants: a tuple of 7 numbers"):
+        _scoring.ttft(1.0, hits, hits, hits, hits, None, consts[:6])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be real number"):  # the number before the slot
+        _scoring.moving(9, hits, cost.setup_s, cost.s_per_byte, "kv")  # type: ignore[arg-type]
+    assert _scoring.moving(9, np.arange(3), cost.setup_s, cost.s_per_byte, 1.0) is NotImplemented  # type: ignore[arg-type]
+    square = np.zeros((2, 2))  # a matrix of another size: the reference runs
+    assert _scoring.fetch_from(0, hits, hits > 0, square, square, 1.0) is NotImplemented
+    with pytest.raises(TypeError, match="fetch_when_cheaper takes 8 arguments"):
+        _scoring.fetch_when_cheaper(0, 1.0, hits)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="tiebreaks: a tuple of vectors"):
+        _scoring.argmin(hits, hits > -1, [hits])  # type: ignore[arg-type]
+    assert _scoring.argmin(hits, hits > -1, (hits,) * 9) is NotImplemented
+    with pytest.raises(ValueError, match="vectors of 3 and 2 slots"):
+        _scoring.argmin(hits, hits > -1, (hits, hits[:2]))
+    pool = cost.pool_constants  # read before the vectors, as the pool load always has
+    with pytest.raises(TypeError, match="constants: a tuple of 4 numbers"):
+        _scoring.pool_load(np.arange(3), hits, pool[:3])  # type: ignore[arg-type]
+    assert _scoring.pool_load(np.arange(3), hits, pool) is NotImplemented  # type: ignore[arg-type]
+
+
 def place_all(spec: str, seed: int) -> list[tuple[Any, ...]]:
     """Every decision of `spec` on a busy 16-instance cluster, with all of its terms."""
     rng = random.Random(seed)
