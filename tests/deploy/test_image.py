@@ -145,9 +145,12 @@ def test_the_wheel_holds_the_package_data(installed_wheel: Path) -> None:
 
 
 def test_the_wheel_holds_the_compiled_index_and_scoring(installed_wheel: Path) -> None:
-    """The prefix index's and the scoring's C extensions, built from the context's setup.py."""
-    for name in ("_holdings", "_scoring"):
-        assert list((installed_wheel / "kvsched" / "core").glob(f"{name}*.so")), f"no {name}"
+    """The prefix index's, the scoring's and the simulator cache's C extensions, built from the
+    context's setup.py, and the stubs that type them."""
+    for name in ("core/_holdings", "core/_scoring", "sim/_cache"):
+        assert list((installed_wheel / "kvsched").glob(f"{name}*.so")), f"no {name}"
+    for stub in ("core/_holdings.pyi", "core/_scoring.pyi", "sim/_cache.pyi"):
+        assert (installed_wheel / "kvsched" / stub).is_file(), f"no {stub}"
 
 
 @pytest.mark.parametrize("command", SERVICES)
