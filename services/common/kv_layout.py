@@ -94,6 +94,25 @@ def fill(chunks: Bytes, hashes: Sequence[int]) -> None:
         chunks[:, :, whole * _PATTERN_BYTES :] = pattern[:, :, :tail]
 
 
+def intact_prefix(chunks: Bytes, pages: Sequence[int], hashes: Sequence[int]) -> int:
+    """How many of the blocks `hashes`, held in `pages` (paired in order) of `chunks`, shape
+    (layers, pages, chunk_bytes), hold their own content (`fill`) in every layer, counted
+    from the first until one does not. Reads each chunk once against its 64-byte pattern."""
+    n = min(len(pages), len(hashes))
+    if n == 0:
+        return 0
+    layers, _, chunk_bytes = chunks.shape
+    got = chunks[:, list(pages[:n]), :]  # (layers, n, chunk_bytes), a copy
+    pattern = patterns(hashes[:n], layers).view(np.uint8).transpose(1, 0, 2)  # (layers, n, 64)
+    whole, tail = divmod(chunk_bytes, _PATTERN_BYTES)
+    body = got[:, :, : whole * _PATTERN_BYTES].reshape(layers, n, whole, _PATTERN_BYTES)
+    ok = (body == pattern[:, :, None, :]).all(axis=(2, 3)).all(axis=0)
+    if tail:
+        ok &= (got[:, :, whole * _PATTERN_BYTES :] == pattern[:, :, :tail]).all(axis=(0, 2))
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else n
+
+
 def expected_chunk(block_hash: int, layer: int, chunk_bytes: int) -> bytes:
     """What a block's chunk of `layer` holds."""
     pattern: bytes = patterns([block_hash], layer + 1)[0, layer].tobytes()

@@ -7,8 +7,9 @@ connector makes (`services.vllm_connector.wire`), made from the event loop.
 - **Load**: before a request is queued, the blocks beyond the engine's own cache hit that the
   pool holds are pinned there, imported into the engine's cache (`KvTransfers.import_begin`,
   the same reservation a Messenger's import makes), copied page by page and committed; the
-  engine then finds them cached. Their copy over PCIe is not modelled yet: a load is free in
-  model time.
+  engine then finds them cached. Blocks whose bytes are not the content their hash implies
+  (`kv_layout.intact_prefix`) are not taken: the engine computes them. Their copy over PCIe
+  is not modelled yet: a load is free in model time.
 
 The pool is an optimisation: a pool that cannot be reached, refuses, or has nothing is a miss,
 never an error of the request, and the next call connects again.
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.kv_layout import SIM_FORMAT, Bytes
+from services.common.kv_layout import SIM_FORMAT, Bytes, intact_prefix
 from services.common.kv_memory import KvMemory
 from services.common.kv_transfer import KvTransfers, TransferError
 from services.vllm_connector.wire import WireError, body_length, decode, encode, map_pool_file
@@ -46,6 +47,7 @@ class PoolLink:
         self.transfers = transfers
         self.loaded_blocks = 0
         self.saved_blocks = 0
+        self.refused_blocks = 0  # loaded with other bytes than their hash implies
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._maps: dict[str, tuple[mmap.mmap, Bytes]] = {}  # pool file -> its chunks
@@ -140,6 +142,22 @@ class PoolLink:
         if grant.import_id is None:
             return 0
         _copy(pool, pool_pages[grant.have - have :], self.memory.chunks, grant.pages)
+        # The pool's bytes are checked nowhere between its save and this copy (a page written
+        # over in the pool, or a source pool's, arrives with a matching transfer checksum):
+        # only the blocks holding the content their hash implies are taken, the rest is
+        # recomputed.
+        intact = intact_prefix(self.memory.chunks, grant.pages, hashes[grant.have : upto])
+        if intact < upto - grant.have:
+            self.refused_blocks += upto - grant.have - intact
+            log.warning(
+                "block %d of %d loaded from the pool holds other bytes than its hash implies: "
+                "loading %d, recomputing the rest",
+                grant.have + intact, upto, intact,
+            )  # fmt: skip
+            upto = grant.have + intact
+            if intact == 0:
+                self.transfers.import_abort(grant.import_id)
+                return 0
         bs = self.memory.layout.block_size
         try:
             committed = self.transfers.import_commit(

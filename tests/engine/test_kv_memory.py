@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvsched.core.models import MINI_MODEL, model_config
-from services.common.kv_layout import KvLayout, expected_chunk
+from services.common.kv_layout import KvLayout, expected_chunk, intact_prefix
 from services.common.kv_memory import KvMemory, sweep_stale
+from tests.fixtures.kv_content import reference_chunk
 
 LAYOUT = KvLayout.for_model(model_config(MINI_MODEL), 16, 64)
 
@@ -97,6 +99,30 @@ def test_blocks_stored_on_scattered_free_pages_hold_their_content(tmp_path: Path
     assert_holds(memory, 10_001)
     assert_holds(memory, 10_000 + 1016 * 2 + 15)  # the last block stored
     memory.check_integrity()
+    memory.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [8, 64 * 3, 64 * 3 + 24])
+def test_intact_prefix_counts_blocks_holding_their_content_up_to_the_first_that_does_not(
+    tmp_path: Path, chunk_bytes: int
+) -> None:
+    layout = KvLayout(layers=3, pages=12, chunk_bytes=chunk_bytes, block_size=16)
+    memory = KvMemory(layout, "e", tmp_path)
+    memory.store([7, 8])  # pages 0 and 1, so the chain below lies on scattered pages
+    memory.store([11, 12, 13, 14])
+    hashes = [11, 12, 13, 14]
+    pages = [memory.page_of[h] for h in hashes]
+    for h, page in zip(hashes, pages, strict=True):  # as the rule, computed apart, says
+        for layer in range(layout.layers):
+            want = reference_chunk(h, layer, chunk_bytes)
+            assert memory.chunks[layer, page].tobytes() == want
+    assert intact_prefix(memory.chunks, pages, hashes) == 4
+    assert intact_prefix(memory.chunks, pages, [11, 12, 99, 14]) == 2  # another block's name
+    assert intact_prefix(memory.chunks, [], hashes) == 0
+    memory.chunks[layout.layers - 1, pages[2], chunk_bytes - 1] ^= 1  # the very last byte
+    assert intact_prefix(memory.chunks, pages, hashes) == 2
+    memory.chunks[0, pages[0], 0] ^= np.uint8(0x80)
+    assert intact_prefix(memory.chunks, pages, hashes) == 0
     memory.close()
 
 

@@ -17,11 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from services.common.kv_layout import SIM_FORMAT, expected_chunk
+from services.common.kv_layout import SIM_FORMAT
 from services.common.kv_memory import KvMemory
+from services.common.kv_transfer import WrongBlocks
 from services.messenger.kv_pool import BlockFormat, KvPool
 from services.messenger.pool_server import PoolServer
 from tests.engine.conftest import FAST, RunningEngine
+from tests.fixtures.kv_content import reference_chunk
 from tests.fixtures.poll import wait_for
 from tests.fixtures.vllm_metrics import prompt_sources
 
@@ -32,6 +34,7 @@ BS = FAST.block_size
 class Pool:
     pool: KvPool
     socket: Path
+    server: PoolServer
 
 
 def new_pool(directory: Path) -> KvPool:
@@ -53,7 +56,7 @@ async def served_pool() -> AsyncIterator[Pool]:
     server = PoolServer(kv_pool, directory / "pool.sock")
     await server.start()
     try:
-        yield Pool(kv_pool, directory / "pool.sock")
+        yield Pool(kv_pool, directory / "pool.sock", server)
     finally:
         await server.stop()
         kv_pool.close()
@@ -66,6 +69,13 @@ async def pool() -> AsyncIterator[Pool]:
         yield served
 
 
+async def stop_pool(served: Pool) -> None:
+    """The node's Messenger goes away: its socket closes and its pool's file is removed
+    (idempotent: `served_pool` stops it again)."""
+    await served.server.stop()
+    served.pool.close()
+
+
 def prompt(seed: int, n: int) -> list[int]:
     return [100 + (seed * 7919 + i * 104729) % 3900 for i in range(n)]
 
@@ -76,12 +86,13 @@ async def cached_tokens(engine: RunningEngine, ids: list[int]) -> int:
 
 
 def held_right(memory: KvMemory, hashes: list[int]) -> bool:
-    """Every block of `hashes` has a page holding that block's own bytes."""
+    """Every block of `hashes` has a page holding the bytes its hash and each layer imply
+    (computed apart from the engine's own code)."""
     layout = memory.layout
     for h in hashes:
         page = memory.page_of[h]
         for layer in range(layout.layers):
-            want = np.frombuffer(expected_chunk(h, layer, layout.chunk_bytes), dtype=np.uint8)
+            want = np.frombuffer(reference_chunk(h, layer, layout.chunk_bytes), dtype=np.uint8)
             if not np.array_equal(memory.chunks[layer, page], want):
                 return False
     return True
@@ -196,3 +207,127 @@ async def test_an_engine_finds_a_restarted_messengers_new_pool(start_engine: Any
             new.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---- byte-exact round trips, and loads that fail ---------------------------------------
+
+
+async def saved(engine: RunningEngine, pool: Pool, ids: list[int], blocks: int) -> list[int]:
+    """`engine` computes the prompt `ids`; its first `blocks` blocks' hashes, once the node's
+    pool holds them all."""
+    assert await cached_tokens(engine, ids) == 0
+    hashes = engine.live.hasher.hash_prompt(ids)[:blocks]
+    await wait_for(lambda: pool_holds(pool, hashes), 5.0, message="the prompt saved")
+    return hashes
+
+
+def pool_holds(pool: Pool, hashes: list[int]) -> bool:
+    page_of = pool.pool.memory.page_of
+    return all(h in page_of for h in hashes)
+
+
+async def test_a_block_written_back_and_loaded_again_holds_its_own_bytes(
+    start_engine: Any, pool: Pool
+) -> None:
+    """Saved into the pool, evicted from the engine's own memory (its pages reused by other
+    blocks), asked again: loaded, not computed, and every layer's bytes are the ones its hash
+    implies."""
+    engine = await start_engine(kv_pool_socket=str(pool.socket), capacity_blocks=16)
+    ids = prompt(11, 10 * BS + 5)
+    hashes = await saved(engine, pool, ids, 10)
+    old_pages = {engine.live.memory.page_of[h] for h in hashes}
+    for seed in range(20, 30):  # other prompts push the first out of the engine's memory
+        if not any(h in engine.live.cache.nodes for h in hashes):
+            break
+        await cached_tokens(engine, prompt(seed, 10 * BS + 5))
+    assert not any(h in engine.live.cache.nodes for h in hashes), "never evicted"
+    assert old_pages & set(engine.live.memory.page_of.values()), "no page was reused"
+    assert pool_holds(pool, hashes)
+
+    assert await cached_tokens(engine, ids) == 10 * BS
+    link = engine.live.pool
+    assert link is not None and link.loaded_blocks == 10 and link.refused_blocks == 0
+    assert held_right(engine.live.memory, hashes)
+    engine.live.check_integrity()
+    pool.pool.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [0, 3])
+async def test_a_pool_page_written_over_after_the_save_is_recomputed_not_loaded(
+    start_engine: Any, pool: Pool, bad: int
+) -> None:
+    first = await start_engine(instance_id="e-0", kv_pool_socket=str(pool.socket))
+    second = await start_engine(instance_id="e-1", kv_pool_socket=str(pool.socket))
+    ids = prompt(12 + bad, 10 * BS + 5)
+    hashes = await saved(first, pool, ids, 10)
+    memory = pool.pool.memory
+    layer = memory.layout.layers - 1  # the last layer, the last byte: all of it is checked
+    memory.chunks[layer, memory.page_of[hashes[bad]], -1] ^= 0xFF
+
+    # The blocks before the bad one are loaded; it and those after it are computed.
+    assert await cached_tokens(second, ids) == bad * BS
+    link = second.live.pool
+    assert link is not None and link.loaded_blocks == bad and link.refused_blocks == 10 - bad
+    assert await prompt_sources(second.http, second.url) == {
+        "local_compute": len(ids) - bad * BS,
+        "local_cache_hit": 0,
+        "external_kv_transfer": bad * BS,
+    }
+    assert held_right(second.live.memory, hashes)
+    second.live.check_integrity()
+    usage = pool.pool.usage()
+    assert (usage.pinned, usage.staged, usage.exports, usage.imports) == (0, 0, 0, 0)
+
+
+async def test_a_load_whose_commit_is_refused_is_recomputed(
+    start_engine: Any, pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = await start_engine(instance_id="e-0", kv_pool_socket=str(pool.socket))
+    second = await start_engine(instance_id="e-1", kv_pool_socket=str(pool.socket))
+    ids = prompt(16, 6 * BS + 1)
+    hashes = await saved(first, pool, ids, 6)
+    transfers = second.live.transfers
+
+    def refuse(import_id: str, token_ids: Any, cache_salt: Any) -> Any:
+        transfers.import_abort(import_id)  # as a commit whose token ids do not hash does
+        raise WrongBlocks("refused for the test")
+
+    monkeypatch.setattr(transfers, "import_commit", refuse)
+    assert await cached_tokens(second, ids) == 0
+    link = second.live.pool
+    assert link is not None and link.loaded_blocks == 0
+    assert held_right(second.live.memory, hashes)
+    second.live.check_integrity()
+
+
+async def test_a_pool_gone_mid_load_leaves_the_request_answered_with_right_bytes(
+    start_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Messenger (and its pool) goes away between pinning the blocks and the engine's
+    release: the engine's copy, already mapped, is the pool's last bytes, checked; the
+    release fails as a miss; the next request, with no pool, computes."""
+    async with served_pool() as served:
+        first = await start_engine(instance_id="e-0", kv_pool_socket=str(served.socket))
+        second = await start_engine(instance_id="e-1", kv_pool_socket=str(served.socket))
+        ids = prompt(17, 6 * BS + 1)
+        hashes = await saved(first, served, ids, 6)
+        link = second.live.pool
+        assert link is not None
+        call = link._call
+        gone: list[str] = []
+
+        async def then_vanish(op: str, **arguments: Any) -> dict[str, Any] | None:
+            answer: dict[str, Any] | None = await call(op, **arguments)
+            if op == "load" and not gone:
+                gone.append(op)
+                await stop_pool(served)
+            return answer
+
+        monkeypatch.setattr(link, "_call", then_vanish)
+        assert await cached_tokens(second, ids) == 6 * BS
+        assert gone and link.loaded_blocks == 6
+        assert held_right(second.live.memory, hashes)
+        second.live.check_integrity()
+        other = prompt(18, 4 * BS + 1)
+        assert await cached_tokens(second, other) == 0
+        assert held_right(second.live.memory, second.live.hasher.hash_prompt(other)[:4])
