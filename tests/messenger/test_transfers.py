@@ -33,12 +33,15 @@ from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.admin_token import new_admin_token
 from services.common.identity import Identity, Role
 from services.common.kv_layout import KvLayout, expected_chunk
+from services.common.kv_memory import DEFAULT_DIR as KV_MEMORY_DIR
+from services.common.kv_memory import PREFIX as KV_MEMORY_PREFIX
 from services.common.pki import make_cluster_pki
 from services.common.tls import ClientTls, aio_channel, channel_credentials
 from services.vllm_connector.pool_client import PoolClient, PoolUnavailable
 from tests.conductor.conftest import ConductorProcess
 from tests.conftest import MOONCAKE
 from tests.fixtures.etcd import start_etcd
+from tests.fixtures.kv_content import blocks_in_file
 from tests.fixtures.poll import wait_for
 from tests.messenger.conftest import (
     BLOCK,
@@ -291,6 +294,9 @@ async def test_blocks_arrive_byte_exact_layer_by_layer_and_become_cache_hits(
     # learns them from the target's KV events.
     answer = await pair.target.complete(pair.http, tokens)
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * BLOCK
+    # Loaded into the target's engine (which never computed them): its memory holds every
+    # block's content, as computed apart from the code that moved it.
+    assert engine_holds(pair.target, layout, hashes)
     await wait_for(
         lambda: cached_tokens(pair.client, tokens), 10.0, message="the Conductor indexes them"
     )
@@ -300,6 +306,38 @@ async def test_blocks_arrive_byte_exact_layer_by_layer_and_become_cache_hits(
         return status is not None and status.gpu_blocks >= BLOCKS
 
     await wait_for(in_its_engine, 10.0, message="the Conductor indexes the engine's blocks")
+
+
+def engine_holds(engine: EngineProcess, layout: KvLayout, hashes: Sequence[int]) -> bool:
+    """Whether the KV memory of `engine` (a process) holds every block of `hashes` in some
+    page, each layer's bytes as its hash and the layer imply."""
+    (path,) = Path(KV_MEMORY_DIR).glob(f"{KV_MEMORY_PREFIX}{engine.process.pid}-*")
+    found = blocks_in_file(path, layout.layers, layout.chunk_bytes, hashes)
+    return all(found[h] for h in hashes)
+
+
+async def test_a_block_written_over_in_the_source_pool_moves_but_is_recomputed_not_loaded(
+    pair_of: Callable[..., Any],
+) -> None:
+    """The chunk checksums guard the wire: they are computed from the source pool's bytes,
+    so a page written over there arrives as it is. The target's engine, loading it, finds
+    the bytes are not its block's and computes it and what follows, never serving them."""
+    pair: Pair = await pair_of()
+    tokens = prompt(8)
+    hashes = await pair.computed(tokens)
+    path, layout = await pair.layout(pair.source)
+    pages = await pair.visible(pair.source, hashes)
+    assert pages is not None
+    bad = 5
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), layout.size) as m:
+        at = layout.offset(layout.layers - 1, pages[bad]) + layout.chunk_bytes - 1
+        m[at] ^= 0xFF
+
+    last = (await pair.watch(await pair.start(hashes)))[-1]
+    assert last.state == mpb.TRANSFER_STATE_DONE, last.error
+    answer = await pair.target.complete(pair.http, tokens)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == bad * BLOCK
+    assert engine_holds(pair.target, layout, hashes)
 
 
 async def test_a_corrupted_chunk_is_read_again(pair_of: Callable[..., Any]) -> None:
