@@ -97,20 +97,30 @@ def fill(chunks: Bytes, hashes: Sequence[int]) -> None:
 def intact_prefix(chunks: Bytes, pages: Sequence[int], hashes: Sequence[int]) -> int:
     """How many of the blocks `hashes`, held in `pages` (paired in order) of `chunks`, shape
     (layers, pages, chunk_bytes), hold their own content (`fill`) in every layer, counted
-    from the first until one does not. Reads each chunk once against its 64-byte pattern."""
+    from the first until one does not. Reads each chunk in place (runs of consecutive pages
+    as one piece, as `KvMemory.store` writes them), 8 bytes a comparison."""
     n = min(len(pages), len(hashes))
     if n == 0:
         return 0
     layers, _, chunk_bytes = chunks.shape
-    got = chunks[:, list(pages[:n]), :]  # (layers, n, chunk_bytes), a copy
-    pattern = patterns(hashes[:n], layers).view(np.uint8).transpose(1, 0, 2)  # (layers, n, 64)
-    whole, tail = divmod(chunk_bytes, _PATTERN_BYTES)
-    body = got[:, :, : whole * _PATTERN_BYTES].reshape(layers, n, whole, _PATTERN_BYTES)
-    ok = (body == pattern[:, :, None, :]).all(axis=(2, 3)).all(axis=0)
-    if tail:
-        ok &= (got[:, :, whole * _PATTERN_BYTES :] == pattern[:, :, :tail]).all(axis=(0, 2))
-    bad = np.flatnonzero(~ok)
-    return int(bad[0]) if len(bad) else n
+    words = chunks.view(_U64)  # chunk_bytes is a multiple of 8 (`KvLayout`)
+    whole, tail = divmod(chunk_bytes // 8, PATTERN_WORDS)
+    pattern = patterns(hashes[:n], layers).transpose(1, 0, 2)  # (layers, n, 8)
+    start = 0
+    for end in range(1, n + 1):
+        if end < n and pages[end] == pages[end - 1] + 1:
+            continue
+        run = words[:, pages[start] : pages[start] + end - start, :]
+        want = pattern[:, start:end]
+        body = run[:, :, : whole * PATTERN_WORDS]
+        body = body.reshape(layers, end - start, whole, PATTERN_WORDS)
+        ok = (body == want[:, :, None, :]).all(axis=(0, 2, 3))
+        if tail:
+            ok &= (run[:, :, whole * PATTERN_WORDS :] == want[:, :, :tail]).all(axis=(0, 2))
+        if not ok.all():
+            return start + int(np.argmin(ok))
+        start = end
+    return n
 
 
 def expected_chunk(block_hash: int, layer: int, chunk_bytes: int) -> bytes:
