@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import TextIO
 
 from kvsched.core.cluster import SloConfig
+from kvsched.core.topology import TopologyConfig
 from kvsched.sim.compare import Comparison, expand_policies, run_comparison
 from kvsched.sim.hardware import add_hardware_arguments, hardware_from_args
+from kvsched.sim.tiers import NVME_GEN4_READ, PCIE_GEN5_ACHIEVED, TierConfig, TierSize
 from kvsched.sim.traces import transform
 from kvsched.sim.traces.model import Trace
 from kvsched.sim.traces.weka import weka_shared_prefix
@@ -35,10 +37,54 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="L1,L2,...",
         help="also replay at these loads; goodput = highest load with SLO attainment >= 90%%",
     )
+    tier = rp.add_argument_group("node KV pool (DRAM and SSD tiers; off by default)")
+    tier.add_argument(
+        "--dram-tier",
+        type=_tier_size,
+        default=TierSize(),
+        metavar="X",
+        help="each node's DRAM tier: X times the node's GPU KV capacity (4 or 4x), or tokens "
+        "per node with a t suffix (2000000t); 0: off",
+    )
+    tier.add_argument(
+        "--dram-bandwidth",
+        type=float,
+        default=PCIE_GEN5_ACHIEVED / 1e9,
+        metavar="GB/S",
+        help="each GPU's host link (PCIe), each way (default: %(default)g, Gen5 x16 achieved)",
+    )
+    tier.add_argument(
+        "--ssd-tier",
+        type=_tier_size,
+        default=TierSize(),
+        metavar="X",
+        help="each node's SSD tier below DRAM, sized as --dram-tier; 0: off",
+    )
+    tier.add_argument(
+        "--ssd-bandwidth",
+        type=float,
+        default=NVME_GEN4_READ / 1e9,
+        metavar="GB/S",
+        help="each node's SSD (default: %(default)g, NVMe Gen4 read)",
+    )
+    tier.add_argument(
+        "--instances-per-node",
+        type=int,
+        default=TopologyConfig().instances_per_node,
+        metavar="N",
+        help="instances sharing a node (and its DRAM tier) (default: %(default)s)",
+    )
     rp.add_argument("--no-figures", action="store_true")
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
     add_hardware_arguments(rp)
     return parser
+
+
+def _tier_size(text: str) -> TierSize:
+    try:
+        return TierSize.parse(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup_fraction=args.warmup,
             sweep_loads=parse_loads(args.sweep),
             hardware=hardware_from_args(args),
+            topology=TopologyConfig(instances_per_node=args.instances_per_node),
+            tier=TierConfig(
+                dram=args.dram_tier,
+                ssd=args.ssd_tier,
+                pcie_bandwidth=args.dram_bandwidth * 1e9,
+                ssd_bandwidth=args.ssd_bandwidth * 1e9,
+            ),
         )
         if args.instances <= 0 or args.load <= 0:
             raise ValueError("--instances and --load must be positive")

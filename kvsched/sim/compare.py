@@ -22,6 +22,7 @@ from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.replay import run_replay
 from kvsched.sim.report import markdown_table, write_report
 from kvsched.sim.summary import measured_calls, summarize
+from kvsched.sim.tiers import TierConfig
 from kvsched.sim.traces import ceiling
 from kvsched.sim.traces.model import Trace
 
@@ -42,6 +43,7 @@ class Comparison:
     warmup_fraction: float = 0.05
     hardware: HardwareOptions = field(default_factory=HardwareOptions)  # model, GPU, KV, links
     sweep_loads: tuple[float, ...] = ()  # loads to sweep for goodput (besides `load`)
+    tier: TierConfig = field(default_factory=TierConfig)  # the node KV pool (off by default)
 
 
 def expand_policies(text: str) -> tuple[str, ...]:
@@ -84,6 +86,7 @@ def replay_config(cmp: Comparison) -> ReplayConfig:
         load=cmp.load,
         closed_loop=cmp.closed_loop,
         warmup_fraction=cmp.warmup_fraction,
+        tier=cmp.tier,
     )
 
 
@@ -191,9 +194,14 @@ def sweep_goodput(
 
 def _headline(cmp: Comparison) -> str:
     mode = "closed loop" if cmp.closed_loop else "open loop"
+    tier = ""
+    if cmp.tier.on:
+        tier = f", DRAM tier {cmp.tier.dram.describe()}"
+        if cmp.tier.ssd.on:
+            tier += f", SSD tier {cmp.tier.ssd.describe()}"
     return (
         f"{Path(cmp.trace_path).name}: {len(cmp.trace.calls)} calls, {cmp.instances} instances, "
-        f"{mode}, load {cmp.load:g}, seed {cmp.seed}"
+        f"{mode}, load {cmp.load:g}, seed {cmp.seed}{tier}"
     )
 
 
@@ -274,4 +282,5 @@ def config_section(cmp: Comparison, config: ReplayConfig) -> dict[str, Any]:
             "links": links,
         },
         "hardware": cmp.hardware.record(),
+        "tier": cmp.tier.record(),
     }

@@ -19,10 +19,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from kvsched.core.latency import LatencyModel
 from kvsched.core.load import LoadReport
 from kvsched.sim.cache import EngineCache, make_cache
+
+if TYPE_CHECKING:
+    from kvsched.sim.tiers import NodeTier
 
 
 class JobKind(Enum):
@@ -48,6 +52,7 @@ class Job:
     private: int = 0  # pages reserved for this job and not holding a cached block
     cached_tokens: int = 0  # prompt tokens not computed here (local hit + fetched)
     local_hit_tokens: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens loaded from the node's DRAM/SSD tier
     computed: int = 0  # prompt tokens done (cached ones included)
     generated: int = 0
     admitted_at: float = -1.0
@@ -104,8 +109,12 @@ class Engine:
         gap_sink: GapSink | None = None,
         *,
         cache: EngineCache | None = None,
+        tier: NodeTier | None = None,
     ) -> None:
+        """`tier`: the node KV pool this engine loads from (shared with the node's other
+        instances); None, the default, models GPU memory only."""
         self.slot = slot
+        self.tier = tier
         self.latency = latency
         self.bs = spec.block_size
         # The compiled cache unless `KVSCHED_PURE_SIMCACHE` asks for the reference (or the
@@ -342,16 +351,28 @@ class Engine:
                     cache.unlock_prefix(job.hashes, job.held, now)
                 job.held = local
                 extra = local
+            loaded = 0
+            if self.tier is not None and job.fetched == 0:
+                # The rest of the prefix from the node's pool, when it holds more than the GPU.
+                loaded = max(self.tier.match(job.hashes, limit) - job.held, 0)
             total = job.prompt + (job.output if job.kind is JobKind.FULL else 0)
             pages = max(-(-total // bs) - job.held - job.private, 0)
             if not cache.reserve(pages):
                 break
             job.private += pages
+            if loaded:
+                assert self.tier is not None
+                load = self.tier.load(self.slot, job.hashes, job.held, job.held + loaded, now)
+                job.fetched = loaded
+                job.ready_at, job.kv_done_at = load.ready_at, load.done_at
+                extra = job.held + loaded
             self.waiting.popleft()
             self.queued_s -= job.est_prefill_s  # the provisional estimate it was queued with
             job.admitted_at = now
             cached_tokens = min(extra * bs, job.prompt - 1)
             job.local_hit_tokens = min(job.held * bs, cached_tokens)
+            if loaded:
+                job.tier_hit_tokens = cached_tokens - job.local_hit_tokens
             job.cached_tokens = cached_tokens
             # Replace the provisional pending estimate with the one for the real hit.
             self.pending_tokens += job.computed - cached_tokens

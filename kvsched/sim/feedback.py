@@ -35,7 +35,8 @@ class EngineFeedback:
         """Apply the engine's pending cache events to the scheduler's index, cut as a
         Messenger cuts them (no event longer than the longest prompt); empties the engine's
         event buffer."""
-        events = self._engines[slot].cache.drain_events()
+        engine = self._engines[slot]
+        events = engine.cache.drain_events()
         if not events:
             return
         # As the replay always applied them: the stores of the window, then its removals.
@@ -46,6 +47,22 @@ class EngineFeedback:
         elif removals:
             stored.append(BlocksRemoved(tuple(chain.from_iterable(e.hashes for e in removals))))
         self._scheduler.apply(slot, list(split(stored, self._max_blocks)))
+        if engine.tier is not None:
+            self._write_back(slot, removals)
+
+    def _write_back(self, slot: int, removals: list[BlocksRemoved]) -> None:
+        """The GPU of `slot` evicted blocks: its node's tier keeps them (`NodeTier.evicted`),
+        and every instance of the node hears the tier moves, as a Messenger relays its node
+        pool's events for each of its engines."""
+        tier = self._engines[slot].tier
+        assert tier is not None
+        now = self._clock.now
+        for e in removals:
+            tier.evicted(slot, e.hashes, now)
+        moves: list[KvEvent] = list(tier.drain_events())
+        if moves:
+            for node_slot in tier.slots:
+                self._scheduler.apply(node_slot, list(split(moves, self._max_blocks)))
 
     def report(self, slot: int) -> None:
         """Send the engine's load report to the scheduler, and its pending prefill tokens and

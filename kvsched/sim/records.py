@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvsched.core.cluster import ClusterConfig, ClusterState
 from kvsched.core.decision import Decision
 from kvsched.sim.engine import Engine
 from kvsched.sim.meters import GapHistogram, HotspotMeter
 from kvsched.sim.migrations import MigrationLog
+from kvsched.sim.tiers import TierConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class ReplayConfig:
     # Closed loop: a rejected turn comes back after its retry delay (an agent retries a 429),
     # up to this many times; its TTFT counts from its first arrival.
     max_retries: int = 20
+    tier: TierConfig = field(default_factory=TierConfig)  # the node KV pool (off by default)
     check_integrity: bool = False  # assert engine invariants after every step (tests)
     keep_decisions: bool = False
 
@@ -41,6 +43,7 @@ class Req:
     finished_at: float = -1.0
     local_hit: int = 0
     transfer_hit: int = 0
+    tier_hit: int = 0  # prompt tokens loaded from the node's DRAM/SSD tier
     rejected: bool = False
     done: bool = False
     decision: Decision | None = None
@@ -60,4 +63,5 @@ class ReplayResult:
     group_start: dict[str, float]
     end_time: float
     events: int
+    tiers: dict[str, int] | None = None  # the node tiers' counters, summed; None when off
     wall_s: float = 0.0

@@ -31,6 +31,7 @@ from kvsched.sim.migrations import MigrationTracker
 from kvsched.sim.network import Network
 from kvsched.sim.prepare import PreparedTrace
 from kvsched.sim.records import ReplayConfig, ReplayResult, Req
+from kvsched.sim.tiers import NodeTier, build_tiers
 from kvsched.sim.transfers import Transfers
 
 
@@ -76,10 +77,20 @@ class Replay:
             layers=cost.model.layers,
         )
         self.gaps = GapHistogram()
+        tiers = build_tiers(
+            config.tier,
+            cost.topology.node_of,
+            gpu_pages=self.cluster.capacity_blocks,
+            block_size=trace.block_tokens,
+            kv_bytes_per_token=cost.kv_bytes_per_token,
+            layers=cost.model.layers,
+            chains=prepared.hashes,
+        )
         self.engines = [
-            Engine(slot, engine_spec, cost.latency, self.gaps.add)
+            Engine(slot, engine_spec, cost.latency, self.gaps.add, tier=tiers[slot])
             for slot in range(cluster_cfg.n_instances)
         ]
+        self.tiers: list[NodeTier] = list({id(t): t for t in tiers if t is not None}.values())
         self.clock = EventQueue()
         self.hotspot = HotspotMeter(cluster_cfg.n_instances, cluster_cfg.chunk_tokens)
         self.feedback = EngineFeedback(
@@ -134,7 +145,17 @@ class Replay:
             group_start=self.arrivals.group_start,
             end_time=clock.now,
             events=self.events,
+            tiers=self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, int] | None:
+        if not self.tiers:
+            return None
+        total: dict[str, int] = {}
+        for tier in self.tiers:
+            for key, value in tier.stats().items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     # ---- arrivals and placement ----------------------------------------------------------
 
@@ -251,7 +272,8 @@ class Replay:
             req = self.reqs[job.rid]
             req.first_token_at = now
             req.local_hit = job.local_hit_tokens
-            req.transfer_hit = job.cached_tokens - job.local_hit_tokens
+            req.tier_hit = job.tier_hit_tokens
+            req.transfer_hit = job.cached_tokens - job.local_hit_tokens - job.tier_hit_tokens
         for job in out.finished:
             if job.kind is JobKind.PREFILL_ONLY:
                 if not self.transfers.hand_off(job):
@@ -272,7 +294,7 @@ class Replay:
             decode_instance=req.decode_slot,
             prompt_tokens=call.input_tokens,
             output_tokens=call.output_tokens,
-            cached_tokens=req.local_hit + req.transfer_hit,
+            cached_tokens=req.local_hit + req.transfer_hit + req.tier_hit,
             block_hashes=self.prepared.hashes[req.call],
             arrival=req.arrival,
             first_token_at=req.first_token_at,

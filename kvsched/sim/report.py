@@ -18,6 +18,7 @@ TABLE = (
     ("e2e_p90", "E2E p90", "{:.2f}"),
     ("apc", "APC", "{:.3f}"),
     ("apc_transfer", "APC xfer", "{:.3f}"),
+    ("apc_load", "APC load", "{:.3f}"),
     ("hotspot_index", "Hotspot", "{:.3f}"),
     ("hotspot_pmr", "HPMR", "{:.2f}"),
     ("hotspot_cv", "HCV", "{:.2f}"),

@@ -136,6 +136,12 @@ def summarize(result: ReplayResult, trace: Trace, config: ReplayConfig) -> dict[
     }
     window_start = measured_from(trace, config, result.group_start)
     row.update(result.hotspot.summary(window_start, result.end_time))
+    if result.tiers is not None:  # only with the node tier on: rows without it stay as pinned
+        loaded = np.array([r.tier_hit for r in reqs], dtype=float)
+        apc_load = loaded[served].sum() / p_served if p_served else math.nan
+        row["apc"] += apc_load
+        row["apc_load"] = apc_load
+        row["tiers"] = dict(result.tiers)
     if config.closed_loop:
         row.update(amplification(result, trace, measured))
     else:
