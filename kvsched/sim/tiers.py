@@ -64,6 +64,8 @@ class TierSize:
         return int(self.factor * node_gpu_pages)
 
     def describe(self) -> str:
+        if not self.on:
+            return "0"
         if self.tokens:
             return f"{self.tokens}t"
         return f"{self.factor:g}x"
