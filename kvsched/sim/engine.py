@@ -137,6 +137,9 @@ class Engine:
         # index's measure of work that waits); changes only on submit, admission and abort.
         self.queued_s = 0.0
         self.step: _Step | None = None
+        # Times a job deferred on its node-tier load may start (its first layer is in): the
+        # replay wakes the engine then (`take_wakes`).
+        self.wakes: list[float] = []
         self.gap_sink = gap_sink
         # Counters for the report.
         self.passes = 0
@@ -172,6 +175,11 @@ class Engine:
             self.waiting.append(job)
         else:
             self.handoffs.append(job)
+
+    def take_wakes(self) -> list[float]:
+        """The wake-up times `plan` asked for since the last call (emptied)."""
+        wakes, self.wakes = self.wakes, []
+        return wakes
 
     def report(self) -> LoadReport:
         """The engine's load as a scheduler would read it from its metrics."""
@@ -366,13 +374,18 @@ class Engine:
                 job.fetched = loaded
                 job.ready_at, job.kv_done_at = load.ready_at, load.done_at
                 extra = job.held + loaded
+                job.tier_hit_tokens = min(extra * bs, job.prompt - 1) - min(
+                    job.held * bs, job.prompt - 1
+                )
+                if load.start > now:  # the link is busy: wait for the first layer, pages held
+                    skipped.append(self.waiting.popleft())
+                    self.wakes.append(load.ready_at)
+                    continue
             self.waiting.popleft()
             self.queued_s -= job.est_prefill_s  # the provisional estimate it was queued with
             job.admitted_at = now
             cached_tokens = min(extra * bs, job.prompt - 1)
             job.local_hit_tokens = min(job.held * bs, cached_tokens)
-            if loaded:
-                job.tier_hit_tokens = cached_tokens - job.local_hit_tokens
             job.cached_tokens = cached_tokens
             # Replace the provisional pending estimate with the one for the real hit.
             self.pending_tokens += job.computed - cached_tokens

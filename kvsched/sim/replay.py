@@ -243,7 +243,14 @@ class Replay:
         if end is not None:
             self._version[slot] += 1
             self.clock.push(end, STEP, (slot, self._version[slot]))
+        if engine.wakes:
+            self._wake_later(slot)
         self.feedback.report(slot)
+
+    def _wake_later(self, slot: int) -> None:
+        """Wake `slot` when the prompts it deferred on a busy node-tier link may start."""
+        for at in self.engines[slot].take_wakes():
+            self.clock.push(at, WAKE, slot)
 
     def _on_wake(self, slot: int) -> None:
         self._kick(slot)
@@ -262,6 +269,8 @@ class Replay:
         if end is not None:
             self._version[slot] += 1
             self.clock.push(end, STEP, (slot, self._version[slot]))
+        if engine.wakes:
+            self._wake_later(slot)
         self.feedback.report(slot)
 
     def _handle_outcome(self, out: StepOutcome) -> None:

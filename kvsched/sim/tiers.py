@@ -143,6 +143,7 @@ class Load:
     """Blocks a prompt loads from its node's tiers, and when they arrive on the GPU."""
 
     blocks: int
+    start: float  # the link starts moving them (later than asked when it is busy)
     ready_at: float  # the first layer is in
     done_at: float  # the last layer is in
 
@@ -277,7 +278,7 @@ class NodeTier:
             _, ssd_done = self._book_ssd(from_ssd, now)
         first, last = self._book_pcie(slot, end - start, now)
         last = max(last, ssd_done + (last - first) / self._layers)
-        return Load(end - start, first + (last - first) / self._layers, last)
+        return Load(end - start, first, first + (last - first) / self._layers, last)
 
     def drain_events(self) -> list[CacheEvent]:
         """The tier moves since the last drain, for every instance of the node."""

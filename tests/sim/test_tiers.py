@@ -254,3 +254,23 @@ def test_with_the_tier_off_no_engine_loads_and_the_index_has_no_cpu_tier() -> No
     assert result.tiers is None
     assert all(r.tier_hit == 0 for r in result.reqs)
     assert all(result.cluster.index.reported_count(s, Tier.CPU) == 0 for s in range(4))
+
+
+def test_a_load_behind_a_busy_link_waits_for_its_first_layer_instead_of_stalling_the_pass() -> None:
+    a, b = chain(1, 32), chain(2, 32)
+    tier = tiers((0,), [a, b], dram_tokens=128 * BS)[0]
+    assert tier is not None
+    eng = Engine(0, EngineSpec(BS, 40, 2048, 8, layers=32), LAT, tier=tier)
+    tier.evicted(0, [a[-1]], now=0.0)  # a is in DRAM
+    tier.evicted(0, [b[-1]], now=1.0)  # b's write-back occupies the link from t=1
+    job = Job(0, JobKind.FULL, 32 * BS + 5, 1, a, 1.0)
+    eng.submit(job)
+    assert eng.plan(1.0) is None  # nothing else to run: the engine idles meanwhile
+    (wake,) = eng.take_wakes()
+    assert wake == job.ready_at > 1.0 and eng.take_wakes() == []
+    assert job.fetched == 32 and job.tier_hit_tokens == 32 * BS
+    end = eng.plan(wake)
+    assert end is not None and end >= job.kv_done_at
+    assert eng.complete(end).first_tokens == [job]
+    assert job.cached_tokens == 32 * BS
+    eng.check_integrity()
