@@ -164,6 +164,8 @@ class Engine:
         if job.kind is not JobKind.DECODE_ONLY:
             limit = (job.prompt - 1) // self.bs
             guess = max(job.held + job.fetched, self.cache.match(job.hashes, limit))
+            if self.tier is not None:  # what the node's pool holds is loaded, not computed
+                guess = max(guess, self.tier.match(job.hashes, limit))
             n_new = job.prompt - min(guess * self.bs, job.prompt - 1)
             job.est_prefill_s = self.latency.prefill_scalar(
                 n_new, job.prompt - n_new, self.chunk_tokens
