@@ -72,7 +72,9 @@ def replay(tmp: Path, policies: str, *args: str) -> dict[str, Any]:
 def test_no_options_keep_the_config_and_the_gpu_memory_rule_agrees(tmp_path: Path) -> None:
     default = replay(tmp_path, "cache_aware")
     hardware = default["config"].pop("hardware")
+    tier = default["config"].pop("tier")  # the node KV pool's options (tests/sim/test_tiers.py)
     assert default["config"] == DEFAULT_CONFIG
+    assert (tier["dram"], tier["ssd"]) == ("0", "0")
     assert hardware["kv_capacity"] == {"from": "latency_profile", "tokens": 467280}
     assert (hardware["model_config"], hardware["latency_profile"]) == (
         "meta-llama/Llama-3.1-8B-Instruct",
