@@ -96,6 +96,7 @@ class EngineSpec:
 
 
 GapSink = Callable[[float, float, float], None]  # (first gap s, last gap s, count)
+WakeSink = Callable[[int, float], None]  # (slot, time to wake it)
 
 
 class Engine:
@@ -110,11 +111,15 @@ class Engine:
         *,
         cache: EngineCache | None = None,
         tier: NodeTier | None = None,
+        wake_sink: WakeSink | None = None,
     ) -> None:
         """`tier`: the node KV pool this engine loads from (shared with the node's other
-        instances); None, the default, models GPU memory only."""
+        instances); None, the default, models GPU memory only. `wake_sink(slot, at)` hears
+        when a prompt deferred on a busy tier link may start (the caller wakes the engine
+        then); without one they are kept for `take_wakes`."""
         self.slot = slot
         self.tier = tier
+        self.wake_sink = wake_sink
         self.latency = latency
         self.bs = spec.block_size
         # The compiled cache unless `KVSCHED_PURE_SIMCACHE` asks for the reference (or the
@@ -137,8 +142,8 @@ class Engine:
         # index's measure of work that waits); changes only on submit, admission and abort.
         self.queued_s = 0.0
         self.step: _Step | None = None
-        # Times a job deferred on its node-tier load may start (its first layer is in): the
-        # replay wakes the engine then (`take_wakes`).
+        # Times a job deferred on its node-tier load may start (its first layer is in), when
+        # no `wake_sink` hears them: whoever drives the engine wakes it then (`take_wakes`).
         self.wakes: list[float] = []
         self.gap_sink = gap_sink
         # Counters for the report.
@@ -179,7 +184,8 @@ class Engine:
             self.handoffs.append(job)
 
     def take_wakes(self) -> list[float]:
-        """The wake-up times `plan` asked for since the last call (emptied)."""
+        """The wake-up times `plan` asked for since the last call (emptied), when no
+        `wake_sink` hears them."""
         wakes, self.wakes = self.wakes, []
         return wakes
 
@@ -381,7 +387,10 @@ class Engine:
                 )
                 if load.start > now:  # the link is busy: wait for the first layer, pages held
                     skipped.append(self.waiting.popleft())
-                    self.wakes.append(load.ready_at)
+                    if self.wake_sink is not None:
+                        self.wake_sink(self.slot, load.ready_at)
+                    else:
+                        self.wakes.append(load.ready_at)
                     continue
             self.waiting.popleft()
             self.queued_s -= job.est_prefill_s  # the provisional estimate it was queued with

@@ -47,7 +47,7 @@ class EngineFeedback:
         elif removals:
             stored.append(BlocksRemoved(tuple(chain.from_iterable(e.hashes for e in removals))))
         self._scheduler.apply(slot, list(split(stored, self._max_blocks)))
-        if engine.tier is not None:
+        if removals and engine.tier is not None:
             self._write_back(slot, removals)
 
     def _write_back(self, slot: int, removals: list[BlocksRemoved]) -> None:

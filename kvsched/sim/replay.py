@@ -87,7 +87,14 @@ class Replay:
             chains=prepared.hashes,
         )
         self.engines = [
-            Engine(slot, engine_spec, cost.latency, self.gaps.add, tier=tiers[slot])
+            Engine(
+                slot,
+                engine_spec,
+                cost.latency,
+                self.gaps.add,
+                tier=tiers[slot],
+                wake_sink=self._wake_later,
+            )
             for slot in range(cluster_cfg.n_instances)
         ]
         self.tiers: list[NodeTier] = list({id(t): t for t in tiers if t is not None}.values())
@@ -243,14 +250,12 @@ class Replay:
         if end is not None:
             self._version[slot] += 1
             self.clock.push(end, STEP, (slot, self._version[slot]))
-        if engine.wakes:
-            self._wake_later(slot)
         self.feedback.report(slot)
 
-    def _wake_later(self, slot: int) -> None:
-        """Wake `slot` when the prompts it deferred on a busy node-tier link may start."""
-        for at in self.engines[slot].take_wakes():
-            self.clock.push(at, WAKE, slot)
+    def _wake_later(self, slot: int, at: float) -> None:
+        """Wake `slot` at `at`, when a prompt it deferred on a busy node-tier link may start
+        (the engines' `wake_sink`)."""
+        self.clock.push(at, WAKE, slot)
 
     def _on_wake(self, slot: int) -> None:
         self._kick(slot)
@@ -269,8 +274,6 @@ class Replay:
         if end is not None:
             self._version[slot] += 1
             self.clock.push(end, STEP, (slot, self._version[slot]))
-        if engine.wakes:
-            self._wake_later(slot)
         self.feedback.report(slot)
 
     def _handle_outcome(self, out: StepOutcome) -> None:

@@ -274,3 +274,23 @@ def test_a_load_behind_a_busy_link_waits_for_its_first_layer_instead_of_stalling
     assert eng.complete(end).first_tokens == [job]
     assert job.cached_tokens == 32 * BS
     eng.check_integrity()
+
+
+def test_the_tier_sweep_tool_writes_its_table_json_and_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.tier_sweep import main as sweep_main  # noqa: PLC0415  (a tool, not the package)
+
+    trace = str(SLICES / "mooncake_conversation_head.jsonl")
+    args = ["--trace", trace, "--policies", "cache_aware", "--instances", "4"]
+    assert sweep_main([*args, "--sizes", "0,2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert list(result) == ["0", "2"]
+    assert result["2"]["tier"]["dram"] == "2x"
+    apc = [result[s]["policies"]["cache_aware"]["apc"] for s in ("0", "2")]
+    assert apc[1] > apc[0]
+    assert (tmp_path / "tier_sweep.png").stat().st_size > 0
+    assert "| 2× | cache_aware |" in (tmp_path / "sweep.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        sweep_main([*args, "--sizes", "-1", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--sizes" in capsys.readouterr().err
