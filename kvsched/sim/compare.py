@@ -78,6 +78,7 @@ def replay_config(cmp: Comparison) -> ReplayConfig:
         slo=cmp.slo,
         topology=cmp.hardware.topology(cmp.topology),
         block_size=cmp.trace.block_tokens,
+        pool_link=cmp.tier.pool_link(),  # the policies price a load as the engines pay it
     )
     return ReplayConfig(
         cluster=cluster,

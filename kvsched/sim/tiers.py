@@ -28,14 +28,16 @@ from dataclasses import dataclass
 
 from kvsched.core.events import BlocksRemoved, BlocksStored
 from kvsched.core.index import Tier
+from kvsched.core.topology import LinkClass
 from kvsched.sim.cache import CacheEvent, EngineCache, make_cache
 
 # Public figures behind the defaults (docs/evaluation.md, "Node KV pool"): an H100's host link
-# is PCIe Gen5 x16, 64 GB/s a direction in theory (NVIDIA H100 datasheet: 128 GB/s both ways;
-# PCI-SIG: 32 GT/s a lane); about 50 GB/s is what pinned host-to-device copies achieve. An
+# is PCIe Gen5 x16, 63 GB/s a direction in theory (NVIDIA H100 datasheet: 128 GB/s both ways;
+# PCI-SIG: 32 GT/s a lane); host-to-device copies measured on H100 reach 52.8-57 GB/s
+# (NVIDIA/nvbandwidth issues #6 and #24), so 50 GB/s, as `default_pool_link` prices it. An
 # NVMe Gen4 SSD reads about 7 GB/s (vendor data sheets, e.g. Samsung 990 PRO: 7.45 GB/s).
 PCIE_GEN5_ACHIEVED = 50e9
-PCIE_LATENCY_S = 10e-6  # one DMA setup, launch to first byte
+PCIE_LATENCY_S = 20e-6  # a few copy launches and a PCIe round trip: the cost model's pool link
 NVME_GEN4_READ = 7e9
 NVME_LATENCY_S = 100e-6
 
@@ -107,6 +109,10 @@ class TierConfig:
     @property
     def on(self) -> bool:
         return self.dram.on
+
+    def pool_link(self) -> LinkClass:
+        """The host link as the scheduler's cost model prices a load from the pool."""
+        return LinkClass(self.pcie_bandwidth, self.pcie_latency_s)
 
     def record(self) -> dict[str, object]:
         """As report.json's config records it."""

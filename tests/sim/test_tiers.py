@@ -13,6 +13,7 @@ from kvsched.core.events import BlocksRemoved, BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.latency import load_latency
 from kvsched.sim.cli import main
+from kvsched.sim.compare import Comparison, replay_config
 from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind
 from kvsched.sim.prepare import prepare
 from kvsched.sim.records import ReplayConfig
@@ -21,6 +22,7 @@ from kvsched.sim.summary import summarize
 from kvsched.sim.tiers import NodeTier, TierConfig, TierSize, build_tiers
 from kvsched.sim.traces import transform
 from tests.conftest import SLICES
+from tools.tier_sweep import main as sweep_main
 
 LAT = load_latency()
 BS = 16
@@ -217,7 +219,7 @@ def test_replay_flags_are_recorded_in_the_report(tmp_path: Path) -> None:
         "dram": "2x",
         "ssd": "1000000t",
         "pcie_bandwidth_gb_per_s": 25.0,
-        "pcie_latency_us": pytest.approx(10.0),
+        "pcie_latency_us": pytest.approx(20.0),
         "ssd_bandwidth_gb_per_s": 3.5,
         "ssd_latency_us": pytest.approx(100.0),
     }
@@ -279,8 +281,6 @@ def test_a_load_behind_a_busy_link_waits_for_its_first_layer_instead_of_stalling
 def test_the_tier_sweep_tool_writes_its_table_json_and_figure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tools.tier_sweep import main as sweep_main  # noqa: PLC0415  (a tool, not the package)
-
     trace = str(SLICES / "mooncake_conversation_head.jsonl")
     args = ["--trace", trace, "--policies", "cache_aware", "--instances", "4"]
     assert sweep_main([*args, "--sizes", "0,2", "--out", str(tmp_path)]) == 0
@@ -294,3 +294,11 @@ def test_the_tier_sweep_tool_writes_its_table_json_and_figure(
     with pytest.raises(SystemExit) as exc:
         sweep_main([*args, "--sizes", "-1", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "--sizes" in capsys.readouterr().err
+
+
+def test_the_policies_price_a_pool_load_at_the_tiers_host_link() -> None:
+    trace = transform.load(SLICES / "mooncake_conversation_head.jsonl", max_requests=10)
+    tier = TierConfig(dram=TierSize(factor=1.0), pcie_bandwidth=25e9, pcie_latency_s=5e-5)
+    cluster = replay_config(Comparison(trace, "t.jsonl", ("cache_aware",), 4, tier=tier)).cluster
+    assert cluster.pool_link == tier.pool_link()
+    assert (cluster.pool_link.bandwidth_bytes_per_s, cluster.pool_link.setup_s) == (25e9, 5e-5)
