@@ -259,6 +259,37 @@ class PrefixCache:
             self._record_stored(hashes, start, end, new)
         return used
 
+    def drop(self, block_hash: int) -> tuple[int, ...]:
+        """Remove the cached block `block_hash` and every block below it (its bytes are
+        known to be wrong, so nothing built on them may be served), unless it is locked:
+        then nothing changes (its holder ends, and a later check finds it again). Their
+        pages are free; one `BlocksRemoved` names them, parents first. Not an eviction.
+        Returns the removed hashes. Linear in the cached blocks: for the rare bad block,
+        not a hot path (the node's KV pool's, not the simulator's)."""
+        node = self.nodes.get(block_hash)
+        if node is None or node.lock:
+            return ()
+        below: dict[int, list[Node]] = {}
+        for other in self.nodes.values():
+            if other.parent is not None:
+                below.setdefault(other.parent.hash, []).append(other)
+        removed: list[int] = []
+        stack = [node]
+        while stack:  # a lock is held along the whole path, so none below is locked either
+            top = stack.pop()
+            removed.append(top.hash)
+            stack.extend(below.get(top.hash, ()))
+        for h in removed:
+            del self.nodes[h]  # their LRU entries go stale (`_evict` skips them)
+        parent = node.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0 and parent.lock == 0:
+                self._push_lru(parent)
+        self.free += len(removed)
+        self.events.append(BlocksRemoved(tuple(removed)))
+        return tuple(removed)
+
     # ---- internals ---------------------------------------------------------------------
 
     def _record_stored(

@@ -14,7 +14,7 @@ the right ones without asking the sender.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,3 +159,19 @@ def checksums(
         base = layer * per_layer
         out.extend(digest(memory[(base + p) * size : (base + p + 1) * size]) for p in pages)
     return out
+
+
+def block_checksums(memory: memoryview, layout: KvLayout, pages: Iterable[int]) -> Iterator[int]:
+    """The checksum of each block held in `pages`, in order, in `memory` (1-D bytes) laid out
+    as `layout`: XXH3-64 of the block's chunks, layer by layer, as one stream (what the
+    node's KV pool keeps of a block to find its bytes changed at rest). Lazy, so a check
+    reads no further than its first mismatch; xxhash lets go of the GIL while it hashes, so
+    a thread computing these leaves the event loop running."""
+    size, per_layer = layout.chunk_bytes, layout.pages
+    state = xxhash.xxh3_64()
+    for page in pages:
+        state.reset()
+        for layer in range(layout.layers):
+            at = (layer * per_layer + page) * size
+            state.update(memory[at : at + size])
+        yield int(state.intdigest())

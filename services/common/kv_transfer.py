@@ -294,6 +294,12 @@ class KvTransfers:
         self.freed()
         return ImportCommitted(sum(new), upto - have)
 
+    def staged(self, import_id: str) -> tuple[int, ...] | None:
+        """The pages an import in progress staged (where blocks have… are written, in
+        order); None when it has ended. Changes nothing."""
+        record = self.imports.get(import_id)
+        return None if record is None else tuple(record.pages)
+
     def import_abort(self, import_id: str) -> bool:
         """Give back an import's held prefix, reserved pages and staged pages. False when it
         already ended (committed, aborted or expired)."""

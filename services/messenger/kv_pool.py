@@ -11,6 +11,17 @@ blocks kept), the blocks' names (token ids and vLLM digests), and exports and im
 (`services.common.kv_transfer`: an import's token ids must hash to its blocks before they
 become visible). Its blocks are announced as vLLM KV events with medium `CPU`.
 
+The pool keeps a checksum of every block it holds (XXH3-64 of its bytes, 8 bytes a page),
+computed when its save or import commits (the writer is done: the bytes are final), and
+checks the blocks it hands out against it before a load is answered or an export granted:
+a block whose bytes changed at rest (memory gone bad, a stray write into the shared file)
+ends the answer there, the rest being a miss the engine recomputes, and it and every block
+below it leave the pool (announced as removed). The KV of a real engine cannot be derived
+from its block's name, so this is the only check between a save and a load into vLLM; a
+transfer's chunk checksums, computed from the pool's bytes, would pass bad bytes on.
+Hashing runs in a thread (xxhash lets go of the GIL): a 2 MiB block takes about as long as
+copying it.
+
 The pool's geometry is not known until an engine says what one block of its KV is: the first
 engine to `attach` fixes it (and sizes the pool to `capacity_bytes`); an engine whose blocks
 are laid out otherwise is refused while the pool holds anything. The format is remembered in
@@ -21,6 +32,7 @@ runs on the Messenger's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -30,15 +42,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from kvsched.sim.cache import PrefixCache
 from services.common.files import write_private
 from services.common.kv_events import Event
-from services.common.kv_layout import KvLayout
+from services.common.kv_layout import KvLayout, block_checksums
 from services.common.kv_memory import DEFAULT_DIR, KvMemory
 from services.common.kv_names import EngineNames
-from services.common.kv_transfer import KvTransfers, NoRoom, TransferError
+from services.common.kv_transfer import ExportGrant, KvTransfers, NoRoom, TransferError
 from services.messenger.engine_api import EngineError
 
 log = logging.getLogger(__name__)
@@ -122,6 +136,28 @@ class CopyTotals:
         self.seconds[direction] += seconds
 
 
+@dataclass(slots=True)
+class CheckTotals:
+    """The pool's checks of its blocks' bytes: `checked` bytes and `seconds` when a save or
+    import commits (`commit`: the checksums computed) and when a load or export is granted
+    (`export`: checked against them); `corrupt` blocks found with other bytes than saved
+    (counted each time a check finds one), `dropped` blocks removed for it (the corrupt ones
+    and those below them)."""
+
+    checked: dict[str, int]
+    seconds: dict[str, float]
+    corrupt: int = 0
+    dropped: int = 0
+
+    @classmethod
+    def empty(cls) -> CheckTotals:
+        return cls({"commit": 0, "export": 0}, {"commit": 0.0, "export": 0.0})
+
+    def record(self, when: str, nbytes: int, seconds: float) -> None:
+        self.checked[when] += nbytes
+        self.seconds[when] += seconds
+
+
 class PoolRefused(Exception):
     """An engine the pool cannot serve (another block format, no room for one block)."""
 
@@ -150,6 +186,7 @@ class KvPool:
         self._on_events = on_events
         self.format: BlockFormat | None = None
         self.copies = CopyTotals.empty()
+        self.checks = CheckTotals.empty()
         self._store: _Store | None = None
         remembered = _read_format(format_file)
         if remembered is not None:
@@ -232,12 +269,44 @@ class KvPool:
             await store.transfers.until_landed(hashes[start : end or None], landing_s)
         try:
             grant = await store.transfers.export(hashes, start, end, wait_s=wait_s, hold_s=hold_s)
+            if grant.blocks:
+                grant = await self._intact(store, hashes, start, grant, hold_s)
         except TransferError as exc:
             raise EngineError(str(exc)) from None
-        store.publish()
+        finally:
+            store.publish()
         return Exported(
             grant.export_id or "", grant.blocks, grant.pages, grant.token_ids, grant.cache_salt
         )
+
+    async def _intact(
+        self, store: _Store, hashes: Sequence[int], start: int, grant: ExportGrant, hold_s: float
+    ) -> ExportGrant:
+        """`grant` (pinned, so its pages keep their blocks) cut at its first block whose
+        bytes no longer have the checksum they were saved with; that block and those below
+        it leave the pool (unless another holder has it pinned: a later check finds it)."""
+        started = time.perf_counter()
+        intact = await asyncio.to_thread(store.intact, grant.pages)
+        took = time.perf_counter() - started
+        block_bytes = store.memory.layout.block_bytes
+        self.checks.record("export", min(intact + 1, grant.blocks) * block_bytes, took)
+        if intact == grant.blocks:
+            return grant
+        assert grant.export_id is not None  # it pinned blocks
+        pinned = store.transfers.release_export(grant.export_id)  # False: its hold time ran out
+        bad = start + intact
+        dropped = store.drop(hashes[bad])
+        self.checks.corrupt += 1
+        self.checks.dropped += len(dropped)
+        log.warning(
+            "KV pool: block %d of %d asked for (%#x) holds other bytes than were saved: "
+            "answering the %d before it, dropping %d blocks",
+            bad, len(hashes), hashes[bad], intact, len(dropped),
+        )  # fmt: skip
+        if not pinned or intact == 0:
+            return ExportGrant(None, 0, (), (), grant.cache_salt)
+        # No await between the release and this: the blocks before the bad one are cached.
+        return await store.transfers.export(hashes, start, bad, wait_s=0.0, hold_s=hold_s)
 
     async def release_export(self, export_id: str) -> bool:
         return self.release(export_id)
@@ -269,6 +338,7 @@ class KvPool:
         """Make an import's written blocks visible once their token ids hash to them;
         returns how many were new. Raises `EngineError` (the import is then aborted)."""
         store = self._live()
+        await self._checksum(store, import_id, len(token_ids))
         try:
             committed = store.transfers.import_commit(import_id, token_ids, cache_salt)
         except TransferError as exc:
@@ -276,6 +346,22 @@ class KvPool:
         finally:
             store.publish()
         return committed.stored
+
+    async def _checksum(self, store: _Store, import_id: str, tokens: int) -> None:
+        """Keep the checksums of the blocks an import about to commit wrote (the first
+        `tokens` worth of its staged pages): the writer is done, the bytes are final."""
+        staged = store.transfers.staged(import_id)
+        if not staged:
+            return  # the commit fails, or has nothing to keep
+        pages = staged[: tokens // store.memory.layout.block_size]
+        started = time.perf_counter()
+        sums = await asyncio.to_thread(store.checksums, pages)
+        self.checks.record(
+            "commit", len(pages) * store.memory.layout.block_bytes, time.perf_counter() - started
+        )
+        # An import that ended meanwhile may have lost its pages to another: keep nothing.
+        if store.transfers.staged(import_id) == staged:
+            store.sums[list(pages)] = sums
 
     async def abort_import(self, import_id: str) -> bool:
         return self.abort(import_id)
@@ -352,6 +438,8 @@ class _Store:
         on_events: Callable[[list[Event]], None],
     ) -> None:
         self.memory = memory
+        # The checksum of the block each page holds (`block_checksums`), set when it commits.
+        self.sums = np.zeros(memory.layout.pages, dtype=np.uint64)
         self.cache = PrefixCache(memory.layout.pages)
         self.names = EngineNames(memory.layout.block_size, medium=MEDIUM)
         self._on_events = on_events
@@ -382,6 +470,36 @@ class _Store:
                 stored = True
         if stored:
             self.transfers.blocks_stored()
+
+    def checksums(self, pages: Sequence[int]) -> list[int]:
+        """The checksums of the blocks in `pages` (the bytes as they are now). Any thread."""
+        view = self.memory.chunks.data.cast("B")
+        try:
+            return list(block_checksums(view, self.memory.layout, pages))
+        finally:
+            view.release()
+
+    def intact(self, pages: Sequence[int]) -> int:
+        """How many of the blocks in `pages`, from the first, still have the checksum they
+        committed with (reads no further than the first that has not). Any thread."""
+        sums = self.sums
+        view = self.memory.chunks.data.cast("B")
+        try:
+            for i, (page, got) in enumerate(
+                zip(pages, block_checksums(view, self.memory.layout, pages), strict=True)
+            ):
+                if got != int(sums[page]):
+                    return i
+        finally:
+            view.release()
+        return len(pages)
+
+    def drop(self, block_hash: int) -> tuple[int, ...]:
+        """Remove a block found corrupt and every block below it (unless it is pinned);
+        `publish` then announces them removed. Returns the removed hashes."""
+        removed = self.cache.drop(block_hash)
+        self.sync()
+        return removed
 
     def publish(self) -> None:
         self.sync()

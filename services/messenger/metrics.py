@@ -136,6 +136,7 @@ class MessengerMetrics:
             gauge = Gauge(PREFIX + f"pool_{field}", what, registry=self.registry)
             gauge.set_function(functools.partial(_usage, pool, field))
         self.registry.register(_PoolCopies(pool))
+        self.registry.register(_PoolChecks(pool))
 
     def on_transfer_end(self, transfer: Transfer) -> None:
         """A transfer this Messenger ran ended (the `Transfers` hook)."""
@@ -177,6 +178,43 @@ class _PoolCopies(Collector):
             nbytes.add_metric([direction], copies.bytes[direction])
             seconds.add_metric([direction], copies.seconds[direction])
         yield from (nbytes, seconds)
+
+
+class _PoolChecks(Collector):
+    """The pool's checksums of its blocks: their cost, and the blocks found corrupt."""
+
+    def __init__(self, pool: KvPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        checks = self._pool.checks
+        nbytes = CounterMetricFamily(
+            PREFIX + "pool_checksummed_bytes",
+            "KV bytes the pool hashed: when saves and imports commit (commit) and before "
+            "loads and exports are granted (export).",
+            labels=["when"],
+        )
+        seconds = CounterMetricFamily(
+            PREFIX + "pool_checksum_seconds",
+            "Time the pool's hashing took (in a thread, off the event loop).",
+            labels=["when"],
+        )
+        for when in ("commit", "export"):
+            nbytes.add_metric([when], checks.checked[when])
+            seconds.add_metric([when], checks.seconds[when])
+        yield from (nbytes, seconds)
+        yield CounterMetricFamily(
+            PREFIX + "pool_corrupt_blocks",
+            "Pool blocks whose bytes changed after they were saved, found by a load or "
+            "export (not served: recomputed; counted each time one is found).",
+            value=checks.corrupt,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "pool_dropped_blocks",
+            "Blocks removed from the pool for corruption: the corrupt ones and those below "
+            "them (announced as removed).",
+            value=checks.dropped,
+        )
 
 
 def _usage(pool: KvPool, field: str) -> float:

@@ -20,7 +20,7 @@ import pytest
 from services.common.kv_layout import SIM_FORMAT
 from services.common.kv_memory import KvMemory
 from services.common.kv_transfer import WrongBlocks
-from services.messenger.kv_pool import BlockFormat, KvPool
+from services.messenger.kv_pool import BlockFormat, KvPool, _Store
 from services.messenger.pool_server import PoolServer
 from tests.engine.conftest import FAST, RunningEngine
 from tests.fixtures.kv_content import reference_chunk
@@ -256,6 +256,9 @@ async def test_a_block_written_back_and_loaded_again_holds_its_own_bytes(
 async def test_a_pool_page_written_over_after_the_save_is_recomputed_not_loaded(
     start_engine: Any, pool: Pool, bad: int
 ) -> None:
+    """The pool finds the block's bytes changed since its save: it answers the blocks
+    before it, drops it and the blocks after it, and the engine computes them (then saves
+    them again, intact)."""
     first = await start_engine(instance_id="e-0", kv_pool_socket=str(pool.socket))
     second = await start_engine(instance_id="e-1", kv_pool_socket=str(pool.socket))
     ids = prompt(12 + bad, 10 * BS + 5)
@@ -267,7 +270,9 @@ async def test_a_pool_page_written_over_after_the_save_is_recomputed_not_loaded(
     # The blocks before the bad one are loaded; it and those after it are computed.
     assert await cached_tokens(second, ids) == bad * BS
     link = second.live.pool
-    assert link is not None and link.loaded_blocks == bad and link.refused_blocks == 10 - bad
+    # Refused by the pool, before the engine saw a byte of it.
+    assert link is not None and link.loaded_blocks == bad and link.refused_blocks == 0
+    assert (pool.pool.checks.corrupt, pool.pool.checks.dropped) == (1, 10 - bad)
     assert await prompt_sources(second.http, second.url) == {
         "local_compute": len(ids) - bad * BS,
         "local_cache_hit": 0,
@@ -275,8 +280,33 @@ async def test_a_pool_page_written_over_after_the_save_is_recomputed_not_loaded(
     }
     assert held_right(second.live.memory, hashes)
     second.live.check_integrity()
+    # The engine that computed them saves them again: the pool holds them intact.
+    await wait_for(lambda: pool_holds(pool, hashes), 5.0, message="saved again")
     usage = pool.pool.usage()
     assert (usage.pinned, usage.staged, usage.exports, usage.imports) == (0, 0, 0, 0)
+    pool.pool.check_integrity()
+
+
+async def test_the_engines_own_check_refuses_what_a_pool_that_does_not_check_serves(
+    start_engine: Any, pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defence in depth: a pool that answers a block whose bytes changed (its check
+    skipped here) does not get it served: the engine's own check finds it and computes it
+    and the blocks after it."""
+    monkeypatch.setattr(_Store, "intact", lambda self, pages: len(pages))
+    first = await start_engine(instance_id="e-0", kv_pool_socket=str(pool.socket))
+    second = await start_engine(instance_id="e-1", kv_pool_socket=str(pool.socket))
+    ids = prompt(15, 10 * BS + 5)
+    hashes = await saved(first, pool, ids, 10)
+    memory = pool.pool.memory
+    memory.chunks[memory.layout.layers - 1, memory.page_of[hashes[4]], -1] ^= 0xFF
+
+    assert await cached_tokens(second, ids) == 4 * BS
+    link = second.live.pool
+    assert link is not None and link.loaded_blocks == 4 and link.refused_blocks == 6
+    assert pool.pool.checks.corrupt == 0
+    assert held_right(second.live.memory, hashes)
+    second.live.check_integrity()
 
 
 async def test_a_load_whose_commit_is_refused_is_recomputed(
