@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.kv_events import BlockStored, Event
+from services.common.kv_events import BlockRemoved, BlockStored, Event
 from services.common.kv_layout import KvLayout, expected_chunk
 from services.messenger.kv_pool import KvPool
 from services.messenger.pool_server import PoolServer
@@ -215,6 +215,35 @@ async def test_a_saved_chain_loads_back_from_the_same_pages(served: Served) -> N
         assert await call(client, "release", export_id=export_id) == {"ok": True, "released": True}
     assert_nothing_held(served.pool)
     assert served.pool.usage().blocks == 3
+
+
+async def test_a_load_answers_only_the_blocks_before_one_written_over_after_its_save(
+    served: Served,
+) -> None:
+    """What the connector in vLLM gets for a pool page gone bad at rest: the blocks before
+    it (it recomputes the rest), never the bad bytes; the pool drops the bad block and the
+    one after it."""
+    client = served.client()
+    path = (await call(client, "attach", format=FORMAT))["path"]
+    ids = tokens(4, 9)
+    hashes = await save(client, ids)
+    layout = served.pool.memory.layout
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:  # through another mapping
+        mm[layout.offset(0, served.pool.memory.page_of[hashes[2]])] ^= 0x04
+    served.events.clear()
+
+    loaded = await call(client, "load", block_hashes=hashes, start=1, end=4, hold_s=HOLD_S)
+    assert loaded["blocks"] == 1 and len(loaded["pages"]) == 1
+    assert [h for e in served.events if isinstance(e, BlockRemoved) for h in e.block_hashes] == (
+        hashes[2:]
+    )
+    assert await call(client, "release", export_id=loaded["export_id"]) == {
+        "ok": True,
+        "released": True,
+    }
+    nothing = await call(client, "load", block_hashes=hashes, start=2, end=4, hold_s=HOLD_S)
+    assert nothing["blocks"] == 0 and nothing["export_id"] is None
+    assert_nothing_held(served.pool)
 
 
 async def test_release_answers_true_then_false(served: Served) -> None:
