@@ -316,12 +316,13 @@ def engine_holds(engine: EngineProcess, layout: KvLayout, hashes: Sequence[int])
     return all(found[h] for h in hashes)
 
 
-async def test_a_block_written_over_in_the_source_pool_moves_but_is_recomputed_not_loaded(
+async def test_a_block_written_over_in_the_source_pool_is_not_exported_but_recomputed(
     pair_of: Callable[..., Any],
 ) -> None:
-    """The chunk checksums guard the wire: they are computed from the source pool's bytes,
-    so a page written over there arrives as it is. The target's engine, loading it, finds
-    the bytes are not its block's and computes it and what follows, never serving them."""
+    """The chunk checksums guard the wire only: computed from the source pool's bytes, they
+    would pass on a page written over there. The source pool's own check ends the export
+    before that block (and drops it and the blocks after it), so the transfer moves the
+    intact prefix and the target's engine computes the rest, never serving bad bytes."""
     pair: Pair = await pair_of()
     tokens = prompt(8)
     hashes = await pair.computed(tokens)
@@ -335,6 +336,9 @@ async def test_a_block_written_over_in_the_source_pool_moves_but_is_recomputed_n
 
     last = (await pair.watch(await pair.start(hashes)))[-1]
     assert last.state == mpb.TRANSFER_STATE_DONE, last.error
+    assert await pair.visible(pair.target, hashes[:bad]) is not None
+    assert await pair.visible(pair.target, hashes[: bad + 1]) is None  # never moved
+    assert await pair.visible(pair.source, hashes[: bad + 1]) is None  # dropped there
     answer = await pair.target.complete(pair.http, tokens)
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == bad * BLOCK
     assert engine_holds(pair.target, layout, hashes)

@@ -119,3 +119,26 @@ def test_a_copy_reading_blocks_does_not_refresh_them() -> None:
     assert cache.reserve(2)  # 1 free + evict one: the old chain's leaf goes, not block 7
     assert cache.drain_events() == [BlocksRemoved((2,))]
     cache.check_integrity()
+
+
+def test_drop_removes_a_block_and_everything_below_it_unless_it_is_locked() -> None:
+    cache = filled(8, [1, 2, 3, 4], now=1.0)
+    cache.lock_prefix([1, 2], 2, now=2.0)
+    assert cache.reserve(2)
+    cache.commit([1, 2, 5, 6], 2, 4, 2, now=2.0)  # a branch below block 2
+    cache.unlock_prefix([1, 2, 5, 6], 4, now=2.0)
+    cache.drain_events()
+    cache.lock_prefix([1, 2, 3], 3, now=3.0)
+    assert cache.drop(2) == () and len(cache) == 6  # held: nothing changes
+    cache.unlock_prefix([1, 2, 3], 3, now=3.0)
+
+    removed = cache.drop(2)
+    assert removed[0] == 2 and sorted(removed) == [2, 3, 4, 5, 6]
+    assert cache.drain_events() == [BlocksRemoved(removed)]
+    assert set(cache.nodes) == {1} and cache.free == 7
+    cache.check_integrity()
+    assert cache.drop(2) == ()
+    # The stale LRU entries of the dropped blocks are skipped: block 1, a leaf now, goes.
+    assert cache.reserve(8)
+    assert cache.drain_events() == [BlocksRemoved((1,))]
+    cache.check_integrity()
