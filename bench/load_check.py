@@ -1,7 +1,10 @@
-"""What the simulated engine's check of a load costs: a load copies a prompt's blocks from the
-node's pool into the engine's KV memory (`pool_link._copy`, the baseline, measured in the
-same run), then checks that every block holds the content its hash and layer imply
-(`kv_layout.intact_prefix`). Both memories are KV memory files on the shared-memory
+"""What the checks of a load cost: a load copies a prompt's blocks from the node's pool into
+the engine's KV memory (`pool_link._copy`, the baseline, measured in the same run). Before
+answering, the pool checks every block it hands out against the checksum it kept at the
+block's save (`pool_check`: `kv_layout.block_checksums`, XXH3-64 over the block's chunks,
+which is also what computing the checksums at a save costs); a simulated engine then
+checks that every block holds the content its hash and layer imply
+(`kv_layout.intact_prefix`, `check`). Both memories are KV memory files on the shared-memory
 filesystem, faulted in first, as in a running engine and pool; the pool's blocks lie on
 scattered pages (every other one), as a pool that has evicted holds them.
 
@@ -21,7 +24,7 @@ import tempfile
 import time
 
 from kvsched.core.models import DEFAULT_MODEL, MINI_MODEL, model_config
-from services.common.kv_layout import KvLayout, intact_prefix
+from services.common.kv_layout import KvLayout, block_checksums, intact_prefix
 from services.common.kv_memory import DEFAULT_DIR, KvMemory
 from services.engine.pool_link import _copy
 
@@ -43,30 +46,41 @@ def measure(model: str, blocks: int, repeat: int) -> dict[str, object]:
             chain = hashes[::2]
             pool_pages = [pool.page_of[h] for h in chain]
             engine_pages = list(range(blocks))
-            copy_s, check_s = [], []
+            view = pool.chunks.data.cast("B")
+            saved = list(block_checksums(view, layout, pool_pages))
+            copy_s, check_s, pool_check_s = [], [], []
             for _ in range(repeat):
                 started = time.perf_counter()
+                sums = block_checksums(view, layout, pool_pages)
+                assert all(got == want for got, want in zip(sums, saved, strict=True))
+                pool_checked = time.perf_counter()
                 _copy(pool.chunks, pool_pages, engine.chunks, engine_pages)
                 copied = time.perf_counter()
                 intact = intact_prefix(engine.chunks, engine_pages, chain)
                 checked = time.perf_counter()
                 assert intact == blocks, intact
-                copy_s.append(copied - started)
+                pool_check_s.append(pool_checked - started)
+                copy_s.append(copied - pool_checked)
                 check_s.append(checked - copied)
+            view.release()
         finally:
             pool.close()
             engine.close()
     nbytes = blocks * layout.block_bytes
     copy, check = statistics.median(copy_s), statistics.median(check_s)
+    pool_check = statistics.median(pool_check_s)
     return {
         "model": model,
         "blocks": blocks,
         "block_bytes": layout.block_bytes,
         "copy_ms": round(copy * 1e3, 3),
         "check_ms": round(check * 1e3, 3),
+        "pool_check_ms": round(pool_check * 1e3, 3),
         "check_over_copy": round(check / copy, 2),
+        "pool_check_over_copy": round(pool_check / copy, 2),
         "copy_gb_per_s": round(nbytes / copy / 1e9, 2),
         "check_gb_per_s": round(nbytes / check / 1e9, 2),
+        "pool_check_gb_per_s": round(nbytes / pool_check / 1e9, 2),
     }
 
 

@@ -19,8 +19,9 @@ ends the answer there, the rest being a miss the engine recomputes, and it and e
 below it leave the pool (announced as removed). The KV of a real engine cannot be derived
 from its block's name, so this is the only check between a save and a load into vLLM; a
 transfer's chunk checksums, computed from the pool's bytes, would pass bad bytes on.
-Hashing runs in a thread (xxhash lets go of the GIL): a 2 MiB block takes about as long as
-copying it.
+Hashing more than `INLINE_CHECK_BYTES` runs in a thread, off the event loop (xxhash lets go
+of the GIL for inputs over 64 KiB; for smaller chunks the thread and the loop share it); it
+costs a fraction of the engine's copy of the same blocks (`bench.load_check`).
 
 The pool's geometry is not known until an engine says what one block of its KV is: the first
 engine to `attach` fixes it (and sizes the pool to `capacity_bytes`); an engine whose blocks
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -58,6 +60,10 @@ from services.messenger.engine_api import EngineError
 log = logging.getLogger(__name__)
 MEDIUM = "CPU"  # how vLLM's events name host memory
 LANDING_WAIT_S = 1.0  # an export waits this long at most for blocks being committed
+# Checksums of fewer bytes than this are computed on the event loop: a hop to a thread and
+# back costs about as much as hashing them (a fraction of a millisecond).
+INLINE_CHECK_BYTES = 256 << 10
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +292,7 @@ class KvPool:
         bytes no longer have the checksum they were saved with; that block and those below
         it leave the pool (unless another holder has it pinned: a later check finds it)."""
         started = time.perf_counter()
-        intact = await asyncio.to_thread(store.intact, grant.pages)
+        intact = await _hashing(store, store.intact, grant.pages)
         took = time.perf_counter() - started
         block_bytes = store.memory.layout.block_bytes
         self.checks.record("export", min(intact + 1, grant.blocks) * block_bytes, took)
@@ -355,7 +361,7 @@ class KvPool:
             return  # the commit fails, or has nothing to keep
         pages = staged[: tokens // store.memory.layout.block_size]
         started = time.perf_counter()
-        sums = await asyncio.to_thread(store.checksums, pages)
+        sums = await _hashing(store, store.checksums, pages)
         self.checks.record(
             "commit", len(pages) * store.memory.layout.block_bytes, time.perf_counter() - started
         )
@@ -421,6 +427,13 @@ def _read_format(path: Path | None) -> BlockFormat | None:
 def _write_format(path: Path | None, fmt: BlockFormat) -> None:
     if path is not None:
         write_private(path, json.dumps(asdict(fmt)))
+
+
+async def _hashing(store: _Store, check: Callable[[Sequence[int]], _T], pages: Sequence[int]) -> _T:
+    """`check(pages)` (hashing the blocks in `pages`), in a thread when they are many."""
+    if len(pages) * store.memory.layout.block_bytes <= INLINE_CHECK_BYTES:
+        return check(pages)
+    return await asyncio.to_thread(check, pages)
 
 
 def _parent(store: _Store, h: int) -> int | None:

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from services.common.kv_layout import KvLayout, block_checksums, checksum
+from services.messenger import kv_pool
 from services.messenger.kv_pool import KvPool
 from services.messenger.metrics import MessengerMetrics
 from tests.messenger.test_kv_pool import (
@@ -30,8 +31,14 @@ from tests.messenger.test_kv_pool import (
 )
 
 
-@pytest.fixture
-def make_pool(tmp_path: Path) -> Iterator[Pools]:
+@pytest.fixture(params=["inline", "thread"])
+def make_pool(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Pools]:
+    """Pools whose checks hash on the event loop (these tests' blocks are small) or, as
+    larger ones do, in a thread."""
+    if request.param == "thread":
+        monkeypatch.setattr(kv_pool, "INLINE_CHECK_BYTES", 0)
     pools = Pools(tmp_path)
     yield pools
     for pool in pools.made:
