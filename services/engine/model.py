@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvsched.core.cluster import build_cluster
 from kvsched.core.latency import LatencyModel
+from kvsched.core.topology import LinkClass
 from kvsched.sim.cache import PrefixCache
 from kvsched.sim.engine import Engine, EngineSpec
 from services.common.openai_api import bad_request
@@ -22,6 +23,8 @@ class EngineModel:
     spec: EngineSpec
     latency: LatencyModel
     max_model_len: int
+    pool_link: LinkClass  # host DRAM to GPU memory: what a load from the node's pool crosses
+    kv_bytes_per_token: int
 
     @property
     def block_size(self) -> int:
@@ -30,6 +33,11 @@ class EngineModel:
     @property
     def capacity_blocks(self) -> int:
         return self.spec.capacity_pages
+
+    def pool_load_s(self, tokens: int) -> float:
+        """Model seconds to load `tokens` tokens' KV from the node's pool over the host link
+        (0 for none): what `kvsched.core.cost.pool_load` prices for the Conductor."""
+        return self.pool_link.seconds(tokens * self.kv_bytes_per_token) if tokens > 0 else 0.0
 
     def new_engine(self, cache: PrefixCache) -> Engine:
         """Scheduler state over `cache` (the reference cache: the live engine reads its nodes)."""
@@ -74,4 +82,10 @@ def build_model(settings: EngineSettings) -> EngineModel:
         max_running=config.max_running,
         layers=cost.model.layers,
     )
-    return EngineModel(spec, cost.latency, settings.max_model_len or cost.model.max_model_len)
+    return EngineModel(
+        spec,
+        cost.latency,
+        settings.max_model_len or cost.model.max_model_len,
+        cost.pool_link,
+        cost.kv_bytes_per_token,
+    )

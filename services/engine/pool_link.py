@@ -8,8 +8,9 @@ connector makes (`services.vllm_connector.wire`), made from the event loop.
   pool holds are pinned there, imported into the engine's cache (`KvTransfers.import_begin`,
   the same reservation a Messenger's import makes), copied page by page and committed; the
   engine then finds them cached. Blocks whose bytes are not the content their hash implies
-  (`kv_layout.intact_prefix`) are not taken: the engine computes them. Their copy over PCIe
-  is not modelled yet: a load is free in model time.
+  (`kv_layout.intact_prefix`) are not taken: the engine computes them. The copy over the host
+  link is charged in model time by the engine (`EngineModel.pool_load_s`,
+  `LiveEngine.submit`'s `load_s`), not here.
 
 The pool is an optimisation: a pool that cannot be reached, refuses, or has nothing is a miss,
 never an error of the request, and the next call connects again.

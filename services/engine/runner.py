@@ -161,8 +161,10 @@ class LiveEngine:
         loaded = 0
         if self.pool is not None:
             loaded = await self.pool.load([event_hash(d) for d in digests], prompt_ids, salt)
-        request = self.submit(prompt_ids, output, salt, session, digests=digests)
-        request.loaded_tokens = loaded * self.model.block_size
+        tokens = loaded * self.model.block_size
+        load_s = self.model.pool_load_s(tokens)
+        request = self.submit(prompt_ids, output, salt, session, digests=digests, load_s=load_s)
+        request.loaded_tokens = tokens
         return request
 
     def submit(
@@ -173,17 +175,25 @@ class LiveEngine:
         session: str | None = None,
         *,
         digests: Sequence[bytes] | None = None,
+        load_s: float = 0.0,
     ) -> Request:
         """Queue a request for `output` tokens (checked by `EngineModel.output_tokens`);
         `Request.wait` reports its tokens as steps produce them. `digests`: the prompt's
-        block digests, when already computed. Raises `ApiError` 503 when the loop has
-        stopped."""
+        block digests, when already computed. `load_s`: model seconds its blocks loaded from
+        the pool take over the host link, layer by layer as the simulator's engine model
+        takes KV arriving by transfer: admissible once the first layer is in (`ready_at`),
+        its first prefill step ending no sooner than the last layer's compute after the
+        last layer's KV (`kv_done_at`). Raises `ApiError` 503 when the loop has stopped."""
         if self.failed is not None:
             raise unavailable(self.failed)
         if digests is None:
             digests = self.hasher.digests(prompt_ids, salt)
         hashes = [event_hash(d) for d in digests]
-        job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), self.now())
+        now = self.now()
+        job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), now)
+        if load_s > 0:
+            job.ready_at = now + load_s / self.model.spec.layers
+            job.kv_done_at = now + load_s
         request = Request(job, prompt_ids, salt)
         self.names.hold(hashes, digests, prompt_ids, salt, session)
         self.requests[job.rid] = request
@@ -232,7 +242,7 @@ class LiveEngine:
             if end is None:
                 prev_end = None
                 if not (self._arrived or self._aborted):  # (either may come during publish)
-                    await self._sleep(None)
+                    await self._sleep(self._next_ready(start))
                 continue
             step = engine.step
             assert step is not None
@@ -256,6 +266,12 @@ class LiveEngine:
             # Let the handlers write this step's tokens before the next step makes more
             # (they would merge into one chunk when the loop runs behind schedule).
             await asyncio.sleep(0)
+
+    def _next_ready(self, now: float) -> float | None:
+        """The earliest model time after `now` a waiting request's first layer loaded from
+        the pool is in (it becomes admissible then); None when none waits for one."""
+        pending = [job.ready_at for job in self.engine.waiting if job.ready_at > now]
+        return min(pending, default=None)
 
     async def _sleep(self, until: float | None) -> bool:
         """Sleep until model time `until` (None: until woken); True when woken first."""

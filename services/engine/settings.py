@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from kvsched.core.cluster import ClusterConfig, Role
+from kvsched.core.cost_model import default_pool_link
 from kvsched.core.latency import DEFAULT_LATENCY
 from kvsched.core.models import MINI_MODEL
+from kvsched.core.topology import LinkClass
 from kvsched.core.vllm_hashing import resolve_seed
 from kvsched.data_files import data_path
 from services.common import block_hashes
@@ -33,6 +35,7 @@ ENV = "KVSCHED_ENGINE_"
 _flag = env_flags(ENV)
 KV_TOPIC = "kv-events"
 _SIM = ClusterConfig(n_instances=1)  # the simulator's engine defaults
+_POOL_LINK = default_pool_link()  # the host link the cost model prices pool loads over
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,9 @@ class EngineSettings:
     otlp_endpoint: str | None = None
     kv_memory_dir: str = DEFAULT_KV_MEMORY_DIR  # where the KV memory file lives (shared memory)
     kv_pool_socket: str | None = None  # the node's KV pool (its Messenger's socket); None: none
+    # The host link a load from the pool crosses, charged in model time (the cost model's).
+    pool_bandwidth_bytes_per_s: float = _POOL_LINK.bandwidth_bytes_per_s
+    pool_setup_s: float = _POOL_LINK.setup_s
     role: Role = Role.BOTH  # what the Conductor may place here (reported, not enforced)
 
     def __post_init__(self) -> None:
@@ -77,6 +83,11 @@ class EngineSettings:
             raise ValueError("--capacity-blocks and --max-model-len must not be negative")
         if not self.kv_memory_dir:
             raise ValueError("--kv-memory-dir must name a directory")
+        if not (self.pool_bandwidth_bytes_per_s > 0 and self.pool_setup_s >= 0):
+            raise ValueError(
+                "--pool-bandwidth must be positive and --pool-setup-s not negative, not "
+                f"{self.pool_bandwidth_bytes_per_s} and {self.pool_setup_s}"
+            )
 
     def cluster_config(self) -> ClusterConfig:
         """The one-instance cluster the simulator would build for this engine."""
@@ -88,6 +99,7 @@ class EngineSettings:
             chunk_tokens=self.chunk_tokens,
             max_running=self.max_running,
             kv_capacity_tokens=self.capacity_blocks * self.block_size,
+            pool_link=LinkClass(self.pool_bandwidth_bytes_per_s, self.pool_setup_s),
         )
 
 
@@ -143,6 +155,8 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "shutdown-grace", d.shutdown_grace_s, "seconds streams may finish on SIGTERM")
     _flag(p, "kv-memory-dir", d.kv_memory_dir, "directory of the KV memory file (shared memory)")
     _flag(p, "kv-pool-socket", "", "the node KV pool's socket, to save into and load from")
+    _flag(p, "pool-bandwidth", d.pool_bandwidth_bytes_per_s, "host link bytes/s of pool loads")
+    _flag(p, "pool-setup-s", d.pool_setup_s, "fixed seconds of one load from the pool")
     _flag(p, "role", d.role.value, "what this engine serves: both, prefill or decode")
     a = p.parse_args(argv)
     roles = [r.value for r in Role]
@@ -181,6 +195,8 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             otlp_endpoint=otlp_endpoint(),
             kv_memory_dir=a.kv_memory_dir,
             kv_pool_socket=a.kv_pool_socket or None,
+            pool_bandwidth_bytes_per_s=a.pool_bandwidth,
+            pool_setup_s=a.pool_setup_s,
             role=Role(a.role),
         )
     except ValueError as exc:

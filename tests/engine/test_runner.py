@@ -114,3 +114,25 @@ async def test_a_stopped_engine_ends_its_streams_with_an_error(start_engine: Any
         assert (health.status, health.headers["Retry-After"]) == (503, "1")
     async with await eng.post("/v1/completions", {"prompt": "x"}) as late:
         assert (late.status, late.headers["Retry-After"]) == (503, "1")
+
+
+async def test_a_load_from_the_pool_costs_its_model_time_overlapped_with_the_prefill(
+    start_engine: Any,
+) -> None:
+    eng: RunningEngine = await start_engine(time_scale=0.05)
+    live = eng.live
+    alone = live.submit([5] * 2000, 1)
+    async with asyncio.timeout(30):
+        await alone.wait(0)
+    prefill_s = alone.job.first_token_at - alone.job.arrival
+    load_s = 4 * prefill_s  # longer than the prefill: the TTFT follows the load
+    # An idle engine wakes for the request once the first layer is in (no other arrival).
+    loading = live.submit([6] * 2000, 1, load_s=load_s)
+    async with asyncio.timeout(30):
+        await loading.wait(0)
+    job, layers = loading.job, live.model.spec.layers
+    assert job.admitted_at >= job.arrival + load_s / layers
+    ttft = job.first_token_at - job.arrival
+    # The last layer's compute follows the last layer's KV: more than the load, far less
+    # than the load and the prefill one after the other.
+    assert load_s < ttft < load_s + prefill_s / 2

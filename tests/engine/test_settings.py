@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvsched.core.cluster import ClusterConfig, Role, build_cluster
+from kvsched.core.cost import pool_load
 from services.common.block_hashes import BlockHashes
 from services.common.kv_memory import DEFAULT_DIR
 from services.engine.model import build_model
@@ -57,3 +59,20 @@ def test_kv_memory_dir_and_role(monkeypatch: pytest.MonkeyPatch) -> None:
     s = parse(["--role", "prefill"])
     assert (s.role, s.kv_memory_dir) == (Role.PREFILL, "kv-here")
     assert parse(["--kv-memory-dir", "there", "--role", "decode"]).kv_memory_dir == "there"
+
+
+def test_pool_loads_cost_the_engine_what_the_cost_model_prices() -> None:
+    settings = parse([])
+    default = build_model(settings)
+    cost = build_cluster(settings.cluster_config()).cost
+    assert default.pool_link == build_cluster(ClusterConfig(n_instances=1)).cost.pool_link
+    tokens = 4096.0
+    load_s, _ = pool_load(cost, np.array([tokens]), np.array([0.0]))
+    assert default.pool_load_s(int(tokens)) == pytest.approx(float(load_s[0]))
+    assert default.pool_load_s(0) == 0.0
+    slow = build_model(parse(["--pool-bandwidth", "1e9", "--pool-setup-s", "0.001"]))
+    assert slow.pool_load_s(1000) == pytest.approx(0.001 + 1000 * slow.kv_bytes_per_token / 1e9)
+    with pytest.raises(SystemExit):
+        parse(["--pool-bandwidth", "0"])
+    with pytest.raises(SystemExit):
+        parse(["--pool-setup-s", "-1"])
