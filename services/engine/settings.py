@@ -85,7 +85,7 @@ class EngineSettings:
             raise ValueError("--kv-memory-dir must name a directory")
         if not (self.pool_bandwidth_bytes_per_s > 0 and self.pool_setup_s >= 0):
             raise ValueError(
-                "--pool-bandwidth must be positive and --pool-setup-s not negative, not "
+                "--pool-bandwidth must be positive and --pool-setup not negative, not "
                 f"{self.pool_bandwidth_bytes_per_s} and {self.pool_setup_s}"
             )
 
@@ -156,7 +156,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "kv-memory-dir", d.kv_memory_dir, "directory of the KV memory file (shared memory)")
     _flag(p, "kv-pool-socket", "", "the node KV pool's socket, to save into and load from")
     _flag(p, "pool-bandwidth", d.pool_bandwidth_bytes_per_s, "host link bytes/s of pool loads")
-    _flag(p, "pool-setup-s", d.pool_setup_s, "fixed seconds of one load from the pool")
+    _flag(p, "pool-setup", d.pool_setup_s, "seconds each pool load adds to its bytes' time")
     _flag(p, "role", d.role.value, "what this engine serves: both, prefill or decode")
     a = p.parse_args(argv)
     roles = [r.value for r in Role]
@@ -196,7 +196,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             kv_memory_dir=a.kv_memory_dir,
             kv_pool_socket=a.kv_pool_socket or None,
             pool_bandwidth_bytes_per_s=a.pool_bandwidth,
-            pool_setup_s=a.pool_setup_s,
+            pool_setup_s=a.pool_setup,
             role=Role(a.role),
         )
     except ValueError as exc:

@@ -70,9 +70,9 @@ def test_pool_loads_cost_the_engine_what_the_cost_model_prices() -> None:
     load_s, _ = pool_load(cost, np.array([tokens]), np.array([0.0]))
     assert default.pool_load_s(int(tokens)) == pytest.approx(float(load_s[0]))
     assert default.pool_load_s(0) == 0.0
-    slow = build_model(parse(["--pool-bandwidth", "1e9", "--pool-setup-s", "0.001"]))
+    slow = build_model(parse(["--pool-bandwidth", "1e9", "--pool-setup", "0.001"]))
     assert slow.pool_load_s(1000) == pytest.approx(0.001 + 1000 * slow.kv_bytes_per_token / 1e9)
     with pytest.raises(SystemExit):
         parse(["--pool-bandwidth", "0"])
     with pytest.raises(SystemExit):
-        parse(["--pool-setup-s", "-1"])
+        parse(["--pool-setup", "-1"])
