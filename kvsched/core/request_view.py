@@ -66,6 +66,16 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     return RequestView(req, eligible, blocks, tokens, max_blocks, pool)
 
 
+def tier_terms(view: RequestView) -> dict[str, FloatVec]:
+    """Each slot's hit split by tier, as terms an explanation shows beside the policy's own:
+    `hit_tokens` (either tier), `gpu_hit_tokens` (in the instance's own memory) and
+    `pool_tokens` (beyond that, only in its node's KV pool: loaded before they are used).
+    An operator sees from them which tier a holder has a prefix in. Pure."""
+    hits = view.hit_tokens
+    pool = np.zeros(len(hits)) if view.pool_tokens is None else view.pool_tokens
+    return {"hit_tokens": hits, "gpu_hit_tokens": hits - pool, "pool_tokens": pool}
+
+
 def hit_vectors(
     n: int, matches: tuple[dict[int, int], ...], block_size: int, cap_tokens: int
 ) -> tuple[FloatVec, FloatVec, FloatVec | None]:

@@ -28,7 +28,7 @@ from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.core.policies import Policy, make_policy
 from kvsched.core.recent import Recent
-from kvsched.core.request_view import request_view
+from kvsched.core.request_view import request_view, tier_terms
 from kvsched.core.requests import Limits, RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.transfer_book import TransferBook
@@ -216,7 +216,9 @@ class Scheduler:
         return decision
 
     def explain(self, req: RequestInfo, now: float) -> Decision:
-        """The decision `place` would make now, changing nothing (not even the RNG)."""
+        """The decision `place` would make now, changing nothing (not even the RNG). Its
+        terms add to the policy's each candidate's hit split by tier (`tier_terms`), whatever
+        the policy reads."""
         self.limits.check_request(req)
         if not self.cluster.alive.any():
             raise RequestError("unavailable", "no instance is registered")
@@ -227,10 +229,14 @@ class Scheduler:
         shared = {id(value): value for value in vars(self.cluster).values()}
         shared[id(self.cluster)] = self.cluster
         policy = copy.deepcopy(self.policy, shared)
+        view = request_view(self.cluster, req)
         try:
-            return policy.decide(request_view(self.cluster, req), now, rng)
+            decision = policy.decide(view, now, rng)
         except ValueError as exc:
             raise RequestError("unavailable", str(exc)) from exc
+        if not decision.terms:  # (a rejection before any candidate was weighed)
+            return decision
+        return replace(decision, terms={**decision.terms, **tier_terms(view)})
 
     def finish(self, done: Completion, now: float) -> Sequence[TransferPlan]:
         """Record a completion once per request id; returns transfers to start now."""

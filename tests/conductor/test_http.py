@@ -178,6 +178,8 @@ async def test_explain_by_query_hashes_and_prompt(start_conductor: Start) -> Non
             for row in rows:
                 assert "ttft_s" in row and "hit_tokens" in row
                 assert row["hit_tokens"] == (cached if row["instance"] == chosen else 0)
+                # Each hit by tier: these are all in GPU memory, none only in a node's pool.
+                assert (row["gpu_hit_tokens"], row["pool_tokens"]) == (row["hit_tokens"], 0)
 
         status, body = await get(http, f"{url}?hashes={','.join(map(str, hashes))}")
         assert status == 200, body

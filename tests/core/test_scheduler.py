@@ -8,6 +8,7 @@ import pytest
 from kvsched.core.cluster import ClusterConfig, Role
 from kvsched.core.decision import Completion, Decision
 from kvsched.core.events import BlocksStored
+from kvsched.core.index import Tier
 from kvsched.core.policies import ALL_POLICIES, POLICIES
 from kvsched.core.scheduler import Scheduler
 from tests.conftest import chain, request
@@ -53,6 +54,28 @@ def test_explain_answers_what_place_then_does() -> None:
     first = core.explain(req, 0.0)
     assert core.explain(req, 0.0).instance == first.instance  # the cursor did not move
     assert core.place(req, 0.0).instance == first.instance
+
+
+@pytest.mark.parametrize("spec", ["round_robin", "cache_aware", "elastic"])
+def test_explain_splits_each_candidates_hit_by_tier(spec: str) -> None:
+    core = scheduler(spec)
+    hashes = chain(40, 20)
+    core.apply(1, [BlocksStored(hashes, tier=Tier.CPU)])  # slot 1's node pool holds 20
+    core.apply(1, [BlocksStored(hashes[:5])])  # of which its GPU memory keeps the first 5
+    core.apply(2, [BlocksStored(hashes[:8])])  # slot 2 holds 8 in GPU memory only
+    rows = {row["instance"]: row for row in core.explain(request(1, hashes), 0.0).explain()}
+    bs = 16
+    assert (rows[1]["hit_tokens"], rows[1]["gpu_hit_tokens"], rows[1]["pool_tokens"]) == (
+        20 * bs,
+        5 * bs,
+        15 * bs,
+    )
+    assert (rows[2]["hit_tokens"], rows[2]["gpu_hit_tokens"], rows[2]["pool_tokens"]) == (
+        8 * bs,
+        8 * bs,
+        0.0,
+    )
+    assert (rows[3]["hit_tokens"], rows[3]["gpu_hit_tokens"], rows[3]["pool_tokens"]) == (0, 0, 0)
 
 
 class Told:
