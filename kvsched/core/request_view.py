@@ -66,14 +66,26 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     return RequestView(req, eligible, blocks, tokens, max_blocks, pool)
 
 
-def tier_terms(view: RequestView) -> dict[str, FloatVec]:
-    """Each slot's hit split by tier, as terms an explanation shows beside the policy's own:
-    `hit_tokens` (either tier), `gpu_hit_tokens` (in the instance's own memory) and
-    `pool_tokens` (beyond that, only in its node's KV pool: loaded before they are used).
-    An operator sees from them which tier a holder has a prefix in. Pure."""
+def tier_terms(cluster: ClusterState, view: RequestView) -> dict[str, FloatVec]:
+    """Each slot's hit by tier, as terms an explanation shows beside the policy's own:
+    `hit_tokens` (either tier), `gpu_hit_tokens` (in the instance's own memory),
+    `pool_hit_tokens` (in its node's KV pool, whatever the GPU holds too) and `pool_tokens`
+    (of the hit, those only the pool holds: loaded before they are used). An operator sees
+    from them which tier a holder has a prefix in, and a block's move between tiers. Reads
+    the index again (explanations only, never the placement path). Pure."""
     hits = view.hit_tokens
     pool = np.zeros(len(hits)) if view.pool_tokens is None else view.pool_tokens
-    return {"hit_tokens": hits, "gpu_hit_tokens": hits - pool, "pool_tokens": pool}
+    pooled = cluster.index.match(view.req.block_hashes, Tier.CPU, view.max_blocks)
+    pool_hits = np.zeros(len(hits))
+    for slot, blocks in pooled.items():
+        pool_hits[slot] = blocks * cluster.block_size
+    pool_hits = np.minimum(pool_hits, max(view.req.prompt_tokens - 1, 0))
+    return {
+        "hit_tokens": hits,
+        "gpu_hit_tokens": hits - pool,
+        "pool_hit_tokens": pool_hits,
+        "pool_tokens": pool,
+    }
 
 
 def hit_vectors(

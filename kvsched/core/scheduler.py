@@ -236,7 +236,7 @@ class Scheduler:
             raise RequestError("unavailable", str(exc)) from exc
         if not decision.terms:  # (a rejection before any candidate was weighed)
             return decision
-        return replace(decision, terms={**decision.terms, **tier_terms(view)})
+        return replace(decision, terms={**decision.terms, **tier_terms(self.cluster, view)})
 
     def finish(self, done: Completion, now: float) -> Sequence[TransferPlan]:
         """Record a completion once per request id; returns transfers to start now."""

@@ -65,17 +65,10 @@ def test_explain_splits_each_candidates_hit_by_tier(spec: str) -> None:
     core.apply(2, [BlocksStored(hashes[:8])])  # slot 2 holds 8 in GPU memory only
     rows = {row["instance"]: row for row in core.explain(request(1, hashes), 0.0).explain()}
     bs = 16
-    assert (rows[1]["hit_tokens"], rows[1]["gpu_hit_tokens"], rows[1]["pool_tokens"]) == (
-        20 * bs,
-        5 * bs,
-        15 * bs,
-    )
-    assert (rows[2]["hit_tokens"], rows[2]["gpu_hit_tokens"], rows[2]["pool_tokens"]) == (
-        8 * bs,
-        8 * bs,
-        0.0,
-    )
-    assert (rows[3]["hit_tokens"], rows[3]["gpu_hit_tokens"], rows[3]["pool_tokens"]) == (0, 0, 0)
+    split = ("hit_tokens", "gpu_hit_tokens", "pool_hit_tokens", "pool_tokens")
+    assert [rows[1][k] for k in split] == [20 * bs, 5 * bs, 20 * bs, 15 * bs]
+    assert [rows[2][k] for k in split] == [8 * bs, 8 * bs, 0, 0]
+    assert [rows[3][k] for k in split] == [0, 0, 0, 0]
 
 
 class Told:
