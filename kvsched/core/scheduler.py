@@ -216,9 +216,11 @@ class Scheduler:
         return decision
 
     def explain(self, req: RequestInfo, now: float) -> Decision:
-        """The decision `place` would make now, changing nothing (not even the RNG). Its
-        terms add to the policy's each candidate's hit split by tier (`tier_terms`), whatever
-        the policy reads."""
+        """The decision `place` would make now, changing nothing (not even the RNG) but what
+        `place` changes first: speculative placements whose time is up leave the index, so
+        the hits shown are the ones a placement now would see, not claims the engine's events
+        have since contradicted. Its terms add to the policy's each candidate's hit split by
+        tier (`tier_terms`), whatever the policy reads."""
         self.limits.check_request(req)
         if not self.cluster.alive.any():
             raise RequestError("unavailable", "no instance is registered")
@@ -229,6 +231,7 @@ class Scheduler:
         shared = {id(value): value for value in vars(self.cluster).values()}
         shared[id(self.cluster)] = self.cluster
         policy = copy.deepcopy(self.policy, shared)
+        self.cluster.index.expire(now)
         view = request_view(self.cluster, req)
         try:
             decision = policy.decide(view, now, rng)

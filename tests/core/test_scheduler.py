@@ -71,6 +71,20 @@ def test_explain_splits_each_candidates_hit_by_tier(spec: str) -> None:
     assert [rows[3][k] for k in split] == [0, 0, 0, 0]
 
 
+def test_explain_shows_no_speculative_placement_past_its_time() -> None:
+    core = scheduler("cache_aware")
+    hashes = chain(60, 10)
+    slot = core.place(request(1, hashes), 0.0).instance
+    # At once the placement's claim counts as a GPU hit there (the engine's events lag).
+    rows = {row["instance"]: row for row in core.explain(request(2, hashes), 0.0).explain()}
+    assert rows[slot]["gpu_hit_tokens"] == 10 * 16
+    # Past its time-to-live, with no event saying the engine holds the blocks, it does not:
+    # the hits shown are those a placement then would see.
+    later = core.cluster.config.speculative_ttl_s + 1.0
+    rows = {row["instance"]: row for row in core.explain(request(3, hashes), later).explain()}
+    assert rows[slot]["gpu_hit_tokens"] == 0
+
+
 class Told:
     """An observer that keeps what it was told about sessions."""
 
