@@ -8,10 +8,14 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
-from tests.engine.conftest import RunningEngine
+from tests.engine.conftest import FAST, RunningEngine
 from tests.engine.test_api import sse
+from tests.engine.test_pool_link import prompt, served_pool
 from tests.fixtures.poll import wait_for
+
+BS = FAST.block_size
 
 
 async def test_wall_time_follows_the_model_scaled_without_drift(start_engine: Any) -> None:
@@ -119,20 +123,40 @@ async def test_a_stopped_engine_ends_its_streams_with_an_error(start_engine: Any
 async def test_a_load_from_the_pool_costs_its_model_time_overlapped_with_the_prefill(
     start_engine: Any,
 ) -> None:
-    eng: RunningEngine = await start_engine(time_scale=0.05)
+    eng: RunningEngine = await start_engine(time_scale=1.0)
     live = eng.live
-    alone = live.submit([5] * 2000, 1)
-    async with asyncio.timeout(30):
-        await alone.wait(0)
-    prefill_s = alone.job.first_token_at - alone.job.arrival
-    load_s = 4 * prefill_s  # longer than the prefill: the TTFT follows the load
+    load_s = 0.3  # model seconds, longer than the prefill below: the TTFT follows the load
     # An idle engine wakes for the request once the first layer is in (no other arrival).
     loading = live.submit([6] * 2000, 1, load_s=load_s)
     async with asyncio.timeout(30):
         await loading.wait(0)
     job, layers = loading.job, live.model.spec.layers
-    assert job.admitted_at >= job.arrival + load_s / layers
-    ttft = job.first_token_at - job.arrival
-    # The last layer's compute follows the last layer's KV: more than the load, far less
-    # than the load and the prefill one after the other.
-    assert load_s < ttft < load_s + prefill_s / 2
+    # Admitted once the first layer is in, while the rest still loads (the prefill overlaps
+    # the load), and its first token only after the last layer's KV and compute.
+    assert job.arrival + load_s / layers <= job.admitted_at < job.kv_done_at
+    assert job.kv_done_at == pytest.approx(job.arrival + load_s)
+    assert job.first_token_at > job.kv_done_at
+
+
+async def test_blocks_loaded_from_the_pool_are_charged_their_host_link_time(
+    start_engine: Any,
+) -> None:
+    async with served_pool() as pool:
+        socket = str(pool.socket)
+        first = await start_engine(instance_id="e-0", kv_pool_socket=socket)
+        # A slow host link, so the load is seen against the prefill of the rest.
+        second = await start_engine(instance_id="e-1", kv_pool_socket=socket, pool_setup_s=0.5)
+        link = first.live.pool
+        assert link is not None
+        await wait_for(lambda: link.attached, 5.0, message="attached to the pool")
+        ids = prompt(5, 20 * BS + 3)
+        await first.live.submit(ids, 1).wait(0)
+        await wait_for(lambda: pool.pool.usage().blocks >= 20, 5.0, message="the prompt saved")
+        request = await second.live.admit(ids, 1)
+        async with asyncio.timeout(30):
+            await request.wait(0)
+        job = request.job
+        load_s = second.live.model.pool_load_s(20 * BS)
+        assert request.loaded_tokens == job.cached_tokens == 20 * BS
+        assert load_s > 0.5 and job.kv_done_at == pytest.approx(job.arrival + load_s)
+        assert job.first_token_at > job.kv_done_at
