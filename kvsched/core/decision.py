@@ -21,6 +21,10 @@ class TransferKind(Enum):
     MIGRATE_SESSION = "migrate_session"  # move a session's context to a new host
     REPLICATE_PREFIX = "replicate_prefix"  # copy a hot shared prefix to another instance
     HANDOFF = "handoff"  # prefill instance → decode instance (disaggregated serving)
+    # Load a session's context from its host's node pool (DRAM) into the host's GPU before
+    # its next turn (`kvsched.core.prefetch`); source and target are the host. Executed by
+    # the simulator only: the Scheduler hands it out only to executors that say they run it.
+    PREFETCH = "prefetch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,8 @@ class TransferPlan:
     session_id: str | None = None
     request_id: RequestId | None = None
     transfer_id: str = ""  # set by the scheduler when it hands the order out
+    # Start no earlier than this (policy seconds; 0: at once). Only PREFETCH plans set it.
+    not_before: float = 0.0
 
     @property
     def n_blocks(self) -> int:

@@ -86,8 +86,11 @@ class Scheduler:
         observer: IndexObserver | None = None,
         empty: bool = False,
         max_sessions_per_tenant: int = 0,
+        runs_prefetch: bool = False,
     ) -> None:
-        """`empty`: start with no live instance (they join with `add_instance`).
+        """`runs_prefetch`: the caller executes PREFETCH plans (the simulator); otherwise
+        `finish` drops them before opening them (the live data plane has no executor yet).
+        `empty`: start with no live instance (they join with `add_instance`).
         `max_sessions_per_tenant`: the most sessions one tenant keeps (0: no cap); a new one
         past it forgets that tenant's least recently touched idle session (`sessions`)."""
         if max_sessions_per_tenant < 0:
@@ -102,6 +105,7 @@ class Scheduler:
         self.rng = random.Random(seed)
         self.limits = Limits(max_prompt_tokens, config.block_size)
         self.transfers = TransferBook(transfer_prefix)
+        self.runs_prefetch = runs_prefetch
         self.observer = observer
         self._decisions: Recent[Decision] = Recent(RECENT_DECISIONS)
         self._finished: Recent[None] = Recent(RECENT_DECISIONS)
@@ -248,6 +252,8 @@ class Scheduler:
         if key in self._finished:
             return ()
         plans = recording.finish(self.cluster, self.policy, done, now)
+        if not self.runs_prefetch:
+            plans = [p for p in plans if p.kind is not TransferKind.PREFETCH]
         self._finished.add(key, None)
         if done.session_id:
             self._session_changed(done.session_id)

@@ -12,7 +12,7 @@ from typing import Any
 
 # What an event is, as small ints rather than an enum: the loop indexes its tuple of
 # handlers with them once per event.
-ARRIVE, STEP, WAKE, TRANSFER_DONE = 0, 1, 2, 3
+ARRIVE, STEP, WAKE, TRANSFER_DONE, PREFETCH_DUE = 0, 1, 2, 3, 4
 
 
 class EventQueue:

@@ -64,6 +64,7 @@ class Replay:
             config.seed,
             max_prompt_tokens=config.max_model_len or model_config(cluster_cfg.model).max_model_len,
             transfer_prefix="sim",
+            runs_prefetch=True,
         )
         self.cluster = core.cluster
         self.scheduler: SchedulerPort = scheduler or core
@@ -132,12 +133,14 @@ class Replay:
         self.arrivals.schedule(config.load, config.closed_loop, self.cluster.n, config.seed)
         clock = self.clock
         self._progress = progress
-        # Indexed by the event kinds of `kvsched.sim.clock`: ARRIVE, STEP, WAKE, TRANSFER_DONE.
+        # Indexed by the event kinds of `kvsched.sim.clock`: ARRIVE, STEP, WAKE, TRANSFER_DONE,
+        # PREFETCH_DUE.
         handlers: tuple[Callable[[Any], None], ...] = (
             self._on_arrive,
             self._on_step,
             self._on_wake,
             self.transfers.landed,
+            self.transfers.prefetch_due,
         )
         self.events += clock.run(handlers)
         self.hotspot.finish(clock.now)

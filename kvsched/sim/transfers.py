@@ -1,6 +1,7 @@
 """KV copies between simulated engines: session migrations and fetches of a cached prefix
 (started when a decision plans them, landing later), and the prefill-to-decode hand-off
-streamed once a prefill is done.
+streamed once a prefill is done; and idle-gap prefetches, loads of a session's context from
+its host's node pool (DRAM tier) into the host's GPU, started when due (`prefetch_due`).
 
 A copy locks its blocks on both ends while it runs. One nobody waits for lands as the live
 import lands (`services.common.kv_transfer`): committed into the target's cache, then
@@ -13,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvsched.core.decision import TransferKind, TransferPlan
+from kvsched.core.prefetch import may_start
 from kvsched.core.scheduler import SchedulerPort
-from kvsched.sim.clock import TRANSFER_DONE, WAKE, EventQueue
+from kvsched.sim.clock import PREFETCH_DUE, TRANSFER_DONE, WAKE, EventQueue
 from kvsched.sim.engine import Engine, Job, JobKind
 from kvsched.sim.migrations import MigrationTracker
 from kvsched.sim.network import Network
@@ -57,6 +59,9 @@ class Transfers:
         self._clock = clock
         self._handoffs: dict[int, TransferPlan] = {}  # request -> its hand-off, once prefilled
         self.stats: dict[str, list[float]] = {k.value: [0, 0, 0.0] for k in TransferKind}
+        # Due prefetches by outcome: loaded, not needed (the GPU kept the context), skipped
+        # (queued work or no room on the host), none (the host's node has no pool).
+        self.prefetches = {"loaded": 0, "not_needed": 0, "skipped": 0, "no_pool": 0}
 
     def start(self, plan: TransferPlan, job: Job | None) -> bool:
         """Lock the blocks on both sides, book the links and schedule the arrival; returns
@@ -65,6 +70,9 @@ class Transfers:
         as the source). When the target has no room it fails at once: nothing moves. `job`,
         the request waiting for the copy, may start once the copy's first layer is in."""
         now = self._clock.now
+        if plan.kind is TransferKind.PREFETCH:
+            self._clock.push(max(plan.not_before, now), PREFETCH_DUE, plan)
+            return True
         src, dst = self._engines[plan.source], self._engines[plan.target]
         hashes = plan.block_hashes
         have_src = src.cache.match(hashes, len(hashes))
@@ -105,7 +113,8 @@ class Transfers:
         now = self._clock.now
         plan = record.plan
         src, dst = self._engines[plan.source], self._engines[plan.target]
-        src.cache.unlock_prefix(plan.block_hashes, record.source_blocks, now, touch=False)
+        if plan.kind is not TransferKind.PREFETCH:  # a prefetch's source is the node's pool
+            src.cache.unlock_prefix(plan.block_hashes, record.source_blocks, now, touch=False)
         if record.job is None:
             hashes = plan.block_hashes
             dst.cache.commit(
@@ -115,6 +124,42 @@ class Transfers:
             self._drain(plan.target)
         self._drain(plan.source)
         self._scheduler.transfer_done(plan.transfer_id, True, now)
+
+    def prefetch_due(self, plan: TransferPlan) -> None:
+        """A prefetch is due: load what the host's node pool holds of the context beyond the
+        GPU's prefix into reserved pages, over the host link (booked as a turn's load is),
+        if `may_start` lets it; the blocks join the host's cache when the last layer is in
+        (`landed`). Otherwise tell the scheduler at once: done when nothing was missing,
+        failed when skipped."""
+        now = self._clock.now
+        engine = self._engines[plan.target]
+        tier, cache, hashes = engine.tier, engine.cache, plan.block_hashes
+        if tier is None:
+            self.prefetches["no_pool"] += 1
+            self._scheduler.transfer_done(plan.transfer_id, False, now)
+            return
+        gpu = cache.match(hashes, len(hashes))
+        needed = tier.match(hashes, len(hashes)) - gpu
+        if needed <= 0:
+            self.prefetches["not_needed"] += 1
+            self._scheduler.transfer_done(plan.transfer_id, True, now)
+            return
+        cache.lock_prefix(hashes, gpu, now)  # before reserving: eviction must spare it
+        room = cache.available
+        if not may_start(
+            queued_jobs=len(engine.waiting), room_pages=room, needed_pages=needed
+        ) or not cache.reserve(needed):
+            cache.unlock_prefix(hashes, gpu, now)
+            self.prefetches["skipped"] += 1
+            self._scheduler.transfer_done(plan.transfer_id, False, now)
+            return
+        self._drain(plan.target)  # what the reservation evicted is written back first
+        load = tier.load(plan.target, hashes, gpu, gpu + needed, now)
+        nbytes = needed * engine.bs * self._kv_bytes_per_token
+        self._count(plan, nbytes, load.done_at - load.start)
+        self.prefetches["loaded"] += 1
+        record = Transfer(plan, gpu + needed, gpu, None, load.start, load.done_at)
+        self._clock.push(load.done_at, TRANSFER_DONE, record)
 
     def await_prefill(self, request: int, plan: TransferPlan) -> None:
         """Hold `request`'s hand-off until its prefill is done (`hand_off`)."""

@@ -23,6 +23,14 @@ parts, each switchable for ablation:
 (e) `admission`: reject (with a retry delay) a request when no instance, with or without
     moving its session's KV, meets the TTFT SLO although one would on an idle cluster.
 
+(f) `prefetch`: when a turn ends on a host whose node has a pool (the index has seen its DRAM
+    tier), plan loading the session's context from the pool back into the host's GPU shortly
+    before its next turn is expected: the `prefetch_quantile` of the session's last gaps,
+    minus the load's time and `prefetch_lead_s`, when that gap is at least
+    `prefetch_min_gap_s` (`kvsched.core.prefetch`). The executor starts it then only if the
+    host has no queued work and room, and loads only what the GPU lost meanwhile. Not with
+    an idle-gap move (a) of the same session. Without a pool it plans nothing.
+
 Every TTFT estimate above counts KV tiers: a prefix held only in an instance's node pool (the
 DRAM tier) costs the part of its load over the host link that the prefill of the rest does
 not hide (`load_wait_s`, `cost.pool_load`); one in GPU memory costs nothing to reuse. (The
@@ -53,9 +61,11 @@ from kvsched.core.decision_builders import (
     rejection,
 )
 from kvsched.core.hotness import PrefixHeat
+from kvsched.core.index import Tier
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, least_pending, masked_min
 from kvsched.core.policies.base import Policy
+from kvsched.core.prefetch import GapHistory, PrefetchRule, pool_load_s, prefetch_at, prefetch_plan
 from kvsched.core.replication import hot_prefix_copy
 from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.residency import ResidentSessions
@@ -110,6 +120,10 @@ class Elastic(Policy):
         "min_hits": 3,
         "horizon_s": 60.0,
         "active_window_s": 300.0,  # a session idle longer no longer claims KV memory
+        "prefetch": True,
+        "prefetch_quantile": 0.25,
+        "prefetch_min_gap_s": 10.0,
+        "prefetch_lead_s": 1.0,
     }
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -124,6 +138,12 @@ class Elastic(Policy):
         self.resident = ResidentSessions(cluster.n, self.param("active_window_s"))
         self._heat = PrefixHeat()
         self._capacity_tokens = float(cluster.capacity_blocks * cluster.block_size)
+        self.gaps = GapHistory()
+        self._prefetch_rule = PrefetchRule(
+            quantile=float(self.param("prefetch_quantile")),
+            min_gap_s=float(self.param("prefetch_min_gap_s")),
+            lead_s=float(self.param("prefetch_lead_s")),
+        )
 
     # ---- placement ---------------------------------------------------------------------
 
@@ -131,6 +151,8 @@ class Elastic(Policy):
         self.resident.expire(now, self.cluster.sessions)
         sid = view.req.session_id
         session = self.cluster.sessions.get(sid) if sid is not None else None
+        if session is not None and self.param("prefetch"):
+            self.gaps.observe(session.session_id, session.last_finish_at, now)
         # Admission runs inside both: a refused request builds no placement or transfer order.
         if session is not None and session.host != NO_HOST and view.eligible[session.host]:
             decision = self._affine(view, session, now)
@@ -294,7 +316,32 @@ class Elastic(Policy):
             plan = self._idle_migration(session, now)
             if plan is not None:
                 return [plan]
+        if self.param("prefetch"):
+            plan = self._prefetch(session, host, now)
+            if plan is not None:
+                return [plan]
         return []
+
+    def _prefetch(self, session: Session, host: int, now: float) -> TransferPlan | None:
+        """(f): load the session's context back from the host's node pool before its next turn
+        (see the module docstring). Changes nothing."""
+        cluster = self.cluster
+        if not session.context_hashes or session.pending_target != NO_HOST:
+            return None
+        if cluster.index.block_count(host, Tier.CPU) <= 0:
+            return None  # no pool on the host's node (or nothing in it yet)
+        load_s = pool_load_s(cluster.cost, session.context_tokens)
+        gaps = self.gaps.gaps(session.session_id)
+        at = prefetch_at(self._prefetch_rule, gaps, now, load_s)
+        if at is None:
+            return None
+        return prefetch_plan(
+            cluster.cost,
+            host,
+            session.context_hashes,
+            session_id=session.session_id,
+            not_before=at,
+        )
 
     def _idle_migration(self, session: Session, now: float) -> TransferPlan | None:
         """(a): move a session off a busy or crowded host while its agent is busy."""
