@@ -5,10 +5,11 @@ An agentic session alternates turns with tool calls. During a long call its KV m
 from GPU memory to the node's DRAM (`kvsched.sim.tiers`); its next turn then loads it over the
 host link (PCIe) before its prefill can finish. Prefetch moves that load into the gap: when a
 turn ends, the policy predicts the next gap from the gaps the session already showed
-(`GapHistory`, `predict_gap_s`) and plans a load (`prefetch_plan`, a `TransferPlan` of kind
-PREFETCH whose `not_before` says when) that the executor starts at that time only if the host
-then has no queued work and room for the blocks (`may_start`). The plan loads only what the
-pool holds beyond the GPU's prefix then; when the GPU kept it all, it moves nothing.
+(`GapHistory`, `predict_gap_s`) and plans loads at a few quantiles of them (`prefetch_times`,
+`prefetch_plan`: `TransferPlan`s of kind PREFETCH whose `not_before` says when). The executor
+starts each when due only if the host then has no queued work and room for the blocks
+(`may_start`), and loads only what the pool holds beyond the GPU's prefix then: when the GPU
+kept it all, it moves nothing.
 
 Everything here is pure: callers pass `now`; nothing reads a clock or draws randomness.
 """
@@ -26,20 +27,33 @@ from kvsched.core.decision import TransferKind, TransferPlan
 
 @dataclass(frozen=True, slots=True)
 class PrefetchRule:
-    """When a prefetch is planned: the session showed at least `min_gaps` gaps, the predicted
-    gap (the `quantile` of its last gaps) is at least `min_gap_s` (shorter ones rarely outlast
-    the GPU's memory), and the load starts `lead_s` plus its own estimated time before it."""
+    """When prefetches are planned: the session showed at least `min_gaps` gaps, and for each
+    of `checks` quantiles of its last gaps, evenly spaced from `quantile` to `last_quantile`,
+    that is at least `min_gap_s` (shorter gaps rarely outlast the GPU's memory), one load
+    starts `lead_s` plus its own estimated time before that predicted arrival. Agentic gaps
+    spread widely (a tool call, a human pause): several checks cover more of them than one,
+    and a check that finds the context still on the GPU moves nothing."""
 
-    quantile: float = 0.25
+    quantile: float = 0.1
+    last_quantile: float = 1.0
+    checks: int = 5
     min_gaps: int = 2
     min_gap_s: float = 10.0
     lead_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.quantile <= 1.0:
-            raise ValueError("the prefetch quantile must lie in [0, 1]")
-        if self.min_gaps < 1 or self.min_gap_s < 0 or self.lead_s < 0:
-            raise ValueError("prefetch needs min_gaps >= 1, min_gap_s >= 0 and lead_s >= 0")
+        if not 0.0 <= self.quantile <= self.last_quantile <= 1.0:
+            raise ValueError("prefetch quantiles must satisfy 0 <= quantile <= last <= 1")
+        if self.checks < 1 or self.min_gaps < 1 or self.min_gap_s < 0 or self.lead_s < 0:
+            raise ValueError(
+                "prefetch needs checks >= 1, min_gaps >= 1, min_gap_s >= 0 and lead_s >= 0"
+            )
+
+    def quantiles(self) -> tuple[float, ...]:
+        if self.checks == 1:
+            return (self.quantile,)
+        step = (self.last_quantile - self.quantile) / (self.checks - 1)
+        return tuple(self.quantile + i * step for i in range(self.checks))
 
 
 def predict_gap_s(gaps: Sequence[float], quantile: float) -> float:
@@ -89,18 +103,21 @@ class GapHistory:
         return len(self._gaps)
 
 
-def prefetch_at(
+def prefetch_times(
     rule: PrefetchRule, gaps: Sequence[float], finished_at: float, load_s: float
-) -> float | None:
+) -> tuple[float, ...]:
     """When to start loading a session whose turn ended at `finished_at` and whose load takes
-    `load_s`: `rule.lead_s + load_s` before the predicted next arrival, not before
-    `finished_at`; None when the rule plans none (too few gaps, or a short predicted gap)."""
+    `load_s`: for each of the rule's quantiles of `gaps` of at least `rule.min_gap_s`,
+    `rule.lead_s + load_s` before that predicted arrival, not before `finished_at`; distinct
+    times, ascending. None when the session showed fewer than `rule.min_gaps` gaps."""
     if len(gaps) < rule.min_gaps:
-        return None
-    gap = predict_gap_s(gaps, rule.quantile)
-    if not gap >= rule.min_gap_s:
-        return None
-    return max(finished_at, finished_at + gap - rule.lead_s - load_s)
+        return ()
+    times: set[float] = set()
+    for q in rule.quantiles():
+        gap = predict_gap_s(gaps, q)
+        if gap >= rule.min_gap_s:
+            times.add(max(finished_at, finished_at + gap - rule.lead_s - load_s))
+    return tuple(sorted(times))
 
 
 def prefetch_plan(

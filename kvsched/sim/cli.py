@@ -193,37 +193,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        trace, fmt = load_trace(args)
-        mode = args.mode or DEFAULT_MODE[fmt]
-        if mode == "closed" and not any(c.after >= 0 for c in trace.calls):
-            raise ValueError(f"{fmt} traces carry no turn dependencies: use --mode open")
-        cmp = Comparison(
-            trace=trace,
-            trace_path=str(args.trace),
-            policies=expand_policies(args.policies),
-            instances=args.instances,
-            seed=args.seed,
-            load=args.load,
-            closed_loop=mode == "closed",
-            slo=SloConfig(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo),
-            warmup_fraction=args.warmup,
-            sweep_loads=parse_loads(args.sweep),
-            hardware=hardware_from_args(args),
-            topology=TopologyConfig(instances_per_node=args.instances_per_node),
-            tier=TierConfig(
-                dram=args.dram_tier,
-                ssd=args.ssd_tier,
-                pcie_bandwidth=args.dram_bandwidth * 1e9,
-                ssd_bandwidth=args.ssd_bandwidth * 1e9,
-            ),
-        )
-        if args.instances <= 0 or args.load <= 0:
-            raise ValueError("--instances and --load must be positive")
+        cmp = comparison(args)
     except (ValueError, OSError) as exc:
         parser.exit(2, f"kvsched: error: {exc}\n")
     bar = None if args.quiet else ProgressBar()
     run_comparison(cmp, args.out, figures=not args.no_figures, stream=sys.stdout, progress=bar)
     return 0
+
+
+def comparison(args: argparse.Namespace) -> Comparison:
+    """The comparison `kvsched replay`'s parsed `args` ask for (trace loaded); raises
+    ValueError or OSError naming what is wrong."""
+    trace, fmt = load_trace(args)
+    mode = args.mode or DEFAULT_MODE[fmt]
+    if mode == "closed" and not any(c.after >= 0 for c in trace.calls):
+        raise ValueError(f"{fmt} traces carry no turn dependencies: use --mode open")
+    cmp = Comparison(
+        trace=trace,
+        trace_path=str(args.trace),
+        policies=expand_policies(args.policies),
+        instances=args.instances,
+        seed=args.seed,
+        load=args.load,
+        closed_loop=mode == "closed",
+        slo=SloConfig(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo),
+        warmup_fraction=args.warmup,
+        sweep_loads=parse_loads(args.sweep),
+        hardware=hardware_from_args(args),
+        topology=TopologyConfig(instances_per_node=args.instances_per_node),
+        tier=TierConfig(
+            dram=args.dram_tier,
+            ssd=args.ssd_tier,
+            pcie_bandwidth=args.dram_bandwidth * 1e9,
+            ssd_bandwidth=args.ssd_bandwidth * 1e9,
+        ),
+    )
+    if args.instances <= 0 or args.load <= 0:
+        raise ValueError("--instances and --load must be positive")
+    return cmp
 
 
 if __name__ == "__main__":

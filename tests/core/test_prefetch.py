@@ -8,16 +8,20 @@ import math
 import pytest
 
 from kvsched.core.cluster import ClusterConfig, build_cluster
-from kvsched.core.decision import TransferKind
+from kvsched.core.decision import Completion, TransferKind, TransferPlan
+from kvsched.core.events import BlocksStored
+from kvsched.core.index import Tier
 from kvsched.core.prefetch import (
     GapHistory,
     PrefetchRule,
     may_start,
     pool_load_s,
     predict_gap_s,
-    prefetch_at,
     prefetch_plan,
+    prefetch_times,
 )
+from kvsched.core.scheduler import Scheduler
+from tests.conftest import chain, request
 
 
 def test_the_predicted_gap_is_a_quantile_of_the_observed_gaps() -> None:
@@ -44,15 +48,25 @@ def test_the_history_keeps_the_last_gaps_once_per_finish() -> None:
         GapHistory(keep=0)
 
 
-def test_a_prefetch_is_timed_to_land_before_the_predicted_arrival() -> None:
-    rule = PrefetchRule(quantile=0.5, min_gaps=2, min_gap_s=10.0, lead_s=1.0)
-    assert prefetch_at(rule, [60.0], 100.0, 0.5) is None  # too few gaps seen
-    assert prefetch_at(rule, [5.0, 8.0], 100.0, 0.5) is None  # gaps too short to bother
-    assert prefetch_at(rule, [50.0, 70.0], 100.0, 0.5) == pytest.approx(100.0 + 60.0 - 1.5)
+def test_prefetches_are_timed_to_land_before_the_predicted_arrivals() -> None:
+    rule = PrefetchRule(quantile=0.5, checks=1, min_gaps=2, min_gap_s=10.0, lead_s=1.0)
+    assert prefetch_times(rule, [60.0], 100.0, 0.5) == ()  # too few gaps seen
+    assert prefetch_times(rule, [5.0, 8.0], 100.0, 0.5) == ()  # gaps too short to bother
+    assert prefetch_times(rule, [50.0, 70.0], 100.0, 0.5) == pytest.approx((100.0 + 60.0 - 1.5,))
     # A load longer than the gap starts at once, never before the turn ended.
-    assert prefetch_at(rule, [12.0, 12.0], 100.0, 30.0) == 100.0
+    assert prefetch_times(rule, [12.0, 12.0], 100.0, 30.0) == (100.0,)
+    # Several checks: one per quantile from the first to the last, short ones left out,
+    # equal times once.
+    spread = PrefetchRule(quantile=0.0, last_quantile=1.0, checks=3, min_gaps=1, lead_s=0.0)
+    assert spread.quantiles() == (0.0, 0.5, 1.0)
+    assert prefetch_times(spread, [5.0, 20.0, 40.0], 0.0, 0.0) == (20.0, 40.0)
+    assert prefetch_times(spread, [30.0], 0.0, 0.0) == (30.0,)
     with pytest.raises(ValueError):
         PrefetchRule(quantile=1.5)
+    with pytest.raises(ValueError):
+        PrefetchRule(quantile=0.5, last_quantile=0.25)
+    with pytest.raises(ValueError):
+        PrefetchRule(checks=0)
 
 
 def test_a_due_prefetch_starts_only_on_a_host_with_no_queue_and_room() -> None:
@@ -73,3 +87,49 @@ def test_the_plan_loads_the_context_into_its_host_at_the_planned_time() -> None:
     link = cost.pool_link
     expected = link.setup_s + plan.nbytes / link.bandwidth_bytes_per_s
     assert plan.est_seconds == pytest.approx(expected) and pool_load_s(cost, 0) == 0.0
+
+
+def _session_turns(core: Scheduler, *, gap_s: float, turns: int) -> list[TransferPlan]:
+    """Turns of session `s` on one instance, each `gap_s` after the last ended; the plans the
+    last completion returned."""
+    hashes = chain(7, 40)
+    plans: list[TransferPlan] = []
+    at = 0.0
+    for rid in range(1, turns + 1):
+        req = request(rid, hashes, session="s")
+        d = core.place(req, at)
+        done = Completion(
+            rid, "s", d.instance, d.decode_instance, req.prompt_tokens, 16, 0,
+            req.block_hashes, at, at + 0.5, at + 1.0,
+        )  # fmt: skip
+        plans = list(core.finish(done, at + 1.0))
+        at += 1.0 + gap_s
+    return plans
+
+
+def _core(*, pool: bool, runs_prefetch: bool = True, spec: str = "elastic") -> Scheduler:
+    core = Scheduler(
+        ClusterConfig(n_instances=1), spec, seed=0, max_prompt_tokens=131_072,
+        runs_prefetch=runs_prefetch,
+    )  # fmt: skip
+    if pool:  # the node's DRAM tier holds something: the index has seen a CPU-tier store
+        core.apply(0, [BlocksStored(chain(99, 4), None, Tier.CPU)])
+    return core
+
+
+def test_elastic_plans_prefetches_before_the_predicted_turn_only_with_a_pool() -> None:
+    plans = _session_turns(_core(pool=True), gap_s=60.0, turns=3)
+    assert [p.kind for p in plans] == [TransferKind.PREFETCH]  # equal gaps: one time
+    (plan,) = plans
+    assert plan.source == plan.target == 0 and plan.session_id == "s"
+    finished = 2 * 61.0 + 1.0
+    # Due the lead (1 s) and the load's time before the arrival 60 s after the turn ended.
+    assert finished + 60.0 - 1.0 - plan.est_seconds == pytest.approx(plan.not_before)
+    assert plan.block_hashes == chain(7, 40)
+    assert _session_turns(_core(pool=False), gap_s=60.0, turns=3) == []  # no pool: none
+    assert _session_turns(_core(pool=True), gap_s=60.0, turns=2) == []  # one gap seen
+    assert _session_turns(_core(pool=True), gap_s=5.0, turns=3) == []  # short gaps
+    off = _core(pool=True, spec="elastic:prefetch=0")
+    assert _session_turns(off, gap_s=60.0, turns=3) == []
+    # A Scheduler whose caller cannot run them (the live Conductor) hands none out.
+    assert _session_turns(_core(pool=True, runs_prefetch=False), gap_s=60.0, turns=3) == []

@@ -25,9 +25,10 @@ parts, each switchable for ablation:
 
 (f) `prefetch`: when a turn ends on a host whose node has a pool (the index has seen its DRAM
     tier), plan loading the session's context from the pool back into the host's GPU shortly
-    before its next turn is expected: the `prefetch_quantile` of the session's last gaps,
-    minus the load's time and `prefetch_lead_s`, when that gap is at least
-    `prefetch_min_gap_s` (`kvsched.core.prefetch`). The executor starts it then only if the
+    before its next turn is expected: `prefetch_checks` loads, each due the load's time and
+    `prefetch_lead_s` before a quantile of the session's last gaps (evenly spaced from
+    `prefetch_quantile` to `prefetch_last_quantile`) of at least `prefetch_min_gap_s`
+    (`kvsched.core.prefetch`). The executor starts it then only if the
     host has no queued work and room, and loads only what the GPU lost meanwhile. Not with
     an idle-gap move (a) of the same session. Without a pool it plans nothing.
 
@@ -65,7 +66,13 @@ from kvsched.core.index import Tier
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, least_pending, masked_min
 from kvsched.core.policies.base import Policy
-from kvsched.core.prefetch import GapHistory, PrefetchRule, pool_load_s, prefetch_at, prefetch_plan
+from kvsched.core.prefetch import (
+    GapHistory,
+    PrefetchRule,
+    pool_load_s,
+    prefetch_plan,
+    prefetch_times,
+)
 from kvsched.core.replication import hot_prefix_copy
 from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.residency import ResidentSessions
@@ -121,7 +128,9 @@ class Elastic(Policy):
         "horizon_s": 60.0,
         "active_window_s": 300.0,  # a session idle longer no longer claims KV memory
         "prefetch": True,
-        "prefetch_quantile": 0.25,
+        "prefetch_quantile": 0.1,
+        "prefetch_last_quantile": 1.0,
+        "prefetch_checks": 5,
         "prefetch_min_gap_s": 10.0,
         "prefetch_lead_s": 1.0,
     }
@@ -141,6 +150,8 @@ class Elastic(Policy):
         self.gaps = GapHistory()
         self._prefetch_rule = PrefetchRule(
             quantile=float(self.param("prefetch_quantile")),
+            last_quantile=float(self.param("prefetch_last_quantile")),
+            checks=int(self.param("prefetch_checks")),
             min_gap_s=float(self.param("prefetch_min_gap_s")),
             lead_s=float(self.param("prefetch_lead_s")),
         )
@@ -317,31 +328,30 @@ class Elastic(Policy):
             if plan is not None:
                 return [plan]
         if self.param("prefetch"):
-            plan = self._prefetch(session, host, now)
-            if plan is not None:
-                return [plan]
+            return self._prefetch(session, host, now)
         return []
 
-    def _prefetch(self, session: Session, host: int, now: float) -> TransferPlan | None:
+    def _prefetch(self, session: Session, host: int, now: float) -> list[TransferPlan]:
         """(f): load the session's context back from the host's node pool before its next turn
         (see the module docstring). Changes nothing."""
         cluster = self.cluster
         if not session.context_hashes or session.pending_target != NO_HOST:
-            return None
+            return []
         if cluster.index.block_count(host, Tier.CPU) <= 0:
-            return None  # no pool on the host's node (or nothing in it yet)
+            return []  # no pool on the host's node (or nothing in it yet)
         load_s = pool_load_s(cluster.cost, session.context_tokens)
         gaps = self.gaps.gaps(session.session_id)
-        at = prefetch_at(self._prefetch_rule, gaps, now, load_s)
-        if at is None:
-            return None
-        return prefetch_plan(
-            cluster.cost,
-            host,
-            session.context_hashes,
-            session_id=session.session_id,
-            not_before=at,
-        )
+        times = prefetch_times(self._prefetch_rule, gaps, now, load_s)
+        return [
+            prefetch_plan(
+                cluster.cost,
+                host,
+                session.context_hashes,
+                session_id=session.session_id,
+                not_before=at,
+            )
+            for at in times
+        ]
 
     def _idle_migration(self, session: Session, now: float) -> TransferPlan | None:
         """(a): move a session off a busy or crowded host while its agent is busy."""
