@@ -4,7 +4,7 @@ policy, with the node's DRAM tier on (docs/evaluation.md, "Idle-gap prefetch").
     python -m tools.prefetch_eval replay --trace ../shared/traces/weka_cc_agentic/\
 weka_cc_agentic_calls.jsonl.xz --sessions 0:60 --token-scale 1.0 --max-gap 300 \
         --dram-tier 4 --kv-capacity 200000 --load 16 \
-        --policies elastic,elastic:prefetch=0,ear,cache_aware [--long-gap 30]
+        --policies elastic:prefetch=1,elastic,ear,cache_aware [--long-gap 30]
 
 Takes `kvsched replay`'s flags (trace, hardware, tier, policies, load, seed), replays each policy
 once and prints one markdown row per policy: TTFT p50/p90/p99 over all measured turns and over

@@ -107,7 +107,7 @@ def _session_turns(core: Scheduler, *, gap_s: float, turns: int) -> list[Transfe
     return plans
 
 
-def _core(*, pool: bool, runs_prefetch: bool = True, spec: str = "elastic") -> Scheduler:
+def _core(*, pool: bool, runs_prefetch: bool = True, spec: str = "elastic:prefetch=1") -> Scheduler:
     core = Scheduler(
         ClusterConfig(n_instances=1), spec, seed=0, max_prompt_tokens=131_072,
         runs_prefetch=runs_prefetch,
@@ -129,7 +129,7 @@ def test_elastic_plans_prefetches_before_the_predicted_turn_only_with_a_pool() -
     assert _session_turns(_core(pool=False), gap_s=60.0, turns=3) == []  # no pool: none
     assert _session_turns(_core(pool=True), gap_s=60.0, turns=2) == []  # one gap seen
     assert _session_turns(_core(pool=True), gap_s=5.0, turns=3) == []  # short gaps
-    off = _core(pool=True, spec="elastic:prefetch=0")
+    off = _core(pool=True, spec="elastic")  # off by default (docs/evaluation.md)
     assert _session_turns(off, gap_s=60.0, turns=3) == []
     # A Scheduler whose caller cannot run them (the live Conductor) hands none out.
     assert _session_turns(_core(pool=True, runs_prefetch=False), gap_s=60.0, turns=3) == []

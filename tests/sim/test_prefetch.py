@@ -1,6 +1,7 @@
 """Idle-gap prefetch in the engine model: a session's KV evicted to its node's DRAM during a
 long gap is loaded back into its host's GPU before its next turn, which then starts as a GPU
-hit would; without prefetch (`elastic:prefetch=0`) that turn loads it on its critical path."""
+hit would; without prefetch (`elastic`'s default; `elastic:prefetch=1` switches it on) that
+turn loads it on its critical path."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _turns(result: ReplayResult) -> list[tuple[float, int, int]]:
 
 
 def test_a_session_evicted_to_dram_is_prefetched_before_its_next_turn() -> None:
-    on_replay, on = _run("elastic", gpu_pages=GPU_PAGES)
+    on_replay, on = _run("elastic:prefetch=1", gpu_pages=GPU_PAGES)
     _, off = _run("elastic:prefetch=0", gpu_pages=GPU_PAGES)
     # A GPU that never evicts: every turn a GPU hit.
     _, roomy = _run("elastic:prefetch=0", gpu_pages=10 * GPU_PAGES)
@@ -80,6 +81,6 @@ def test_a_session_evicted_to_dram_is_prefetched_before_its_next_turn() -> None:
 
 
 def test_without_a_dram_tier_elastic_plans_no_prefetch() -> None:
-    replay, result = _run("elastic", gpu_pages=GPU_PAGES, dram=False)
+    replay, result = _run("elastic:prefetch=1", gpu_pages=GPU_PAGES, dram=False)
     assert not result.transfers["prefetch"][0]
     assert replay.transfers.prefetches == {"loaded": 0, "not_needed": 0, "skipped": 0, "no_pool": 0}

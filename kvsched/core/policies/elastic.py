@@ -23,14 +23,16 @@ parts, each switchable for ablation:
 (e) `admission`: reject (with a retry delay) a request when no instance, with or without
     moving its session's KV, meets the TTFT SLO although one would on an idle cluster.
 
-(f) `prefetch`: when a turn ends on a host whose node has a pool (the index has seen its DRAM
-    tier), plan loading the session's context from the pool back into the host's GPU shortly
-    before its next turn is expected: `prefetch_checks` loads, each due the load's time and
-    `prefetch_lead_s` before a quantile of the session's last gaps (evenly spaced from
-    `prefetch_quantile` to `prefetch_last_quantile`) of at least `prefetch_min_gap_s`
-    (`kvsched.core.prefetch`). The executor starts it then only if the
-    host has no queued work and room, and loads only what the GPU lost meanwhile. Not with
-    an idle-gap move (a) of the same session. Without a pool it plans nothing.
+(f) `prefetch` (off by default: `elastic:prefetch=1`): when a turn ends on a host whose node
+    has a pool (the index has seen its DRAM tier), plan loading the session's context from
+    the pool back into the host's GPU shortly before its next turn is expected:
+    `prefetch_checks` loads, each due the load's time and `prefetch_lead_s` before a quantile
+    of the session's last gaps (evenly spaced from `prefetch_quantile` to
+    `prefetch_last_quantile`) of at least `prefetch_min_gap_s` (`kvsched.core.prefetch`).
+    The executor starts each then only if the host has no queued work and room, and loads
+    only what the GPU lost meanwhile. Not with an idle-gap move (a) of the same session.
+    Without a pool it plans nothing. Off by default: on WEKA sessions it did not lower the
+    tail robustly (docs/evaluation.md, "Idle-gap prefetch").
 
 Every TTFT estimate above counts KV tiers: a prefix held only in an instance's node pool (the
 DRAM tier) costs the part of its load over the host link that the prefill of the rest does
@@ -127,7 +129,7 @@ class Elastic(Policy):
         "min_hits": 3,
         "horizon_s": 60.0,
         "active_window_s": 300.0,  # a session idle longer no longer claims KV memory
-        "prefetch": True,
+        "prefetch": False,
         "prefetch_quantile": 0.1,
         "prefetch_last_quantile": 1.0,
         "prefetch_checks": 5,
