@@ -39,6 +39,15 @@ class EventQueue:
         self.now = t
         return kind, payload
 
+    def discard(self, kind: int) -> int:
+        """Drop every pending event of `kind`; returns how many. The others keep their order."""
+        kept = [e for e in self._heap if e[2] != kind]
+        dropped = len(self._heap) - len(kept)
+        if dropped:
+            heapq.heapify(kept)
+            self._heap[:] = kept  # in place: `run` holds the list
+        return dropped
+
     def run(self, handlers: Sequence[Callable[[Any], None]]) -> int:
         """Handle every event, those that handlers push included, until none is left:
         `handlers[kind](payload)` with `now` at the event's time. Returns how many ran."""

@@ -23,7 +23,7 @@ from kvsched.core.requests import RequestError
 from kvsched.core.scheduler import Scheduler, SchedulerPort
 from kvsched.core.turn_host import TransferOutcome, turn_host
 from kvsched.sim.arrivals import Arrivals
-from kvsched.sim.clock import STEP, WAKE, EventQueue
+from kvsched.sim.clock import PREFETCH_DUE, STEP, WAKE, EventQueue
 from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind, StepOutcome
 from kvsched.sim.feedback import EngineFeedback
 from kvsched.sim.meters import GapHistogram, HotspotMeter
@@ -240,8 +240,16 @@ class Replay:
 
     def _call_done(self) -> None:
         self._done_count += 1
+        self._drop_prefetches_when_done()
         if self._progress is not None:
             self._progress(self._done_count / len(self.calls))
+
+    def _drop_prefetches_when_done(self) -> None:
+        """Every call is done: no turn is left to prefetch for, and a due check would only
+        stretch the run's end (its makespan, its meters' time averages)."""
+        if self._done_count == len(self.calls) and self.transfers.prefetch_pending:
+            self.clock.discard(PREFETCH_DUE)
+            self.transfers.prefetch_pending = 0
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -317,6 +325,7 @@ class Replay:
         )
         for plan in self.scheduler.finish(done, now):
             self.transfers.start(plan, None)
+        self._drop_prefetches_when_done()  # the last completion may still plan some
         self.arrivals.finished(req.call)
 
 

@@ -62,6 +62,7 @@ class Transfers:
         # Due prefetches by outcome: loaded, not needed (the GPU kept the context), skipped
         # (queued work or no room on the host), none (the host's node has no pool).
         self.prefetches = {"loaded": 0, "not_needed": 0, "skipped": 0, "no_pool": 0}
+        self.prefetch_pending = 0  # prefetches planned, not due yet
 
     def start(self, plan: TransferPlan, job: Job | None) -> bool:
         """Lock the blocks on both sides, book the links and schedule the arrival; returns
@@ -72,6 +73,7 @@ class Transfers:
         now = self._clock.now
         if plan.kind is TransferKind.PREFETCH:
             self._clock.push(max(plan.not_before, now), PREFETCH_DUE, plan)
+            self.prefetch_pending += 1
             return True
         src, dst = self._engines[plan.source], self._engines[plan.target]
         hashes = plan.block_hashes
@@ -132,6 +134,7 @@ class Transfers:
         (`landed`). Otherwise tell the scheduler at once: done when nothing was missing,
         failed when skipped."""
         now = self._clock.now
+        self.prefetch_pending -= 1
         engine = self._engines[plan.target]
         tier, cache, hashes = engine.tier, engine.cache, plan.block_hashes
         if tier is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvsched.core.cluster import ClusterConfig
+from kvsched.sim.clock import PREFETCH_DUE, WAKE, EventQueue
 from kvsched.sim.prepare import prepare
 from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.replay import Replay
@@ -76,6 +77,9 @@ def test_a_session_evicted_to_dram_is_prefetched_before_its_next_turn() -> None:
         assert loaded_on == 0 and gpu_on == previous  # with: already back on the GPU
         assert ttft_on < ttft_off
         assert ttft_on == pytest.approx(gpu_hits[k][0], rel=1e-3)
+    # The run ends with its last call: checks planned after the last turns are dropped.
+    for result in (on, off):
+        assert result.end_time == max(r.finished_at for r in result.reqs)
     # Before two gaps are seen nothing is planned: turn 3 loads either way.
     assert with_prefetch[2][2] > 0 and with_prefetch[2][0] == pytest.approx(without[2][0])
 
@@ -84,3 +88,14 @@ def test_without_a_dram_tier_elastic_plans_no_prefetch() -> None:
     replay, result = _run("elastic:prefetch=1", gpu_pages=GPU_PAGES, dram=False)
     assert not result.transfers["prefetch"][0]
     assert replay.transfers.prefetches == {"loaded": 0, "not_needed": 0, "skipped": 0, "no_pool": 0}
+
+
+def test_the_clock_drops_the_pending_events_of_one_kind_and_keeps_the_rest_in_order() -> None:
+    clock = EventQueue()
+    for t, kind in ((3.0, WAKE), (1.0, PREFETCH_DUE), (2.0, WAKE), (2.0, PREFETCH_DUE)):
+        clock.push(t, kind, t)
+    assert clock.discard(PREFETCH_DUE) == 2 and clock.discard(PREFETCH_DUE) == 0
+    seen: list[float] = []
+    handlers = [seen.append] * 5
+    assert clock.run(handlers) == 2
+    assert seen == [2.0, 3.0] and clock.now == 3.0
