@@ -14,6 +14,8 @@ from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.replay import Replay
 from kvsched.sim.tiers import TierConfig, TierSize
 from kvsched.sim.traces.model import Trace, TraceCall
+from tests.conftest import SLICES
+from tools.prefetch_eval import main as prefetch_eval
 
 BT = 16
 GAP_S = 60.0
@@ -99,3 +101,19 @@ def test_the_clock_drops_the_pending_events_of_one_kind_and_keeps_the_rest_in_or
     handlers = [seen.append] * 5
     assert clock.run(handlers) == 2
     assert seen == [2.0, 3.0] and clock.now == 3.0
+
+
+def test_the_prefetch_eval_tool_prints_one_row_per_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "--long-gap", "5", "replay", "--trace", str(SLICES / "weka_cc_agentic_sample.jsonl.xz"),
+        "--max-requests", "200", "--instances", "2", "--dram-tier", "4", "--kv-capacity",
+        "140000", "--policies", "elastic:prefetch=1,elastic", "--quiet",
+    ]  # fmt: skip
+    assert prefetch_eval(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| elastic")]
+    assert [row.split(" | ")[0] for row in rows] == ["| elastic:prefetch=1", "| elastic"]
+    assert rows[1].endswith("| 0 / 0 / 0 |")  # prefetch off: no checks
+    with pytest.raises(SystemExit):
+        prefetch_eval(["replay", "--trace", "no-such-trace.jsonl", "--policies", "elastic"])
