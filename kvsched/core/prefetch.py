@@ -70,13 +70,16 @@ def predict_gap_s(gaps: Sequence[float], quantile: float) -> float:
 
 
 class GapHistory:
-    """The last `keep` idle gaps (a turn's end to the session's next arrival) of each session.
-    Changes only through `observe` and `forget`."""
+    """The last `keep` idle gaps (a turn's end to the session's next arrival) of each of the
+    `max_sessions` sessions observed last. Changes only through `observe` and `forget`."""
 
-    def __init__(self, keep: int = 8) -> None:
-        if keep < 1:
-            raise ValueError("a gap history keeps at least one gap")
+    def __init__(self, keep: int = 8, max_sessions: int = 65_536) -> None:
+        if keep < 1 or max_sessions < 1:
+            raise ValueError("a gap history keeps at least one gap of one session")
         self._keep = keep
+        # A long-running Conductor sees sessions without end: the least recently observed
+        # ones go first (dicts keep insertion order; an observed session moves to the end).
+        self._max_sessions = max_sessions
         self._gaps: dict[str, deque[float]] = {}
         self._counted: dict[str, float] = {}  # session -> the finish its last gap ran from
 
@@ -86,10 +89,14 @@ class GapHistory:
         session with no finish yet, `finished_at` infinite, neither)."""
         if not math.isfinite(finished_at) or self._counted.get(session_id) == finished_at:
             return
+        self._counted.pop(session_id, None)
         self._counted[session_id] = finished_at
-        gaps = self._gaps.get(session_id)
+        gaps = self._gaps.pop(session_id, None)
         if gaps is None:
-            gaps = self._gaps[session_id] = deque(maxlen=self._keep)
+            gaps = deque(maxlen=self._keep)
+            if len(self._gaps) >= self._max_sessions:
+                self.forget(next(iter(self._gaps)))
+        self._gaps[session_id] = gaps
         gaps.append(max(arrived_at - finished_at, 0.0))
 
     def gaps(self, session_id: str) -> tuple[float, ...]:

@@ -133,3 +133,15 @@ def test_elastic_plans_prefetches_before_the_predicted_turn_only_with_a_pool() -
     assert _session_turns(off, gap_s=60.0, turns=3) == []
     # A Scheduler whose caller cannot run them (the live Conductor) hands none out.
     assert _session_turns(_core(pool=True, runs_prefetch=False), gap_s=60.0, turns=3) == []
+
+
+def test_a_gap_history_keeps_the_sessions_observed_last() -> None:
+    history = GapHistory(keep=2, max_sessions=2)
+    history.observe("a", 0.0, 5.0)
+    history.observe("b", 0.0, 6.0)
+    history.observe("a", 10.0, 12.0)  # a observed again: b is now the oldest
+    history.observe("c", 0.0, 7.0)
+    assert len(history) == 2
+    assert history.gaps("b") == ()
+    assert history.gaps("a") == (5.0, 2.0)
+    assert history.gaps("c") == (7.0,)
