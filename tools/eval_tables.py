@@ -2,12 +2,16 @@
 sweep's report as SLO attainment per load and goodput).
 
 .venv/bin/python tools/eval_tables.py [out/eval]
+.venv/bin/python tools/eval_tables.py --seeds out/eval/weka_knee_seed0 out/eval/weka_knee_seed1 ...
+    (goodput over seeds with 95% intervals, and the first seed's attainment per load)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,27 +57,131 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PER_INSTANCE = "goodput_sessions_per_instance"
+UNITS = {PER_INSTANCE: "sessions/instance", "goodput_load": "goodput load"}
+
+
 def goodput_table(report: dict[str, Any]) -> str:
-    """SLO attainment per swept load and the goodput, one row a policy (a sweep's report)."""
+    """SLO attainment per swept load and the goodput, one row a policy (a sweep's report).
+    A load above a policy's knee that the sweep did not run reads `–`; closed loop adds the
+    sessions in flight per instance at the goodput load."""
     sweep = report["goodput"]
     loads = sweep["loads"]
     rows = sweep["policies"]
-    best = [max(row["slo_attainment"][i] for row in rows.values()) for i in range(len(loads))]
+    best = [
+        max((row["slo_attainment"][i] for row in rows.values() if _ran(row, i)), default=None)
+        for i in range(len(loads))
+    ]
     top = max(row["goodput_load"] for row in rows.values())
+    per_instance = any(
+        row.get("goodput_sessions_per_instance") is not None for row in rows.values()
+    )
     head = " | ".join(f"load {load:g}" for load in loads)
-    lines = [f"| policy | {head} | goodput |", "|---|" + "---:|" * (len(loads) + 1)]
+    extra = " | sessions/instance" if per_instance else ""
+    lines = [
+        f"| policy | {head} | goodput{extra} |",
+        "|---|" + "---:|" * (len(loads) + 1 + per_instance),
+    ]
     for name, row in rows.items():
-        cells = [
-            f"**{v:.3f}**" if v == best[i] else f"{v:.3f}"
-            for i, v in enumerate(row["slo_attainment"])
-        ]
-        g = f"{row['goodput_load']:g}"
+        cells = []
+        for i, v in enumerate(row["slo_attainment"]):
+            text = "–" if v is None else f"{v:.3f}"
+            cells.append(f"**{text}**" if v is not None and v == best[i] else text)
+        g = ("≥ " if row.get("knee_load", 0) is None else "") + f"{row['goodput_load']:g}"
         cells.append(f"**{g}**" if row["goodput_load"] == top else g)
+        if per_instance:
+            cells.append(_num(row.get(PER_INSTANCE), "{:.2f}"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if "repeats" in sweep and any(k != 1 for k in sweep["repeats"]):
+        copies = ", ".join(f"{k}" for k in sweep["repeats"])
+        lines.append(f"\nCopies of each session replayed per load: {copies}.")
+    return "\n".join(lines)
+
+
+def _ran(row: dict[str, Any], i: int) -> bool:
+    return row["slo_attainment"][i] is not None
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond, the normal's.
+T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval (Student's t over the values,
+    n-1 degrees of freedom; the half-width is NaN for a single value)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    t = T95[n - 2] if n - 1 <= len(T95) else 1.96
+    return mean, t * math.sqrt(var / n)
+
+
+def goodput_key(report: dict[str, Any]) -> str:
+    """Closed loop: goodput in sessions per instance; open loop: the goodput load."""
+    rows = report["goodput"]["policies"].values()
+    return PER_INSTANCE if any(r.get(PER_INSTANCE) is not None for r in rows) else "goodput_load"
+
+
+def goodput_by_seed(reports: Sequence[dict[str, Any]], key: str) -> dict[str, list[float | None]]:
+    """Each policy's goodput (`key`), one value a report (seed), for the policies present in
+    every report, in the first report's order."""
+    names = [n for n in reports[0]["goodput"]["policies"]]
+    names = [n for n in names if all(n in r["goodput"]["policies"] for r in reports)]
+    return {n: [r["goodput"]["policies"][n].get(key) for r in reports] for n in names}
+
+
+def seeds_table(reports: Sequence[dict[str, Any]], reference: str = "elastic") -> str:
+    """Goodput per policy over the reports (seeds): closed loop in sessions per instance in
+    flight at >= 90% SLO attainment, open loop as the load. The values, their mean and 95%
+    interval, and `reference` minus the policy, paired by seed, with its interval and whether
+    that excludes 0. `≥` marks a policy that never fell below the target on some seed (its
+    goodput is a lower bound)."""
+    key = goodput_key(reports[0])
+    values = goodput_by_seed(reports, key)
+    censored = {
+        n: any(r["goodput"]["policies"][n]["knee_load"] is None for r in reports) for n in values
+    }
+    ref = values.get(reference)
+    lines = [
+        f"| policy | {UNITS[key]} per seed | mean ± 95% CI | {reference} − policy | excludes 0 |",
+        "|---|---|---:|---:|:---:|",
+    ]
+    for name, vals in values.items():
+        mark = "≥ " if censored[name] else ""
+        if any(v is None for v in vals):
+            lines.append(f"| {name} | – | – | – | – |")
+            continue
+        seeds = ", ".join(f"{v:.2f}" for v in vals if v is not None)
+        m, h = mean_ci([v for v in vals if v is not None])
+        diff, excl = "–", "–"
+        if ref is not None and name != reference and all(v is not None for v in ref):
+            d = [a - b for a, b in zip(ref, vals, strict=True) if a is not None and b is not None]
+            dm, dh = mean_ci(d)
+            diff = f"{dm:+.2f} ± {dh:.2f}"
+            excl = "yes" if abs(dm) > dh else "no"
+        lines.append(f"| {name} | {seeds} | {mark}{m:.2f} ± {h:.2f} | {diff} | {excl} |")
     return "\n".join(lines)
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--seeds"]:
+        reports = [json.loads((Path(d) / "report.json").read_text()) for d in sys.argv[2:]]
+        print(seeds_table(reports))
+        print(f"\n### {Path(sys.argv[2]).name}: SLO attainment per load\n")
+        print(goodput_table(reports[0]))
+        return
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "out/eval")
     for path in sorted(root.glob("*/report.json")):
         report = json.loads(path.read_text())

@@ -29,16 +29,28 @@ agentic() {
         --no-figures --out out/eval/weka_sweep
 }
 
+# The agentic capacity knee: 4 instances, copies of each session grow with the load (the start
+# window keeps its length), each policy stops at its first load below 90% attainment. About
+# 60-90 CPU-minutes for the three seeds; `tools/eval_tables.py --seeds out/eval/weka_knee_seed*`.
+knee() {
+    for seed in 0 1 2; do
+        $K replay --trace "$W" --sessions 0:180 --policies all --seed "$seed" --instances 4 \
+            --load 32 --max-gap 300 --sweep 48,64,96,128,192,256,384,512 --sweep-scale-repeat \
+            --quiet --no-figures --out "out/eval/weka_knee_seed$seed"
+    done
+}
+
 open_loop() {
     $K replay --trace "$C" --policies all --seed 0 --load 1 "${OPEN[@]}" --out out/eval/conv
     $K replay --trace "$C" --policies "$ABLATION" --seed 0 --load 1 "${OPEN[@]}" --no-figures --out out/eval/conv_ablation
     $K replay --trace "$S" --policies all --seed 0 --load 1 "${OPEN[@]}" --out out/eval/synth
     $K replay --trace "$A" --policies all --seed 0 --load 16 "${OPEN[@]}" --no-figures --out out/eval/azure
-    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
-    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
+    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,4,6 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
+    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,4,6 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
 }
 
 agentic > out/eval/agentic.log 2>&1 &
+knee > out/eval/knee.log 2>&1 &
 open_loop > out/eval/open_loop.log 2>&1
 wait
 for run in out/eval/*/; do echo "== $run"; cat "$run/table.md"; echo; done

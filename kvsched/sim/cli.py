@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
@@ -36,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep",
         metavar="L1,L2,...",
         help="also replay at these loads; goodput = highest load with SLO attainment >= 90%%",
+    )
+    rp.add_argument(
+        "--sweep-scale-repeat",
+        action="store_true",
+        help="closed loop: replay --repeat x L / --load copies of each session at sweep load L, "
+        "so the sessions' start window keeps its length (a steady state, not a burst)",
     )
     tier = rp.add_argument_group("node KV pool (DRAM and SSD tiers; off by default)")
     tier.add_argument(
@@ -126,6 +133,14 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:
+    """The trace the arguments name, selected, transformed and repeated."""
+    base, fmt = select_trace(args)
+    return repeated(base, fmt, args, args.repeat), fmt
+
+
+def select_trace(args: argparse.Namespace) -> tuple[Trace, str]:
+    """The trace the arguments name, selected and transformed, before `--repeat` and
+    `--token-scale` (`repeated`)."""
     fmt = args.trace_format or transform.detect_format(args.trace)
     opts: dict[str, int | None] = {}
     if args.max_sessions is not None:
@@ -148,12 +163,18 @@ def load_trace(args: argparse.Namespace) -> tuple[Trace, str]:
         trace = weka_shared_prefix(trace, args.shared_prefix)
     if args.max_gap is not None:
         trace = transform.cap_gaps(trace, args.max_gap)
-    if args.repeat != 1:
-        trace = transform.repeat_groups(trace, args.repeat)
+    return trace, fmt
+
+
+def repeated(trace: Trace, fmt: str, args: argparse.Namespace, times: int) -> Trace:
+    """The selected trace with `times` copies of each group, then token-scaled (the last
+    steps of `load_trace`: a sweep that scales the copies with the load redoes them)."""
+    if times != 1:
+        trace = transform.repeat_groups(trace, times)
     scale = args.token_scale if args.token_scale is not None else DEFAULT_TOKEN_SCALE[fmt]
     if scale != 1.0:
         trace = transform.scale_tokens(trace, scale)
-    return trace, fmt
+    return trace
 
 
 class ProgressBar:
@@ -204,10 +225,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def comparison(args: argparse.Namespace) -> Comparison:
     """The comparison `kvsched replay`'s parsed `args` ask for (trace loaded); raises
     ValueError or OSError naming what is wrong."""
-    trace, fmt = load_trace(args)
+    base, fmt = select_trace(args)
+    trace = repeated(base, fmt, args, args.repeat)
     mode = args.mode or DEFAULT_MODE[fmt]
     if mode == "closed" and not any(c.after >= 0 for c in trace.calls):
         raise ValueError(f"{fmt} traces carry no turn dependencies: use --mode open")
+    sweep_repeat_trace: Callable[[int], Trace] | None = None
+    if args.sweep_scale_repeat:
+        if mode != "closed" or not args.sweep:
+            raise ValueError("--sweep-scale-repeat applies to closed-loop sweeps (--sweep)")
+        sweep_repeat_trace = partial(repeated, base, fmt, args)
     cmp = Comparison(
         trace=trace,
         trace_path=str(args.trace),
@@ -227,6 +254,8 @@ def comparison(args: argparse.Namespace) -> Comparison:
             pcie_bandwidth=args.dram_bandwidth * 1e9,
             ssd_bandwidth=args.ssd_bandwidth * 1e9,
         ),
+        repeat=args.repeat,
+        sweep_repeat_trace=sweep_repeat_trace,
     )
     if args.instances <= 0 or args.load <= 0:
         raise ValueError("--instances and --load must be positive")

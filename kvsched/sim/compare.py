@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,6 +22,7 @@ from kvsched.sim.records import ReplayConfig, ReplayResult
 from kvsched.sim.replay import run_replay
 from kvsched.sim.report import markdown_table, write_report
 from kvsched.sim.summary import measured_calls, summarize
+from kvsched.sim.sweep import SweepPlan, sweep_goodput
 from kvsched.sim.tiers import TierConfig
 from kvsched.sim.traces import ceiling
 from kvsched.sim.traces.model import Trace
@@ -44,6 +45,10 @@ class Comparison:
     hardware: HardwareOptions = field(default_factory=HardwareOptions)  # model, GPU, KV, links
     sweep_loads: tuple[float, ...] = ()  # loads to sweep for goodput (besides `load`)
     tier: TierConfig = field(default_factory=TierConfig)  # the node KV pool (off by default)
+    repeat: int = 1  # closed loop: copies of each session in `trace` (--repeat)
+    # Closed loop: the trace with k copies of each session; given, the sweep scales the copies
+    # with the load so the sessions' start window keeps its length (kvsched.sim.sweep).
+    sweep_repeat_trace: Callable[[int], Trace] | None = None
 
 
 def expand_policies(text: str) -> tuple[str, ...]:
@@ -122,7 +127,21 @@ def run_comparison(
         if progress is not None:
             progress(spec, 1.0)
         ttfts[spec] = _ttfts(result, cmp.trace, config)
-    goodput = sweep_goodput(cmp, prepared, config, rows, progress) if cmp.sweep_loads else {}
+    goodput: dict[str, Any] = {}
+    if cmp.sweep_loads:
+        plan = SweepPlan.of(
+            cmp.sweep_loads, cmp.load, cmp.repeat, scale_repeat=cmp.sweep_repeat_trace is not None
+        )
+        goodput = sweep_goodput(
+            plan,
+            cmp.policies,
+            config,
+            (cmp.trace, prepared),
+            rows,
+            repeat_trace=cmp.sweep_repeat_trace,
+            progress=progress,
+            checkpoint=partial_writer(out),
+        )
     first = next(iter(results.values()))
     window = measured_calls(cmp.trace, config, first.group_start)
     # Prompts longer than the model's context are refused by every policy alike: the ceilings
@@ -146,6 +165,7 @@ def run_comparison(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_report(out / "report.json", report)
+        (out / PARTIAL_SWEEP).unlink(missing_ok=True)
         (out / "table.md").write_text(_headline(cmp) + "\n\n" + table + "\n", encoding="utf-8")
         if figures:
             write_figures(out, rows, results, ttfts, _headline(cmp), goodput=goodput)
@@ -154,43 +174,20 @@ def run_comparison(
     return report
 
 
-GOODPUT_ATTAINMENT = 0.9
+PARTIAL_SWEEP = "goodput.partial.json"
 
 
-def sweep_goodput(
-    cmp: Comparison,
-    prepared: PreparedTrace,
-    config: ReplayConfig,
-    rows: dict[str, dict[str, Any]],
-    progress: Callable[[str, float], None] | None,
-) -> dict[str, Any]:
-    """Replay every policy at each sweep load; goodput is the highest load whose SLO
-    attainment is at least 90% (DESIGN). Adds `goodput_load` to each policy's row."""
-    loads = sorted({*cmp.sweep_loads, cmp.load})
-    curves: dict[str, list[float]] = {spec: [] for spec in cmp.policies}
-    for load in loads:
-        for spec in cmp.policies:
-            if load == cmp.load:
-                attainment = rows[spec]["slo_attainment"]
-            else:
-                label = f"{spec} @ load {load:g}"
-                tick = (lambda frac, s=label: progress(s, frac)) if progress else None
-                swept = replace(config, load=load)
-                attainment = summarize(run_replay(prepared, spec, swept, tick), cmp.trace, swept)[
-                    "slo_attainment"
-                ]
-                if progress is not None:
-                    progress(label, 1.0)
-            curves[spec].append(attainment)
-    out: dict[str, Any] = {"loads": loads, "attainment_target": GOODPUT_ATTAINMENT, "policies": {}}
-    for spec, curve in curves.items():
-        ok = [load for load, a in zip(loads, curve, strict=True) if a >= GOODPUT_ATTAINMENT]
-        rows[spec]["goodput_load"] = max(ok) if ok else 0.0
-        out["policies"][spec] = {
-            "slo_attainment": curve,
-            "goodput_load": rows[spec]["goodput_load"],
-        }
-    return out
+def partial_writer(out: Path | None) -> Callable[[dict[str, Any]], None] | None:
+    """Writes the sweep so far to `out/goodput.partial.json` after each load (a long sweep
+    can be read before it ends); the finished report replaces it."""
+    if out is None:
+        return None
+
+    def write(section: dict[str, Any]) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(out / PARTIAL_SWEEP, section)
+
+    return write
 
 
 def _headline(cmp: Comparison) -> str:

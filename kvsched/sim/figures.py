@@ -103,7 +103,9 @@ def _goodput(path: Path, goodput: Mapping[str, Any], title: str) -> Path:
     loads = goodput["loads"]
     for name, curve in goodput["policies"].items():
         style = _line_style(name)
-        ax.plot(loads, curve["slo_attainment"], marker="o", markersize=3, label=name, **style)
+        # Loads above a policy's knee are not run (null): left out of its line.
+        attained = [math.nan if a is None else a for a in curve["slo_attainment"]]
+        ax.plot(loads, attained, marker="o", markersize=3, label=name, **style)
     ax.axhline(goodput["attainment_target"], color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("offered load (arrival-rate multiplier, log scale)")

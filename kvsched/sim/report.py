@@ -25,6 +25,7 @@ TABLE = (
     ("amplification", "Ampl.", "{:.2f}"),
     ("slo_attainment", "SLO att.", "{:.3f}"),
     ("goodput_load", "Goodput", "{:g}"),
+    ("goodput_sessions_per_instance", "Sess./inst.", "{:.2f}"),
     ("completed", "Done", "{:d}"),
     ("rejected", "Rej.", "{:d}"),
     ("migrations", "Migr.", "{:d}"),
@@ -62,7 +63,7 @@ _LOWER_BETTER = {
     "hotspot_cv",
     "amplification",
 }
-_HIGHER_BETTER = {"apc", "slo_attainment", "goodput_load"}
+_HIGHER_BETTER = {"apc", "slo_attainment", "goodput_load", "goodput_sessions_per_instance"}
 
 
 def _best_per_column(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
