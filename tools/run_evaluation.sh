@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every comparison quoted in docs/evaluation.md, reproducible: needs the public traces in
-# ../shared/traces. Writes out/eval/<run>/{report.json,table.md,*.png}. About an hour on two
-# cores (the two groups run side by side).
+# ../shared/traces. Writes out/eval/<run>/{report.json,table.md,*.png}. About two hours on two
+# idle cores (the three groups run side by side; the knee sweep is the longest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K=.venv/bin/kvsched
@@ -30,13 +30,14 @@ agentic() {
 }
 
 # The agentic capacity knee: 4 instances, copies of each session grow with the load (the start
-# window keeps its length), each policy stops at its first load below 90% attainment. About
-# 60-90 CPU-minutes for the three seeds; `tools/eval_tables.py --seeds out/eval/weka_knee_seed*`.
+# window keeps its length, about 6 h of simulated time), warm-up = the first 15% of it, each
+# policy stops at its first load below 90% attainment. About 80 CPU-minutes for the three seeds;
+# `tools/eval_tables.py --seeds out/eval/weka_knee_seed0 out/eval/weka_knee_seed1 ...`.
 knee() {
     for seed in 0 1 2; do
-        $K replay --trace "$W" --sessions 0:180 --policies all --seed "$seed" --instances 4 \
-            --load 32 --max-gap 300 --sweep 48,64,96,128,192,256,384,512 --sweep-scale-repeat \
-            --quiet --no-figures --out "out/eval/weka_knee_seed$seed"
+        $K replay --trace "$W" --sessions 0:180 --repeat 2 --warmup 0.15 --policies all \
+            --seed "$seed" --instances 4 --load 32 --max-gap 300 --sweep 48,64,96,128,192,256 \
+            --sweep-scale-repeat --quiet --no-figures --out "out/eval/weka_knee_seed$seed"
     done
 }
 
@@ -45,8 +46,8 @@ open_loop() {
     $K replay --trace "$C" --policies "$ABLATION" --seed 0 --load 1 "${OPEN[@]}" --no-figures --out out/eval/conv_ablation
     $K replay --trace "$S" --policies all --seed 0 --load 1 "${OPEN[@]}" --out out/eval/synth
     $K replay --trace "$A" --policies all --seed 0 --load 16 "${OPEN[@]}" --no-figures --out out/eval/azure
-    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,4,6 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
-    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,4,6 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
+    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
+    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
 }
 
 agentic > out/eval/agentic.log 2>&1 &

@@ -186,6 +186,7 @@ def amplification(result: ReplayResult, trace: Trace, measured: np.ndarray) -> d
     if not recorded:
         return {"amplification": math.nan, "amplification_ideal": math.nan}
     groups: Sequence[str] = list(recorded)
+    steady = steady_inflight(result, trace, min(starts[g] for g in groups))
     first_start = min(starts[g] for g in groups)
     span = max(starts[g] + recorded[g] for g in groups) - first_start
     makespan = max(starts[g] + replayed[g] for g in groups) - first_start
@@ -203,4 +204,21 @@ def amplification(result: ReplayResult, trace: Trace, measured: np.ndarray) -> d
         "mean_inflight_sessions": sum(replayed[g] for g in groups) / makespan
         if makespan > 0
         else math.nan,
+        "steady_inflight_sessions": steady,
     }
+
+
+def steady_inflight(result: ReplayResult, trace: Trace, cut: float) -> float:
+    """Time-average of the sessions (groups) in flight from `cut` (the first measured start)
+    to the last group's start: the steady state while sessions keep starting. The mean over
+    the makespan also counts the ramp-down, where the longest sessions run on alone."""
+    starts = result.group_start
+    last = max(starts.values(), default=0.0)
+    if last <= cut:
+        return math.nan
+    finish = dict(starts)
+    for call in trace.calls:
+        g = call.group
+        finish[g] = max(finish[g], result.reqs[call.index].finished_at)
+    inside = sum(max(0.0, min(finish[g], last) - max(s, cut)) for g, s in starts.items())
+    return inside / (last - cut)

@@ -4,7 +4,8 @@ below 90% (its knee).
 Loads run in ascending order, all policies at one load before the next; a policy that has
 fallen below the target is not replayed at the loads above its knee (recorded as `null`).
 Goodput is the last load before the knee, and in closed loop also the sessions it keeps in
-flight there, per instance.
+flight there, per instance (time-averaged from the warm-up cut to the last session's start,
+while sessions keep starting: `summary.steady_inflight`).
 
 Closed loop with a fixed set of sessions, a higher load only starts them in a shorter burst,
 and the makespan ends in the tail of the longest sessions ("sessions run out"): attainment then
@@ -29,7 +30,14 @@ from kvsched.sim.traces.model import Trace
 GOODPUT_ATTAINMENT = 0.9
 
 # What each swept point keeps of the policy's row at that load.
-POINT_KEYS = ("slo_attainment", "mean_inflight_sessions", "ttft_p90", "apc", "offered")
+POINT_KEYS = (
+    "slo_attainment",
+    "steady_inflight_sessions",
+    "mean_inflight_sessions",
+    "ttft_p90",
+    "apc",
+    "offered",
+)
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,7 @@ def _section(
     for spec, curve in points.items():
         attainment = [p["slo_attainment"] if p else None for p in curve]
         goodput, knee = goodput_of(loads, attainment)
-        inflight = [p["mean_inflight_sessions"] if p else None for p in curve]
+        inflight = [p["steady_inflight_sessions"] if p else None for p in curve]
         per_instance: float | None = None  # open loop has no sessions in flight
         if closed_loop and goodput == 0.0:
             per_instance = 0.0

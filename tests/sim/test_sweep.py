@@ -3,15 +3,17 @@ goodput in sessions per instance."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvsched.core.cluster import ClusterConfig
 from kvsched.sim.prepare import prepare
 from kvsched.sim.records import ReplayConfig
 from kvsched.sim.replay import run_replay
-from kvsched.sim.summary import summarize
+from kvsched.sim.summary import steady_inflight, summarize
 from kvsched.sim.sweep import SweepPlan, goodput_of, sweep_goodput
 from kvsched.sim.traces import transform
 from kvsched.sim.traces.model import Trace, TraceCall
@@ -102,7 +104,7 @@ def test_sweep_stops_each_policy_at_its_knee(monkeypatch: pytest.MonkeyPatch) ->
         assert [load for s, load, _ in replayed if s == spec] == list(plan.loads[1 : i + 1])
         goodput = curve["goodput_load"]
         assert goodput == plan.loads[i - 1] == rows[spec]["goodput_load"]
-        inflight = curve["mean_inflight_sessions"][i - 1]
+        inflight = curve["steady_inflight_sessions"][i - 1]
         assert curve["goodput_sessions_per_instance"] == pytest.approx(inflight / 2)
         assert rows[spec]["goodput_sessions_per_instance"] == curve["goodput_sessions_per_instance"]
     # Each load replays base_repeat x load / base_load copies of the 8 sessions.
@@ -129,3 +131,21 @@ def test_open_loop_sweep_has_no_sessions_per_instance() -> None:
     out = sweep_goodput(plan, ["round_robin"], config, (open_trace, prepared), rows)
     assert out["policies"]["round_robin"]["goodput_sessions_per_instance"] is None
     assert out["policies"]["round_robin"]["goodput_load"] in (0.0, 1, 2)
+
+
+def test_steady_inflight_is_the_time_average_while_sessions_keep_starting() -> None:
+    trace = transform.repeat_groups(agentic(), 4)
+    config = ReplayConfig(
+        ClusterConfig(n_instances=2, block_size=BLOCK), load=8.0, closed_loop=True
+    )
+    result = run_replay(prepare(trace), "least_loaded", config)
+    starts = result.group_start
+    cut = sorted(starts.values())[3]
+    finish = dict(starts)
+    for call in trace.calls:
+        finish[call.group] = max(finish[call.group], result.reqs[call.index].finished_at)
+    last = max(starts.values())
+    grid = np.linspace(cut, last, 20_001)
+    sampled = np.mean([sum(starts[g] <= t < finish[g] for g in starts) for t in grid])
+    assert steady_inflight(result, trace, cut) == pytest.approx(sampled, rel=0.01)
+    assert math.isnan(steady_inflight(result, trace, last))  # no span to average over
