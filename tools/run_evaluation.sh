@@ -46,8 +46,8 @@ open_loop() {
     $K replay --trace "$C" --policies "$ABLATION" --seed 0 --load 1 "${OPEN[@]}" --no-figures --out out/eval/conv_ablation
     $K replay --trace "$S" --policies all --seed 0 --load 1 "${OPEN[@]}" --out out/eval/synth
     $K replay --trace "$A" --policies all --seed 0 --load 16 "${OPEN[@]}" --no-figures --out out/eval/azure
-    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
-    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
+    $K replay --trace "$C" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.25,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/conv_sweep
+    $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.25,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
 }
 
 agentic > out/eval/agentic.log 2>&1 &
