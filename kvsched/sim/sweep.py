@@ -10,8 +10,9 @@ while sessions keep starting: `summary.steady_inflight`).
 Closed loop with a fixed set of sessions, a higher load only starts them in a shorter burst,
 and the makespan ends in the tail of the longest sessions ("sessions run out"): attainment then
 measures a burst, not a steady state. With `repeat_trace` given, load L replays
-`repeat × L / base_load` copies of each session (rounded, at least one), so the sessions' start
-window keeps the length it has at the base load and the sessions in flight reach a steady state.
+`repeat × L / base_load` copies of each session (rounded half up, at least one), so the
+sessions' start window keeps the length it has at the base load and the sessions in flight
+reach a steady state.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class SweepPlan:
         """Copies of each session replayed at `load` (the base repeat unless scaled)."""
         if not self.scale_repeat:
             return self.base_repeat
-        return max(1, round(self.base_repeat * load / self.base_load))
+        return max(1, math.floor(self.base_repeat * load / self.base_load + 0.5))  # half up
 
 
 def goodput_of(

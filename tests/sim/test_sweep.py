@@ -43,6 +43,8 @@ def test_copies_grow_with_the_load_so_the_start_window_keeps_its_length() -> Non
     assert plan.loads == (32.0, 48.0, 64.0, 128.0)
     assert [plan.repeat_at(load) for load in plan.loads] == [2, 3, 4, 8]
     assert SweepPlan.of((8,), 32, 1, scale_repeat=True).repeat_at(8) == 1  # never below one
+    halves = SweepPlan.of((72.0, 88.0), base_load=64.0, base_repeat=4, scale_repeat=True)
+    assert [halves.repeat_at(load) for load in halves.loads] == [4, 5, 6]  # 4.5 and 5.5 round up
     fixed = SweepPlan.of((64,), 32, 3, scale_repeat=False)
     assert [fixed.repeat_at(load) for load in fixed.loads] == [3, 3]
 
