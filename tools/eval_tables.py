@@ -58,7 +58,6 @@ def table(report: dict[str, Any]) -> str:
 
 
 PER_INSTANCE = "goodput_sessions_per_instance"
-UNITS = {PER_INSTANCE: "sessions/instance", "goodput_load": "goodput load"}
 
 
 def goodput_table(report: dict[str, Any]) -> str:
@@ -128,50 +127,47 @@ def mean_ci(values: Sequence[float]) -> tuple[float, float]:
     return mean, t * math.sqrt(var / n)
 
 
-def goodput_key(report: dict[str, Any]) -> str:
-    """Closed loop: goodput in sessions per instance; open loop: the goodput load."""
-    rows = report["goodput"]["policies"].values()
-    return PER_INSTANCE if any(r.get(PER_INSTANCE) is not None for r in rows) else "goodput_load"
-
-
 def goodput_by_seed(reports: Sequence[dict[str, Any]], key: str) -> dict[str, list[float | None]]:
-    """Each policy's goodput (`key`), one value a report (seed), for the policies present in
-    every report, in the first report's order."""
+    """Each policy's `key` (goodput load, sessions per instance), one value a report (seed),
+    for the policies present in every report, in the first report's order."""
     names = [n for n in reports[0]["goodput"]["policies"]]
     names = [n for n in names if all(n in r["goodput"]["policies"] for r in reports)]
     return {n: [r["goodput"]["policies"][n].get(key) for r in reports] for n in names}
 
 
 def seeds_table(reports: Sequence[dict[str, Any]], reference: str = "elastic") -> str:
-    """Goodput per policy over the reports (seeds): closed loop in sessions per instance in
-    flight at >= 90% SLO attainment, open loop as the load. The values, their mean and 95%
-    interval, and `reference` minus the policy, paired by seed, with its interval and whether
-    that excludes 0. `≥` marks a policy that never fell below the target on some seed (its
-    goodput is a lower bound)."""
-    key = goodput_key(reports[0])
-    values = goodput_by_seed(reports, key)
-    censored = {
-        n: any(r["goodput"]["policies"][n]["knee_load"] is None for r in reports) for n in values
-    }
-    ref = values.get(reference)
+    """Goodput per policy over the reports (seeds): the goodput load of each seed; closed loop,
+    the sessions in flight per instance there, mean and 95% interval (open loop: the load's);
+    and `reference` minus the policy in goodput load, paired by seed, with its interval and
+    whether that excludes 0. The load, not the sessions in flight, is compared: at the same load
+    a policy whose sessions finish sooner holds fewer of them in flight (Little's law). `≥`
+    marks a policy that never fell below the target on some seed (a lower bound)."""
+    loads = goodput_by_seed(reports, "goodput_load")
+    sessions = goodput_by_seed(reports, PER_INSTANCE)
+    closed = any(v is not None for vals in sessions.values() for v in vals)
+    ref = loads.get(reference)
+    spread_head = "sessions/instance, mean ± 95% CI" if closed else "mean ± 95% CI"
     lines = [
-        f"| policy | {UNITS[key]} per seed | mean ± 95% CI | {reference} − policy | excludes 0 |",
+        f"| policy | goodput load per seed | {spread_head} | {reference} − policy (load) "
+        "| excludes 0 |",
         "|---|---|---:|---:|:---:|",
     ]
-    for name, vals in values.items():
-        mark = "≥ " if censored[name] else ""
-        if any(v is None for v in vals):
+    for name, vals in loads.items():
+        censored = any(r["goodput"]["policies"][name]["knee_load"] is None for r in reports)
+        mark = "≥ " if censored else ""
+        spread_of = sessions[name] if closed else vals
+        if any(v is None for v in vals) or any(v is None for v in spread_of):
             lines.append(f"| {name} | – | – | – | – |")
             continue
-        seeds = ", ".join(f"{v:.2f}" for v in vals if v is not None)
-        m, h = mean_ci([v for v in vals if v is not None])
+        per_seed = ", ".join(f"{v:g}" for v in vals if v is not None)
+        m, h = mean_ci([v for v in spread_of if v is not None])
         diff, excl = "–", "–"
         if ref is not None and name != reference and all(v is not None for v in ref):
             d = [a - b for a, b in zip(ref, vals, strict=True) if a is not None and b is not None]
             dm, dh = mean_ci(d)
-            diff = f"{dm:+.2f} ± {dh:.2f}"
+            diff = f"{dm:+.3g} ± {dh:.2f}"
             excl = "yes" if abs(dm) > dh else "no"
-        lines.append(f"| {name} | {seeds} | {mark}{m:.2f} ± {h:.2f} | {diff} | {excl} |")
+        lines.append(f"| {name} | {mark}{per_seed} | {m:.2f} ± {h:.2f} | {diff} | {excl} |")
     return "\n".join(lines)
 
 

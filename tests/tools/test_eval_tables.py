@@ -10,8 +10,10 @@ import pytest
 from tools.eval_tables import goodput_table, mean_ci, seeds_table
 
 
-def report(per_instance: dict[str, float], knee: float | None = 8.0) -> dict[str, Any]:
-    """A sweep report whose policies reach `per_instance` sessions per instance at load 4."""
+def report(
+    goodput: dict[str, tuple[float, float | None]], knee: float | None = 8.0
+) -> dict[str, Any]:
+    """A sweep report: each policy's (goodput load, sessions per instance there)."""
     loads = [2.0, 4.0, 8.0]
     return {
         "goodput": {
@@ -20,11 +22,11 @@ def report(per_instance: dict[str, float], knee: float | None = 8.0) -> dict[str
             "policies": {
                 name: {
                     "slo_attainment": [0.97, 0.93, 0.8 if knee else 0.91],
-                    "goodput_load": 4.0 if knee else 8.0,
+                    "goodput_load": load if knee else 8.0,
                     "knee_load": knee,
-                    "goodput_sessions_per_instance": value,
+                    "goodput_sessions_per_instance": sessions,
                 }
-                for name, value in per_instance.items()
+                for name, (load, sessions) in goodput.items()
             },
         }
     }
@@ -42,28 +44,39 @@ def test_mean_ci_is_students_t_over_the_values() -> None:
 
 def test_seeds_table_pairs_elastic_with_each_baseline_by_seed() -> None:
     seeds = [
-        report({"ear": 2.0, "sticky": 3.0, "elastic": 3.0}),
-        report({"ear": 2.5, "sticky": 3.5, "elastic": 3.2}),
-        report({"ear": 2.6, "sticky": 2.9, "elastic": 3.4}),
+        report({"ear": (2.0, 5.0), "sticky": (3.0, 7.0), "elastic": (3.0, 7.1)}),
+        report({"ear": (2.5, 6.0), "sticky": (3.5, 8.0), "elastic": (3.2, 7.4)}),
+        report({"ear": (2.6, 6.4), "sticky": (2.9, 6.9), "elastic": (3.4, 7.9)}),
     ]
     lines = {line.split(" | ")[0].strip("| "): line for line in seeds_table(seeds).splitlines()}
-    # ear: differences 1.0, 0.7, 0.8 -> mean 0.83, s 0.153, half-width 4.303 x s / sqrt(3) = 0.38
-    assert "+0.83 ± 0.38 | yes" in lines["ear"]
-    assert "2.00, 2.50, 2.60 | 2.37 ± " in lines["ear"]
+    # ear: load differences 1.0, 0.7, 0.8 -> mean 0.83, s 0.153, 4.303 x s / sqrt(3) = 0.38
+    assert "| +0.833 ± 0.38 | yes |" in lines["ear"]
+    # sessions per instance 5.0, 6.0, 6.4: mean 5.80, s 0.721, half-width 1.79
+    assert "| 2, 2.5, 2.6 | 5.80 ± 1.79 |" in lines["ear"]
     # sticky: differences 0, -0.3, 0.5 -> the interval holds 0
     assert lines["sticky"].endswith("| no |")
     assert "| – | – |" in lines["elastic"]
 
 
 def test_a_policy_that_never_reached_its_knee_reads_as_a_lower_bound() -> None:
-    seeds = [report({"ear": 2.0, "elastic": 3.0}, knee=None), report({"ear": 2.0, "elastic": 3.0})]
-    assert "≥ 3.00" in seeds_table(seeds)
+    seeds = [
+        report({"ear": (2.0, 5.0), "elastic": (3.0, 6.0)}, knee=None),
+        report({"ear": (2.0, 5.0), "elastic": (3.0, 6.0)}),
+    ]
+    assert "| elastic | ≥ 8, 3 |" in seeds_table(seeds)
     curve = goodput_table(seeds[0])
-    assert "| **0.910** | **≥ 8** | 3.00 |" in curve
+    assert "| **0.910** | **≥ 8** | 6.00 |" in curve
+
+
+def test_open_loop_seeds_spread_the_goodput_load() -> None:
+    seeds = [report({"ear": (2.0, None), "elastic": (3.0, None)}) for _ in range(2)]
+    table = seeds_table(seeds)
+    assert "| goodput load per seed | mean ± 95% CI |" in table
+    assert "| ear | 2, 2 | 2.00 ± 0.00 | +1 ± 0.00 | yes |" in table
 
 
 def test_curve_marks_loads_above_the_knee_as_not_run() -> None:
-    sweep = report({"ear": 2.0, "elastic": 3.0})
+    sweep = report({"ear": (4.0, 2.0), "elastic": (4.0, 3.0)})
     sweep["goodput"]["policies"]["ear"]["slo_attainment"] = [0.95, 0.85, None]
     sweep["goodput"]["policies"]["ear"]["goodput_load"] = 2.0
     table = goodput_table(sweep)
