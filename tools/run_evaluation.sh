@@ -39,6 +39,14 @@ knee() {
             --seed "$seed" --instances 4 --load 32 --max-gap 300 --sweep 48,64,96,128,192,256 \
             --sweep-scale-repeat --quiet --no-figures --out "out/eval/weka_knee_seed$seed"
     done
+    # The reuse-aware policies all pass 64 and miss 96: a finer grid between them (load 64 with
+    # 4 copies is the same replay as in the sweep above).
+    for seed in 0 1 2; do
+        $K replay --trace "$W" --sessions 0:180 --repeat 4 --warmup 0.15 \
+            --policies cache_aware,kv_cost,lmetric,sticky,ear,elastic --seed "$seed" --instances 4 \
+            --load 64 --max-gap 300 --sweep 72,80,88 --sweep-scale-repeat --quiet --no-figures \
+            --out "out/eval/weka_knee_fine_seed$seed"
+    done
 }
 
 open_loop() {
