@@ -4,7 +4,9 @@ a change meant to alter decisions updates them in the same commit, saying why.
 
 The rows' digests last moved when `hotspot_index` became the queued-prefill excess and the
 old max/mean figure moved to `hotspot_pmr`: the decisions' digests stayed, and each new row,
-with `hotspot_pmr` put back under `hotspot_index`, digests as the row pinned before."""
+with `hotspot_pmr` put back under `hotspot_index`, digests as the row pinned before; and again,
+on the closed-loop trace, when the rows gained `steady_inflight_sessions` (without it, each
+new row digests as the row pinned before)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ PINNED = {
         "elastic": ("ab447078e0daf942", "49d246bfbf47d399"),
     },
     "weka_cc_agentic_sample.jsonl.xz": {
-        "cache_aware": ("3125db83c2fae6c2", "51747111b50a0477"),
-        "mooncake": ("7a77724bd7a4c0b5", "a91e110bc49f8a27"),
-        "elastic": ("550ce43dc44d712d", "488717a0bebf38ef"),
+        "cache_aware": ("3125db83c2fae6c2", "d5b881a5f716033b"),
+        "mooncake": ("7a77724bd7a4c0b5", "589449cfedf40f51"),
+        "elastic": ("550ce43dc44d712d", "8ffe6b6bf3cd0bfa"),
     },
 }
 
