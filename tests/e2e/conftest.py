@@ -89,6 +89,18 @@ class LocalCluster:
     def engine(self, instance_id: str) -> dict[str, Any]:
         return next(e for e in self.endpoints["engines"] if e["id"] == instance_id)
 
+    async def explain(self, http: aiohttp.ClientSession, hashes: list[int]) -> list[Any]:
+        """The leader's candidates for a prompt of the block chain `hashes` (the admin
+        explain: each instance's hit, by tier too, and its policy's terms)."""
+        async with http.post(
+            f"{self.conductor_http}/api/explain",
+            json={"block_hashes": hashes},
+            headers=self.admin_headers,
+        ) as resp:
+            body = await resp.json()
+            assert resp.status == 200, body
+        return list(body["candidates"])
+
     @property
     def salt(self) -> str:
         """The demo tenant's cache salt (the engines' and the Routers' hashes start from it)."""

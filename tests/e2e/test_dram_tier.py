@@ -72,15 +72,9 @@ async def tiers(
     """Each instance's hit on `prompt`'s blocks by tier, by the Conductor's index (the admin
     explain): `gpu_hit_tokens`, `pool_hit_tokens`, `pool_tokens` (only in the pool)."""
     hashes = VllmBlockHasher(BS).hash_prompt(prompt, cluster.salt)
-    async with http.post(
-        f"{cluster.conductor_http}/api/explain",
-        json={"block_hashes": hashes},
-        headers=cluster.admin_headers,
-    ) as resp:
-        body = await resp.json()
-        assert resp.status == 200, body
     keys = ("hit_tokens", "gpu_hit_tokens", "pool_hit_tokens", "pool_tokens")
-    return {row["instance"]: {k: int(row[k]) for k in keys} for row in body["candidates"]}
+    rows = await cluster.explain(http, hashes)
+    return {row["instance"]: {k: int(row[k]) for k in keys} for row in rows}
 
 
 async def loaded_tokens(http: aiohttp.ClientSession, cluster: LocalCluster, instance: str) -> float:

@@ -266,14 +266,7 @@ async def held_tokens(
     """Each instance's cached tokens of `prompt`'s blocks, in its engine or its node's pool,
     by the Conductor's index."""
     hashes = VllmBlockHasher(16).hash_prompt(prompt, cluster.salt)
-    async with http.post(
-        f"{cluster.conductor_http}/api/explain",
-        json={"block_hashes": hashes},
-        headers=cluster.admin_headers,
-    ) as resp:
-        body = await resp.json()
-        assert resp.status == 200, body
-    return {row["instance"]: int(row["hit_tokens"]) for row in body["candidates"]}
+    return {row["instance"]: int(row["hit_tokens"]) for row in await cluster.explain(http, hashes)}
 
 
 async def _running(http: aiohttp.ClientSession, cluster: LocalCluster) -> bool:

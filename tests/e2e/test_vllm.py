@@ -116,9 +116,7 @@ async def held_tokens(
     http: aiohttp.ClientSession, cluster: LocalCluster, hashes: list[int]
 ) -> dict[str, int]:
     """Each instance's cached tokens of the chain `hashes`, by the Conductor's index."""
-    url, body = cluster.conductor_http + "/api/explain", {"block_hashes": hashes}
-    body, _ = await post(http, url, body, **cluster.admin_headers)
-    return {row["instance"]: row["hit_tokens"] for row in body["candidates"]}
+    return {row["instance"]: row["hit_tokens"] for row in await cluster.explain(http, hashes)}
 
 
 async def instances(http: aiohttp.ClientSession, cluster: LocalCluster) -> set[str]:
