@@ -29,6 +29,11 @@ class EngineUnreachable(EngineError):
     """No answer: connection refused or reset, a timeout, or an HTTP error status."""
 
 
+class EngineSilent(EngineUnreachable):
+    """The request timed out: the engine took the connection but answered nothing in time
+    (busy, or hung), unlike a refused or reset one (its process gone)."""
+
+
 class EngineLacksRoute(EngineUnreachable):
     """The engine answers 404: it is not the kind of engine that serves that route."""
 
@@ -106,7 +111,9 @@ class EngineApi:
                         raise EngineMalformed(f"{method} {url}: answer over {cap} bytes")
                     chunks.append(chunk)
                 return resp.status, b"".join(chunks)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            raise EngineSilent(f"{method} {url}: no answer in {timeout.total:g} s") from None
+        except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnreachable(f"{method} {url}: {type(exc).__name__} {exc}") from None
 
     async def _read(self, path: str, timeout: aiohttp.ClientTimeout) -> bytes:

@@ -383,11 +383,26 @@ class KvPool:
 
     def snapshot(self) -> list[Event]:
         """Every block in the pool as stored events (parents first): a resync of an engine's
-        index re-announces its node's pool with it."""
+        index re-announces its node's pool with it. Blocks that continue one another in the
+        cache's order share one event, as a stored chain was announced (a full pool is tens of
+        thousands of blocks: one message each kept a Messenger's loop busy for seconds)."""
         store = self._store
         if store is None:
             return []
-        return [store.names.stored([h], _parent(store, h)) for h in store.cache.nodes]
+        events: list[Event] = []
+        run: list[int] = []
+        run_parent: int | None = None
+        for h in store.cache.nodes:
+            parent = _parent(store, h)
+            if run and parent == run[-1]:
+                run.append(h)
+                continue
+            if run:
+                events.append(store.names.stored(run, run_parent))
+            run, run_parent = [h], parent
+        if run:
+            events.append(store.names.stored(run, run_parent))
+        return events
 
     def usage(self) -> PoolUsage:
         store = self._store

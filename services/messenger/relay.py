@@ -16,8 +16,10 @@ what the Conductor holds (replaying an event twice changes nothing), so a Messen
 a lost batch costs at most the blocks whose events are gone, never the rest of the cache. A
 gap the replay socket cannot fill is counted (and, where there is a snapshot, resynced); an
 engine restart or a resume point the stream no longer holds leads to another full sync. When
-the engine stops answering for `engine_dead_after_s`, the instance is deregistered at once and
-the engine probed until it answers again; then a new session starts.
+the engine stops answering (`engine_gone`: refused for `engine_dead_after_s`, timing out for
+`engine_hung_after_s`, and `DEAD_AFTER_MISSES` load polls in a row), the instance is
+deregistered at once and the engine probed until it answers again; then a
+new session starts.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from services.messenger.engine_api import (
     EngineInfo,
     EngineLacksRoute,
     EngineMalformed,
+    EngineSilent,
     EngineUnreachable,
     Snapshot,
 )
@@ -63,6 +66,20 @@ class SessionEnded(Exception):
 
 
 LOAD_REFRESH_POLLS = 10
+# Polls in a row an engine must leave unanswered, besides the time, to count as gone: when
+# this process's own loop stalls (a busy 2-core host, a large resync), the poll in flight
+# times out though the engine answered; the next one, after the stall, is answered.
+DEAD_AFTER_MISSES = 3
+
+
+def engine_gone(
+    silent_s: float, misses: int, *, timed_out: bool, settings: MessengerSettings
+) -> bool:
+    """Whether an engine unanswered for `silent_s` over `misses` polls in a row is gone: after
+    `engine_dead_after_s` when the last poll was refused or reset (nothing listens), after
+    `engine_hung_after_s` when it timed out (the engine takes the connection: busy or hung)."""
+    limit_s = settings.engine_hung_after_s if timed_out else settings.engine_dead_after_s
+    return silent_s >= limit_s and misses >= DEAD_AFTER_MISSES
 
 
 class EngineRelay:
@@ -269,23 +286,27 @@ class EngineRelay:
         `LOAD_REFRESH_POLLS` polls: the Conductor charges each placement to the instance until
         the next report overwrites it, and a request that came and went between two polls
         changes nothing we see. Raises `SessionEnded` once the engine has not answered for
-        `engine_dead_after_s`."""
+        `engine_dead_after_s` (`engine_hung_after_s` when its polls time out) and
+        `DEAD_AFTER_MISSES` polls in a row."""
         loop = asyncio.get_running_loop()
         answered = loop.time()
-        unchanged = 0
+        unchanged = misses = 0
         while True:
             try:
                 load = await self.api.load()
             except EngineUnreachable as exc:
-                if loop.time() - answered >= self.settings.engine_dead_after_s:
+                misses += 1
+                silent_s = loop.time() - answered
+                timed_out = isinstance(exc, EngineSilent)
+                if engine_gone(silent_s, misses, timed_out=timed_out, settings=self.settings):
                     self.totals["engine_deaths"] += 1
                     raise SessionEnded(f"stopped answering ({exc})") from None
             except EngineMalformed as exc:
-                answered = loop.time()  # it answers, wrongly
+                answered, misses = loop.time(), 0  # it answers, wrongly
                 self.totals["malformed_answers"] += 1
                 log.debug("engine %s: %s", self.engine_url, exc)
             else:
-                answered = loop.time()
+                answered, misses = loop.time(), 0
                 self._load = load
                 unchanged = unchanged + 1 if load == self._load_sent else 0
                 if self.registered and (unchanged == 0 or unchanged >= LOAD_REFRESH_POLLS):

@@ -36,7 +36,10 @@ class MessengerSettings:
     node: str = field(default_factory=socket.gethostname)
     instance_ttl_s: float = 10.0  # lease of each registered instance
     load_interval_s: float = 0.05  # how often each engine's load is read
-    engine_dead_after_s: float = 1.0  # no answer for this long: the engine is gone
+    engine_dead_after_s: float = 1.0  # refused or reset for this long: the engine is gone
+    # Timed out for this long (it takes the connection, answers nothing): hung, so gone too. A
+    # busy engine on a loaded host can be silent for a second; a process that is gone refuses.
+    engine_hung_after_s: float = 10.0
     engine_timeout_s: float = 0.5  # per HTTP request to an engine (snapshots excepted)
     snapshot_timeout_s: float = 10.0
     probe_interval_s: float = 0.25  # how often a gone engine is asked whether it is back
@@ -71,6 +74,7 @@ class MessengerSettings:
             "--instance-ttl": self.instance_ttl_s,
             "--load-interval": self.load_interval_s,
             "--engine-dead-after": self.engine_dead_after_s,
+            "--engine-hung-after": self.engine_hung_after_s,
             "--engine-timeout": self.engine_timeout_s,
             "--snapshot-timeout": self.snapshot_timeout_s,
             "--probe-interval": self.probe_interval_s,
@@ -140,7 +144,8 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     _flag(p, "node", "", "this node's name (default: the host name)")
     _flag(p, "instance-ttl", d.instance_ttl_s, "lease of each registered instance, seconds")
     _flag(p, "load-interval", d.load_interval_s, "seconds between reads of an engine's load")
-    _flag(p, "engine-dead-after", d.engine_dead_after_s, "seconds without an answer: gone")
+    _flag(p, "engine-dead-after", d.engine_dead_after_s, "seconds refused or reset: gone")
+    _flag(p, "engine-hung-after", d.engine_hung_after_s, "seconds timing out: hung, gone")
     _flag(p, "engine-timeout", d.engine_timeout_s, "timeout of one HTTP request to an engine")
     _flag(p, "snapshot-timeout", d.snapshot_timeout_s, "timeout of a KV snapshot request")
     _flag(p, "probe-interval", d.probe_interval_s, "seconds between probes of a gone engine")
@@ -186,6 +191,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             instance_ttl_s=a.instance_ttl,
             load_interval_s=a.load_interval,
             engine_dead_after_s=a.engine_dead_after,
+            engine_hung_after_s=a.engine_hung_after,
             engine_timeout_s=a.engine_timeout,
             snapshot_timeout_s=a.snapshot_timeout,
             probe_interval_s=a.probe_interval,

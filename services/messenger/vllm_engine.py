@@ -28,6 +28,7 @@ from services.common.block_hashes import BlockHashes
 from services.messenger.engine_api import (
     EngineInfo,
     EngineMalformed,
+    EngineSilent,
     EngineUnreachable,
     KvEventsEndpoint,
     Snapshot,
@@ -83,7 +84,9 @@ class VllmEngine:
                 if len(body) > MAX_ANSWER_BYTES:
                     raise EngineMalformed(f"GET {url}: answer over {MAX_ANSWER_BYTES} bytes")
                 return resp.status, body
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            raise EngineSilent(f"GET {url}: no answer in {self._timeout.total:g} s") from None
+        except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnreachable(f"GET {url}: {type(exc).__name__} {exc}") from None
 
     async def _json(self, path: str) -> Any:

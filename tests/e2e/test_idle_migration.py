@@ -27,6 +27,11 @@ from tests.fixtures.poll import wait_for
 
 pytestmark = pytest.mark.slow
 
+# Room for the floods (16 x 30,000 tokens) beside the session's 103,100-token context. A host
+# that evicts the context before the move copies it (the default capacity is 467,280 tokens)
+# moves only what it still holds: a move does not yet read the rest from the node's pool.
+CAPACITY_BLOCKS = 40_000
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
@@ -34,6 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         tmp_path_factory.mktemp("up-idle"),
         "--policy", "elastic:admission=0",
         "--kv-pool-bytes", str(POOL_BYTES),
+        f"--engine-flag=--capacity-blocks={CAPACITY_BLOCKS}",
     ) as up:  # fmt: skip
         yield up
 

@@ -463,20 +463,24 @@ async def test_the_snapshot_lists_every_block_parents_first(make_pool: Pools) ->
     assert branch[0] == a[0] and pool.usage().blocks == 5
     s = await put(pool, tokens(1, 42), "tenant-b")
     snapshot = pool.snapshot()
-    assert len(snapshot) == 6
+    # one event a chain as it was stored: a, the branch off a's first block, s
+    assert [len(e.block_hashes) for e in snapshot if isinstance(e, BlockStored)] == [3, 2, 1]
     parent_of: dict[EngineHash, EngineHash | None] = {}
     for event in snapshot:
-        assert isinstance(event, BlockStored) and len(event.block_hashes) == 1
+        assert isinstance(event, BlockStored)
         assert event.medium == "CPU" and event.block_size == BS
         assert event.parent_block_hash is None or event.parent_block_hash in parent_of
-        parent_of[event.block_hashes[0]] = event.parent_block_hash
+        prev = event.parent_block_hash
+        for h in event.block_hashes:
+            parent_of[h], prev = prev, h
     assert parent_of == {
         a[0]: None, a[1]: a[0], a[2]: a[1], branch[1]: a[0], branch[2]: branch[1], s[0]: None
     }  # fmt: skip
-    by_hash = {e.block_hashes[0]: e for e in snapshot if isinstance(e, BlockStored)}
-    assert by_hash[a[2]].token_ids == tuple(a_ids[2 * BS :])
-    assert by_hash[s[0]].extra_keys == [["tenant-b"]]
-    assert by_hash[a[0]].extra_keys is None
+    by_first = {e.block_hashes[0]: e for e in snapshot if isinstance(e, BlockStored)}
+    assert by_first[a[0]].token_ids == tuple(a_ids)
+    assert by_first[branch[1]].token_ids == tuple(branch_ids[BS:])
+    assert by_first[s[0]].extra_keys == [["tenant-b"]]
+    assert by_first[a[0]].extra_keys is None
     pool.check_integrity()
 
 

@@ -22,6 +22,8 @@ from services.common.tls import ClientTls, ServerTls
 from services.conductor import keys
 from services.conductor.app import Conductor
 from services.messenger.app import Messenger
+from services.messenger.relay import DEAD_AFTER_MISSES, engine_gone
+from services.messenger.settings import MessengerSettings
 from tests.fixtures.etcd import EtcdServer, make_tls
 from tests.fixtures.poll import wait_for
 from tests.messenger.conftest import (
@@ -246,6 +248,16 @@ async def test_a_dead_engine_leaves_routing_at_once_and_comes_back_resynced(
     assert await converged(http, engine, conductor) == set()
     await engine.complete(http, prompt(2, 2))
     assert len(await converged(http, engine, conductor)) == 2
+
+
+def test_an_engine_is_gone_after_refusals_at_once_after_timeouts_only_when_hung() -> None:
+    s = MessengerSettings(engine_dead_after_s=1.0, engine_hung_after_s=10.0)
+    # one poll timed out by a stall of our own loop, however long, is not the engine's silence
+    assert not engine_gone(50.0, 1, timed_out=False, settings=s)
+    assert not engine_gone(0.9, DEAD_AFTER_MISSES, timed_out=False, settings=s)
+    assert engine_gone(1.0, DEAD_AFTER_MISSES, timed_out=False, settings=s)  # nothing listens
+    assert not engine_gone(9.9, 20, timed_out=True, settings=s)  # busy: it took the connection
+    assert engine_gone(10.0, 20, timed_out=True, settings=s)  # hung
 
 
 async def test_registers_and_relays_over_mutual_tls(
