@@ -46,10 +46,16 @@ C_FLAGS = [
     "-Wno-cast-function-type",
 ]
 
+# The hash tables' shared mixing step; `depends` also puts it in the sdist.
+HASH_MIX = {"include_dirs": ["kvsched"], "depends": ["kvsched/hash_mix.h"]}
+
 setup(
     ext_modules=[
         Extension(
-            "kvsched.core._holdings", ["kvsched/core/_holdings.c"], extra_compile_args=C_FLAGS
+            "kvsched.core._holdings",
+            ["kvsched/core/_holdings.c"],
+            extra_compile_args=C_FLAGS,
+            **HASH_MIX,
         ),
         # The scoring must match numpy's arithmetic bit for bit: no fused multiply-adds, no
         # reassociation (-O2 alone never reassociates; -ffp-contract=off keeps a*b+c two
@@ -59,7 +65,9 @@ setup(
             ["kvsched/core/_scoring.c"],
             extra_compile_args=[*C_FLAGS, "-ffp-contract=off", "-fno-fast-math"],
         ),
-        Extension("kvsched.sim._cache", ["kvsched/sim/_cache.c"], extra_compile_args=C_FLAGS),
+        Extension(
+            "kvsched.sim._cache", ["kvsched/sim/_cache.c"], extra_compile_args=C_FLAGS, **HASH_MIX
+        ),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hash_mix.h"
+
 #define NONE UINT32_MAX
 #define N_TIERS 3
 #define PAGE_BITS 16
@@ -57,16 +59,6 @@ typedef struct {
     uint32_t pool_cap, pool_next, pool_free, pool_live;
     uint64_t unknown_parents, duplicate_stores, absent_removals, cascaded_removals;
 } Holdings;
-
-static inline uint64_t mix(uint64_t x) {
-    /* splitmix64's finalizer: test hashes are small integers, real ones already random. */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
 
 static inline Entry *entry(Holdings *self, uint32_t i) {
     return &self->pages[i >> PAGE_BITS][i & PAGE_MASK];

@@ -11,20 +11,43 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 HASH_BYTES = 8  # one u64 hash
+
+if array("Q").itemsize != HASH_BYTES:  # 'Q' is at least 8 bytes; on every platform we know, 8
+    raise ImportError("this platform's array('Q') is not 8 bytes: packed hashes are unsupported")
+
 _SWAP = sys.byteorder != "little"  # the wire is little-endian; swap on a big-endian host
 
 
-def pack(hashes: Sequence[int]) -> bytes:
+def pack(hashes: Iterable[int]) -> bytes:
     """`hashes` as packed little-endian u64 bytes; raises OverflowError for a value outside
     [0, 2^64)."""
     values = array("Q", hashes)
     if _SWAP:
         values.byteswap()
     return values.tobytes()
+
+
+def hash_count(data: bytes) -> int:
+    """How many hashes `data` packs; raises ValueError unless its length is a multiple of 8."""
+    if len(data) % HASH_BYTES:
+        raise ValueError(
+            f"{len(data)} bytes are not a whole number of {HASH_BYTES}-byte little-endian "
+            f"u64 hashes"
+        )
+    return len(data) // HASH_BYTES
+
+
+def unpack(data: bytes) -> list[int]:
+    """The hashes `data` packs, as ints (one C loop); raises ValueError as `hash_count` does."""
+    hash_count(data)
+    values = array("Q", data)
+    if _SWAP:
+        values.byteswap()
+    return values.tolist()
 
 
 class PackedHashes(Sequence[int]):
@@ -34,21 +57,14 @@ class PackedHashes(Sequence[int]):
 
     def __init__(self, data: bytes) -> None:
         """Raises ValueError unless `data` is a whole number of 8-byte hashes."""
-        if len(data) % HASH_BYTES:
-            raise ValueError(
-                f"{len(data)} bytes are not a whole number of {HASH_BYTES}-byte little-endian "
-                f"u64 hashes"
-            )
+        hash_count(data)
         self.data = data
         self._ints: list[int] | None = None  # unpacked on first read by index
 
     def ints(self) -> list[int]:
         """The hashes as ints (unpacked once, in one C loop, then kept)."""
         if self._ints is None:
-            values = array("Q", self.data)
-            if _SWAP:
-                values.byteswap()
-            self._ints = values.tolist()
+            self._ints = unpack(self.data)
         return self._ints
 
     def __len__(self) -> int:

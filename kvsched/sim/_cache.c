@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hash_mix.h"
+
 #define NIL (-1)
 
 typedef struct {
@@ -50,15 +52,6 @@ typedef struct {
     PyObject *events; /* list, since the last drain */
     PyObject *stored_type, *removed_type; /* BlocksStored, BlocksRemoved */
 } Cache;
-
-static inline uint64_t mix(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
 
 static int32_t find(const Cache *c, uint64_t h) {
     uint64_t i = mix(h) & c->mask;
