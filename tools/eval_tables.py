@@ -4,6 +4,8 @@ sweep's report as SLO attainment per load and goodput).
 .venv/bin/python tools/eval_tables.py [out/eval]
 .venv/bin/python tools/eval_tables.py --seeds out/eval/weka_knee_seed0 out/eval/weka_knee_seed1 ...
     (goodput over seeds with 95% intervals, and the first seed's attainment per load)
+.venv/bin/python tools/eval_tables.py --tiers out/eval/conv_tier0 out/eval/conv_tier4
+    (each policy without and with the DRAM tier, side by side)
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def table(report: dict[str, Any]) -> str:
         f"\nAPC ceilings over the measured window: {trace['ideal_apc_global']:.3f} (any session), "
         f"{trace['ideal_apc_session']:.3f} (same session only)."
     )
+    floor = trace.get("ttft_floor")
+    if floor:
+        lines.append(
+            "TTFT floor (each call alone on an idle instance, every reusable prefix in GPU "
+            f"memory): p50 {floor['p50']:.3f}, p90 {floor['p90']:.3f}, p99 {floor['p99']:.2f}."
+        )
     return "\n".join(lines)
 
 
@@ -171,7 +179,46 @@ def seeds_table(reports: Sequence[dict[str, Any]], reference: str = "elastic") -
     return "\n".join(lines)
 
 
+TIER_COLUMNS = (
+    ("hotspot_index", "Hotspot", "{:.3f}", min),
+    ("ttft_p90", "TTFT p90", "{:.3f}", min),
+    ("apc", "APC", "{:.3f}", max),
+    ("slo_attainment", "SLO att.", "{:.3f}", max),
+)
+
+
+def tiers_table(without: dict[str, Any], with_tier: dict[str, Any]) -> str:
+    """Each policy of both reports as `without / with` the tier, a pair per column of
+    `TIER_COLUMNS`; bold marks the best value of each half of a column."""
+    names = [n for n in without["policies"] if n in with_tier["policies"]]
+    halves = (without["policies"], with_tier["policies"])
+    best = {
+        (key, i): pick(rows[n][key] for n in names)
+        for key, _, _, pick in TIER_COLUMNS
+        for i, rows in enumerate(halves)
+    }
+    heads = " | ".join(f"{head} (no tier / tier)" for _, head, _, _ in TIER_COLUMNS)
+    lines = [
+        f"| policy | {heads} |",
+        "|---|" + "---:|" * len(TIER_COLUMNS),
+    ]
+    for name in names:
+        cells = []
+        for key, _, fmt, _ in TIER_COLUMNS:
+            pair = []
+            for i, rows in enumerate(halves):
+                text = fmt.format(rows[name][key])
+                pair.append(f"**{text}**" if rows[name][key] == best[(key, i)] else text)
+            cells.append(" / ".join(pair))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--tiers"]:
+        off, on = (json.loads((Path(d) / "report.json").read_text()) for d in sys.argv[2:4])
+        print(tiers_table(off, on))
+        return
     if sys.argv[1:2] == ["--seeds"]:
         reports = [json.loads((Path(d) / "report.json").read_text()) for d in sys.argv[2:]]
         print(seeds_table(reports))

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvsched.core.cluster import ClusterConfig, SloConfig
-from kvsched.core.latency import load_latency
+from kvsched.core.latency import LatencyModel, load_latency
 from kvsched.core.models import model_config
 from kvsched.core.policies import ALL_POLICIES, parse_spec
 from kvsched.core.topology import DISTANCE_NAMES, TopologyConfig
@@ -149,7 +149,14 @@ def run_comparison(
     max_len = config.max_model_len or first.cluster.cost.model.max_model_len
     oversize = np.array([c.input_tokens > max_len for c in cmp.trace.calls], dtype=bool)
     report = {
-        "trace": trace_section(cmp, prepared, window & ~oversize, int((window & oversize).sum())),
+        "trace": trace_section(
+            cmp,
+            prepared,
+            window & ~oversize,
+            int((window & oversize).sum()),
+            latency=first.cluster.cost.latency,
+            chunk_tokens=config.cluster.chunk_tokens,
+        ),
         "config": config_section(cmp, config),
         "wall_seconds": time.perf_counter() - started,
         "simulated_seconds": sum(t["simulated_seconds"] for t in timing.values()),
@@ -215,10 +222,17 @@ def _ttfts(result: ReplayResult, trace: Trace, config: ReplayConfig) -> np.ndarr
 
 
 def trace_section(
-    cmp: Comparison, prepared: PreparedTrace, window: np.ndarray, oversize: int
+    cmp: Comparison,
+    prepared: PreparedTrace,
+    window: np.ndarray,
+    oversize: int,
+    *,
+    latency: LatencyModel,
+    chunk_tokens: int,
 ) -> dict[str, Any]:
-    """Facts of the replayed trace; the APC ceilings are over the measurement window (the
-    `_all` ones over every call)."""
+    """Facts of the replayed trace; the APC ceilings and the TTFT floor (on `latency`, in
+    passes of `chunk_tokens`) are over the measurement window (the `_all` ceilings over every
+    call)."""
     trace = cmp.trace
     sessions = {c.session for c in trace.calls if c.session}
     groups = {c.group for c in trace.calls if c.group}
@@ -239,6 +253,7 @@ def trace_section(
         "ideal_apc_session": ceiling.ideal_apc(trace, scope="session", window=list(window)),
         "ideal_apc_global_all": ceiling.ideal_apc(trace, scope="global"),
         "ideal_apc_session_all": ceiling.ideal_apc(trace, scope="session"),
+        "ttft_floor": ceiling.ttft_floor(trace, latency, chunk_tokens, window),
         "distinct_blocks": len({h for chain in prepared.hashes for h in chain}),
         "notes": dict(trace.notes),
     }

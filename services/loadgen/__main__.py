@@ -18,6 +18,7 @@ import aiohttp
 import numpy as np
 
 from kvsched.core.cluster import SloConfig
+from kvsched.core.latency import load_latency
 from kvsched.core.models import model_config
 from kvsched.core.topology import TopologyConfig
 from kvsched.sim.cli import DEFAULT_MODE, ProgressBar, add_trace_arguments, load_trace
@@ -154,7 +155,14 @@ async def _bench(args: argparse.Namespace) -> int:
     max_len = config.max_model_len or model_config(config.cluster.model).max_model_len
     oversize = np.array([c.input_tokens > max_len for c in trace.calls], dtype=bool)
     report: dict[str, Any] = {
-        "trace": trace_section(cmp, prepared, window & ~oversize, int((window & oversize).sum())),
+        "trace": trace_section(
+            cmp,
+            prepared,
+            window & ~oversize,
+            int((window & oversize).sum()),
+            latency=load_latency(config.cluster.latency_profile),
+            chunk_tokens=config.cluster.chunk_tokens,
+        ),
         "config": {
             **config_section(cmp, config),
             "live": {"routers": list(routers), "time_scale": target.time_scale},

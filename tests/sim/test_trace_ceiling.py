@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsched.core.latency import load_latency
 from kvsched.sim.traces import Trace, TraceCall, ideal_apc, matched_blocks
+from kvsched.sim.traces.ceiling import ttft_floor
 
 BT = 16
 
@@ -151,3 +153,15 @@ def test_generated_traces(trace: Trace, data: st.DataObject) -> None:
         left = ideal_apc(trace, window=range(cut)) if cut else 0.0
         right = ideal_apc(trace, window=range(cut, n)) if cut < n else 0.0
         assert g * (p1 + p2) == pytest.approx(left * p1 + right * p2)
+
+
+def test_ttft_floor_prefills_only_what_no_cache_could_serve() -> None:
+    latency = load_latency()
+    floor = ttft_floor(TINY, latency, chunk_tokens=8192, window=[False, True, True, True])
+    # calls 1-3 prefill 50-32, 64-48 and 64-63 new tokens on 32, 48 and 63 cached ones
+    seconds = sorted(latency.prefill_scalar(n, h) for n, h in ((18, 32), (16, 48), (1, 63)))
+    assert floor["p50"] == pytest.approx(seconds[1])
+    assert seconds[1] < floor["p90"] < floor["p99"] < seconds[2]
+    assert ttft_floor(TINY, latency, 8192, [False] * 4) == {}
+    with pytest.raises(ValueError, match="window mask"):
+        ttft_floor(TINY, latency, 8192, [True])

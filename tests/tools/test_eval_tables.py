@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tools.eval_tables import goodput_table, mean_ci, seeds_table
+from tools.eval_tables import goodput_table, mean_ci, seeds_table, tiers_table
 
 
 def report(
@@ -82,3 +82,23 @@ def test_curve_marks_loads_above_the_knee_as_not_run() -> None:
     table = goodput_table(sweep)
     assert "| ear | 0.950 | 0.850 | – | 2 | 2.00 |" in table
     assert "Copies of each session replayed per load: 1, 2, 4." in table
+
+
+def test_tiers_table_pairs_each_policy_without_and_with_the_tier() -> None:
+    def rows(apc: dict[str, float]) -> dict[str, Any]:
+        return {
+            "policies": {
+                name: {"hotspot_index": 0.1, "ttft_p90": 1.0 - a, "apc": a, "slo_attainment": 0.9}
+                for name, a in apc.items()
+            }
+        }
+
+    text = tiers_table(rows({"a": 0.1, "b": 0.2}), rows({"a": 0.4, "b": 0.3, "c": 0.5}))
+    lines = text.splitlines()
+    assert len(lines) == 4  # c ran with the tier only: no pair, no row
+    assert lines[2].startswith(
+        "| a | **0.100** / **0.100** | 0.900 / **0.600** | 0.100 / **0.400**"
+    )
+    assert lines[3].startswith(
+        "| b | **0.100** / **0.100** | **0.800** / 0.700 | **0.200** / 0.300"
+    )

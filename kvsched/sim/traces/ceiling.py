@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
+from kvsched.core.latency import LatencyModel
 from kvsched.sim.traces.model import Trace
 
 Scope = Literal["global", "session"]
@@ -88,3 +92,24 @@ def ideal_apc(
     prompt = sum(c.input_tokens for c, keep in zip(calls, chosen, strict=True) if keep)
     served = sum(h for h, keep in zip(hits, chosen, strict=True) if keep)
     return served / prompt if prompt else 0.0
+
+
+def ttft_floor(
+    trace: Trace,
+    latency: LatencyModel,
+    chunk_tokens: int,
+    window: Sequence[bool] | npt.NDArray[np.bool_],
+) -> dict[str, float]:
+    """TTFT percentiles (p50, p90, p99, in seconds) that no placement can beat: each call in
+    `window` prefilled alone on an idle instance, its ideal global hit (`ideal_hits`) already
+    in GPU memory, the rest in passes of `chunk_tokens`. Every memory tier, queue and transfer
+    only adds to it. Empty when the window holds no call."""
+    if len(window) != len(trace.calls):
+        raise ValueError(f"window mask has {len(window)} entries for {len(trace.calls)} calls")
+    hits = np.array(ideal_hits(trace, scope="global"), dtype=float)
+    prompt = np.array([c.input_tokens for c in trace.calls], dtype=float)
+    keep = np.asarray(window, dtype=bool)
+    if not keep.any():
+        return {}
+    seconds = latency.prefill(prompt[keep] - hits[keep], hits[keep], chunk=chunk_tokens)
+    return {f"p{q}": float(np.percentile(seconds, q)) for q in (50, 90, 99)}
