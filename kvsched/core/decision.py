@@ -91,6 +91,8 @@ class Decision:
     # The placement rebound its session and the policy follows bindings: a Conductor makes
     # the binding durable before it answers.
     rebound: bool = False
+    # A parallel call of a session placed off its host: the session stays bound where it was.
+    keeps_binding: bool = False
 
     def explain(self) -> list[dict[str, Any]]:
         """All candidates with their named terms, best estimated TTFT first."""

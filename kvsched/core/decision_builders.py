@@ -32,9 +32,11 @@ def placement(
     cached_tokens: float | None = None,
     fetched_tokens: int = 0,
     transfers: tuple[TransferPlan, ...] = (),
+    keeps_binding: bool = False,
 ) -> Decision:
     """The decision placing `view.req` on `slot`, from the terms computed for it (its local
-    hit unless `cached_tokens` says otherwise; decoding there unless `decode_slot`)."""
+    hit unless `cached_tokens` says otherwise; decoding there unless `decode_slot`; its
+    session stays bound where it is when `keeps_binding`)."""
     ttft = terms.get("ttft_s")
     return Decision(
         request_id=view.req.request_id,
@@ -47,6 +49,7 @@ def placement(
         transfers=transfers,
         terms=terms,
         candidates=view.eligible,
+        keeps_binding=keeps_binding,
     )
 
 
@@ -58,14 +61,15 @@ def placement_unless_refused(
     refuse: Refusal | None,
     *,
     moving: dict[str, npt.NDArray[np.float64]] | None = None,
+    keeps_binding: bool = False,
 ) -> Decision:
-    """`placement(view, slot, rule, terms)`, or `refuse`'s rejection of it (then the placement
-    is never built); `moving` goes to `refuse` as it is."""
+    """`placement(view, slot, rule, terms, keeps_binding=...)`, or `refuse`'s rejection of it
+    (then the placement is never built); `moving` goes to `refuse` as it is."""
     if refuse is not None:
         refused = refuse(float(terms["ttft_s"][slot]), terms, moving)
         if refused is not None:
             return refused
-    return placement(view, slot, rule, terms)
+    return placement(view, slot, rule, terms, keeps_binding=keeps_binding)
 
 
 def rejection(

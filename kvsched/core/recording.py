@@ -46,7 +46,7 @@ def record_placement(
     cluster.index.speculate(slot, req.block_hashes, now + cluster.config.speculative_ttl_s)
     if req.session_id is not None:
         session = cluster.sessions.get(req.session_id)
-        if session is not None and session.host != slot:
+        if session is not None and session.host != slot and not decision.keeps_binding:
             if any(t.kind is TransferKind.MIGRATE_SESSION for t in decision.transfers):
                 # The turn runs on `slot` while its KV moves there; the session is rebound
                 # only once the copy landed verified (a failed copy leaves it on its host).

@@ -45,6 +45,8 @@ class Session:
     pending_target: int = NO_HOST  # a copy of its KV in flight to this slot
     pending_since: float = float("inf")  # when that copy started
     pending_on_path: bool = False  # the copy is on a turn's critical path (the turn runs there)
+    # The last turn arrived while an earlier one was still running (an agent's parallel calls).
+    parallel_arrival: bool = False
 
     def in_cooldown(self, now: float, cooldown_s: float) -> bool:
         return now - self.last_migration_at < cooldown_s
@@ -144,6 +146,7 @@ class SessionTable:
                 gap if s.idle_gap_s < 0 else (self._alpha * gap + (1 - self._alpha) * s.idle_gap_s)
             )
         s.turns += 1
+        s.parallel_arrival = s.last_arrival_at > s.last_finish_at
         s.last_arrival_at = now
         return s
 

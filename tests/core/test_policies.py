@@ -304,6 +304,34 @@ def test_elastic_keeps_the_session_on_its_source_when_a_turn_overtakes_the_copy(
     assert session is not None and session.host == host
 
 
+@pytest.mark.parametrize("fanout", [False, True])
+def test_elastic_with_fanout_spreads_parallel_calls_and_keeps_the_binding(fanout: bool) -> None:
+    cluster = make_cluster(3)
+    policy = make_policy(f"elastic:admission=0,fanout={int(fanout)}", cluster)
+    hashes = chain(1, 100)
+    first = request(1, hashes[:20], session="s")
+    host = place(policy, first, 0.0).instance
+    cluster.index.store(host, hashes[:20], None)
+    _finish(policy, first, host, 1.0)
+    turn = place(policy, request(2, hashes[:40], session="s"), 2.0)  # one call: affinity
+    assert turn.instance == host and not turn.keeps_binding
+    set_load(cluster, host, pending=200_000)  # the host is busy: its queue outlasts a prefill
+    parallel = place(policy, request(3, hashes[:40], session="s"), 2.0)  # while turn 2 runs
+    session = cluster.sessions.get("s")
+    assert session is not None and session.parallel_arrival and parallel.instance != host
+    moves = [t for t in parallel.transfers if t.kind is TransferKind.MIGRATE_SESSION]
+    if fanout:  # spilled: no move, the session stays bound to its host
+        assert parallel.keeps_binding and not moves and session.pending_target == NO_HOST
+    else:  # the whole session moves with it (and its cooldown pins the next calls there)
+        assert not parallel.keeps_binding and session.pending_target == parallel.instance
+    assert session.host == host
+    _finish(policy, request(3, hashes[:40], session="s"), parallel.instance, 3.0)
+    _finish(policy, request(2, hashes[:40], session="s"), host, 3.0)
+    later = place(policy, request(4, hashes[:41], session="s"), 9.0)  # after both ended
+    assert not later.keeps_binding
+    assert not cluster.sessions.get("s").parallel_arrival  # type: ignore[union-attr]
+
+
 def test_elastic_admission_rejects_queueing_misses_only() -> None:
     cluster = make_cluster(2, slo=SloConfig(ttft_s=0.5))
     for slot in (0, 1):

@@ -33,6 +33,11 @@ parts, each switchable for ablation:
     only what the GPU lost meanwhile. Not with an idle-gap move (a) of the same session.
     Without a pool it plans nothing. Off by default: on WEKA sessions it did not lower the
     tail robustly (docs/evaluation.md, "Idle-gap prefetch").
+(g) `fanout` (off by default: `elastic:fanout=1`): a call that arrives while another of its
+    session still runs (an agent's parallel calls) goes to the instance where it is estimated
+    to start first, when that beats the host by `min_gain_s`, and the session stays bound to
+    its host: affinity (and a cooldown) would otherwise queue a whole burst of parallel calls
+    on one instance, where their decodes share every pass.
 
 Every TTFT estimate above counts KV tiers: a prefix held only in an instance's node pool (the
 DRAM tier) costs the part of its load over the host link that the prefill of the rest does
@@ -130,6 +135,7 @@ class Elastic(Policy):
         "horizon_s": 60.0,
         "active_window_s": 300.0,  # a session idle longer no longer claims KV memory
         "prefetch": False,
+        "fanout": False,
         "prefetch_quantile": 0.1,
         "prefetch_last_quantile": 1.0,
         "prefetch_checks": 5,
@@ -189,6 +195,10 @@ class Elastic(Policy):
             ) -> Decision | None:
                 return self._refusal(view, estimated_ttft_s, terms, session, moving)
 
+        if self.param("fanout") and session.parallel_arrival:
+            spill = self._spill(view, host, terms, refuse)
+            if spill is not None:
+                return spill
         if session.pending_target != NO_HOST:
             # Its KV is on the wire; the source still holds it: no second move.
             rule = "affinity (migration in flight)"
@@ -196,6 +206,21 @@ class Elastic(Policy):
         if session.in_cooldown(now, self.param("t_cool_s")):
             return placement_unless_refused(view, host, "affinity (cooldown)", terms, refuse)
         return self.planner.on_arrival(view, host, terms, refuse)
+
+    def _spill(
+        self, view: RequestView, host: int, terms: dict[str, FloatVec], refuse: Refusal | None
+    ) -> Decision | None:
+        """(g): a call that arrived while another of its session runs (an agent's parallel
+        calls) goes where it is estimated to start first, by `min_gain_s` over the host, and
+        the session stays bound to its host. None: the host is as good."""
+        slot = argmin_eligible(terms["ttft_s"], view.eligible)
+        if (
+            slot == host
+            or terms["ttft_s"][slot] + self.param("min_gain_s") >= terms["ttft_s"][host]
+        ):
+            return None
+        rule = "parallel call: where it starts first, the session stays bound"
+        return placement_unless_refused(view, slot, rule, terms, refuse, keeps_binding=True)
 
     def _cold(self, view: RequestView, session: Session | None, now: float) -> Decision:
         """(c), then (e): a refusal is decided before the placement's transfer orders are
