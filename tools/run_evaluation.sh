@@ -58,8 +58,36 @@ open_loop() {
     $K replay --trace "$S" --policies all --seed 0 --load 1 --sweep 0.5,1.5,2,3,3.25,3.5,4 "${OPEN[@]}" --no-figures --out out/eval/synth_sweep
 }
 
+# Every trace with the node pool (a DRAM tier of 4x each node's GPU KV), beside the runs above
+# without it (`tools/eval_tables.py --tiers out/eval/conv out/eval/conv_tier4`), and `elastic`'s
+# parallel-call spill (g), off by default, with and without the tier.
+tiers() {
+    $K replay --trace "$C" --policies all --seed 0 --load 1 "${OPEN[@]}" --dram-tier 4 --no-figures --out out/eval/conv_tier4
+    $K replay --trace "$S" --policies all --seed 0 --load 1 "${OPEN[@]}" --dram-tier 4 --no-figures --out out/eval/synth_tier4
+    $K replay --trace "$A" --policies all --seed 0 --load 16 "${OPEN[@]}" --dram-tier 4 --no-figures --out out/eval/azure_tier4
+    $K replay --trace "$W" --policies all --seed 0 "${WEKA[@]}" --dram-tier 4 --no-figures --out out/eval/weka_tier4
+    for tier in 0 4; do
+        $K replay --trace "$W" --policies elastic:fanout=1 --seed 0 "${WEKA[@]}" --dram-tier "$tier" \
+            --no-figures --out "out/eval/weka_fanout_tier$tier"
+        $K replay --trace "$C" --policies elastic:fanout=1 --seed 0 --load 1 "${OPEN[@]}" \
+            --dram-tier "$tier" --no-figures --out "out/eval/conv_fanout_tier$tier"
+        $K replay --trace "$S" --policies elastic:fanout=1 --seed 0 --load 1 "${OPEN[@]}" \
+            --dram-tier "$tier" --no-figures --out "out/eval/synth_fanout_tier$tier"
+    done
+    for seed in 1 2; do
+        $K replay --trace "$W" --policies elastic:fanout=1 --seed "$seed" "${WEKA[@]}" --no-figures \
+            --out "out/eval/weka_fanout_seed$seed"
+    done
+    for seed in 0 1 2; do
+        $K replay --trace "$W" --sessions 0:180 --repeat 4 --warmup 0.15 --policies elastic:fanout=1 \
+            --seed "$seed" --instances 4 --load 64 --max-gap 300 --sweep 72,80,88,96 \
+            --sweep-scale-repeat --quiet --no-figures --out "out/eval/weka_knee_fanout_seed$seed"
+    done
+}
+
 agentic > out/eval/agentic.log 2>&1 &
 knee > out/eval/knee.log 2>&1 &
 open_loop > out/eval/open_loop.log 2>&1
+tiers > out/eval/tiers.log 2>&1
 wait
 for run in out/eval/*/; do echo "== $run"; cat "$run/table.md"; echo; done
