@@ -1,11 +1,14 @@
 """Leader election through one etcd key bound to the leader's lease.
 
-The leader keeps its lease alive every third of its time to live; if a keep-alive fails, a
-guarded write is refused (`fenced`), or the watch shows the key gone or another's, it steps
-down at once. Standbys wait for the key to go (the replica's watch wakes them, or
-`services.conductor.takeover` ends a dead leader's term early) and campaign; whoever creates
-the key leads. Every write of a term is guarded by the leader key and the lease it was
-elected with (`guard()`), so a leader that lost its term writes nothing more.
+The leader keeps its lease alive every third of its time to live. A keep-alive that fails
+(etcd slow under a burst of writes, or away) is tried again sooner; the leader steps down when
+its lease has lapsed by its own clock (counted from the send of the last renewal etcd
+answered, so never after etcd's own expiry), when etcd says the lease is gone, when a guarded
+write is refused (`fenced`), or when the watch shows the key gone or another's. Standbys wait
+for the key to go (the replica's watch wakes them, or `services.conductor.takeover` ends a dead
+leader's term early) and campaign; whoever creates the key leads. Every write of a term is
+guarded by the leader key and the lease it was elected with (`guard()`), so a leader that lost
+its term writes nothing more.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Election:
         self.is_leader = False
         self.changed = asyncio.Event()  # set when the leader key may have changed
         self._lease = 0
+        self._lease_lapses_at = 0.0  # by this Conductor's clock, at the latest
         self._elected_at = 0  # revision that created this Conductor's leader key
         self._lost = asyncio.Event()  # set when this leader's term is over before its lease
         # When this Conductor last lost a term while it lived (another took the key, or
@@ -114,9 +118,11 @@ class Election:
             log.warning("stepping down: %s", exc)
 
     async def _campaign(self) -> bool:
+        asked_at = time.monotonic()
         lease = await self.store.grant_lease(self.ttl_s)
         if await self.store.create(_LEADER, self.self_info.encode(), lease.id):
             self._lease = lease.id
+            self._lease_lapses_at = asked_at + lease.ttl_s
             self._lost.clear()
             mine = await self.store.get(_LEADER)
             self._elected_at = mine.mod_revision if mine and mine.lease == lease.id else 0
@@ -130,20 +136,35 @@ class Election:
         return False
 
     async def _lead(self) -> None:
-        """Keep the lease alive until it cannot be, or the term is over (`_lost`)."""
+        """Keep the lease alive until it lapses, or the term is over (`_lost`). Leading on
+        while a renewal is retried is safe: every write of the term is guarded by the lease."""
+        wait_s = self.ttl_s / 3
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.ttl_s / 3):
+                async with asyncio.timeout(wait_s):
                     await self._lost.wait()
             if self._lost.is_set():
                 with contextlib.suppress(StoreError):
                     await self.store.revoke_lease(self._lease)  # nothing more under it
                 return
-            remaining = await self.store.keep_alive(self._lease)
+            sent_at = time.monotonic()
+            try:
+                async with asyncio.timeout(max(self._lease_lapses_at - sent_at, 0.0)):
+                    remaining = await self.store.keep_alive(self._lease)
+            except (StoreError, TimeoutError) as exc:
+                if time.monotonic() >= self._lease_lapses_at:
+                    log.warning("leader lease lapsed (%s); stepping down", str(exc) or "no answer")
+                    return
+                log.warning(
+                    "renewing the leader lease failed (%s); trying again", str(exc) or "no answer"
+                )
+                wait_s = self.ttl_s / 10
+                continue
             if remaining <= 0:
                 if self.is_leader:  # else it resigned (shutting down)
                     log.warning("leader lease lapsed; stepping down")
                 return
+            self._lease_lapses_at, wait_s = sent_at + remaining, self.ttl_s / 3
 
     async def _wait_for_change(self) -> None:
         self.changed.clear()

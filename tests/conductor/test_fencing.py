@@ -19,7 +19,7 @@ from kvsched.core.cluster import Role
 from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
 from services.common.memory_store import MemoryStore
-from services.common.store import Fenced, Guard, Put
+from services.common.store import Fenced, Guard, Put, StoreUnavailable
 from services.conductor import keys
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.fencing import TermWriter
@@ -164,10 +164,8 @@ async def test_a_conductor_deposed_while_alive_pauses_its_probe() -> None:
         task.cancel()
 
 
-async def test_a_leader_ignores_old_news_of_the_key_and_steps_down_on_new() -> None:
-    store = MemoryStore()
-    me = LeaderInfo("c1", "a:1", "http://a:2")
-    election = Election(store, me, 30)
+def _run(election: Election) -> tuple[list[str], asyncio.Task[None]]:
+    """Run `election`; the list records "elected" and "lost" as its terms begin and end."""
     events: list[str] = []
 
     async def elected() -> None:
@@ -176,7 +174,14 @@ async def test_a_leader_ignores_old_news_of_the_key_and_steps_down_on_new() -> N
     async def lost() -> None:
         events.append("lost")
 
-    task = asyncio.create_task(election.run(elected, lost))
+    return events, asyncio.create_task(election.run(elected, lost))
+
+
+async def test_a_leader_ignores_old_news_of_the_key_and_steps_down_on_new() -> None:
+    store = MemoryStore()
+    me = LeaderInfo("c1", "a:1", "http://a:2")
+    election = Election(store, me, 30)
+    events, task = _run(election)
     try:
         await wait_for(lambda: election.is_leader, 5.0, message="elected")
         mine = await store.get(keys.LEADER.encode())
@@ -191,6 +196,40 @@ async def test_a_leader_ignores_old_news_of_the_key_and_steps_down_on_new() -> N
         await wait_for(lambda: events[:2] == ["elected", "lost"], 5.0, message="steps down")
         # It gave its lease up: the key it held is gone (it may campaign again, anew).
         assert await store.lease_ttl(mine.lease) < 0
+    finally:
+        task.cancel()
+
+
+class _SlowEtcd(MemoryStore):
+    """A store whose lease renewals fail while `failing` (etcd busy applying a burst)."""
+
+    failing = False
+    renewals = 0
+    failures = 0
+
+    async def keep_alive(self, lease_id: int) -> int:
+        if self.failing:
+            self.failures += 1
+            raise StoreUnavailable("etcd did not answer in time")
+        self.renewals += 1
+        return await super().keep_alive(lease_id)
+
+
+async def test_a_leader_rides_out_failed_renewals_and_steps_down_once_its_lease_lapses() -> None:
+    store = _SlowEtcd()
+    election = Election(store, LeaderInfo("c1", "a:1", "http://a:2"), 2)
+    events, task = _run(election)
+    try:
+        await wait_for(lambda: store.renewals >= 1, 5.0, message="a first renewal")
+        store.failing = True  # two failures, well inside the 2 s lease
+        await wait_for(lambda: store.failures >= 2, 5.0, message="renewals tried again")
+        store.failing = False
+        renewed = store.renewals
+        await wait_for(lambda: store.renewals > renewed, 5.0, message="renewing again")
+        assert events == ["elected"] and election.is_leader
+        store.failing = True  # for good: the lease lapses, and the leader knows it
+        # (It campaigns again at once, and wins once etcd expired the lease too.)
+        await wait_for(lambda: events[:2] == ["elected", "lost"], 5.0, message="steps down")
     finally:
         task.cancel()
 
