@@ -24,7 +24,7 @@ def place(
     records nothing but the session's arrival)."""
     cluster.index.expire(now)
     if req.session_id is not None:
-        cluster.sessions.arrive(req.session_id, now)
+        cluster.sessions.arrive(req.session_id, now, req.request_id)
     decision = policy.decide(request_view(cluster, req), now, rng)
     if not decision.rejected:
         record_placement(cluster, req, decision, now)

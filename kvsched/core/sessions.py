@@ -18,6 +18,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from kvsched.core.decision import RequestId
+
 NO_HOST = -1
 
 
@@ -34,6 +36,9 @@ class Session:
     host: int = NO_HOST
     turns: int = 0
     last_arrival_at: float = float("-inf")
+    # The last turn that arrived: an earlier turn's end, reported after it arrived, is not
+    # the end of the session's activity (its finish report raced the agent's next call).
+    last_request: RequestId | None = None
     last_finish_at: float = float("-inf")
     last_migration_at: float = float("-inf")
     migrations: int = 0
@@ -131,9 +136,9 @@ class SessionTable:
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
-    def arrive(self, session_id: str, now: float) -> Session:
-        """The session's next turn arrived: create the record if new (a tenant at its cap
-        makes room first: see the module docstring), learn the idle gap."""
+    def arrive(self, session_id: str, now: float, request_id: RequestId | None = None) -> Session:
+        """The session's next turn (`request_id`) arrived: create the record if new (a tenant
+        at its cap makes room first: see the module docstring), learn the idle gap."""
         s = self._sessions.get(session_id)
         if s is None:
             self._make_room(tenant_of(session_id))
@@ -148,6 +153,7 @@ class SessionTable:
         s.turns += 1
         s.parallel_arrival = s.last_arrival_at > s.last_finish_at
         s.last_arrival_at = now
+        s.last_request = request_id
         return s
 
     def finish(

@@ -244,7 +244,9 @@ def test_ear_never_migrates_to_a_busier_or_too_small_instance() -> None:
     assert "stay" in d.rule
 
 
-def _finish(policy: Policy, req: RequestInfo, slot: int, now: float) -> list[TransferPlan]:
+def _finish(
+    policy: Policy, req: RequestInfo, slot: int, now: float, *, ok: bool = True
+) -> list[TransferPlan]:
     done = Completion(
         req.request_id,
         req.session_id,
@@ -257,18 +259,26 @@ def _finish(policy: Policy, req: RequestInfo, slot: int, now: float) -> list[Tra
         now - 1.0,
         now - 0.5,
         now,
+        ok,
     )
     return recording.finish(policy.cluster, policy, done, now)
 
 
-def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands() -> None:
+def _elastic_after_a_first_turn() -> tuple[ClusterState, Policy, tuple[int, ...], int]:
+    """`elastic` on 3 instances, session "s"'s first turn (100 of 200 chained blocks) placed
+    at 0 s, stored on its host and ended at 1 s (the host cool: nothing planned)."""
     cluster = make_cluster(3)
     policy = make_policy("elastic:admission=0", cluster)
     hashes = chain(1, 200)
     req = request(1, hashes[:100], session="s")
     host = place(policy, req, 0.0).instance
     cluster.index.store(host, hashes[:100], None)
-    assert _finish(policy, req, host, 1.0) == []  # host cool: nothing to do
+    assert _finish(policy, req, host, 1.0) == []
+    return cluster, policy, hashes, host
+
+
+def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands() -> None:
+    cluster, policy, hashes, host = _elastic_after_a_first_turn()
     req2 = request(2, hashes[:120], session="s")
     assert place(policy, req2, 5.0).instance == host  # affinity
     # The host turns hot while the agent works: ~20 s of queued prompts, longer than the gap.
@@ -287,13 +297,7 @@ def test_elastic_migrates_during_the_idle_gap_and_rebinds_only_when_the_kv_lands
 
 
 def test_elastic_keeps_the_session_on_its_source_when_a_turn_overtakes_the_copy() -> None:
-    cluster = make_cluster(3)
-    policy = make_policy("elastic:admission=0", cluster)
-    hashes = chain(1, 200)
-    req = request(1, hashes[:100], session="s")
-    host = place(policy, req, 0.0).instance
-    cluster.index.store(host, hashes[:100], None)
-    _finish(policy, req, host, 1.0)
+    cluster, policy, hashes, host = _elastic_after_a_first_turn()
     req2 = request(2, hashes[:110], session="s")
     place(policy, req2, 2.0)
     set_load(cluster, host, pending=400_000)
@@ -302,6 +306,24 @@ def test_elastic_keeps_the_session_on_its_source_when_a_turn_overtakes_the_copy(
     transfer_ended(policy, plan, True, 3.5)
     session = cluster.sessions.get("s")
     assert session is not None and session.host == host
+
+
+def test_elastic_plans_no_gap_move_after_a_failed_turn_or_one_the_next_turn_overtook() -> None:
+    cluster, policy, hashes, host = _elastic_after_a_first_turn()
+    req2, req3 = request(2, hashes[:110], session="s"), request(3, hashes[:120], session="s")
+    place(policy, req2, 2.0)
+    # Turn 2's end is reported after turn 3 arrived (the agent called at once): the session
+    # is not idle, its KV is in use on its host, now hot.
+    assert place(policy, req3, 3.0).instance == host
+    set_load(cluster, host, pending=400_000)
+    assert _finish(policy, req2, host, 3.1) == []
+    assert _finish(policy, req3, host, 4.0, ok=False) == []  # failed: it may come again now
+    set_load(cluster, host, pending=0)
+    req4 = request(4, hashes[:120], session="s")
+    assert place(policy, req4, 4.1).instance == host
+    set_load(cluster, host, pending=400_000)
+    (plan,) = _finish(policy, req4, host, 5.0)  # now its agent is away
+    assert plan.kind is TransferKind.MIGRATE_SESSION and not plan.on_critical_path
 
 
 @pytest.mark.parametrize("fanout", [False, True])

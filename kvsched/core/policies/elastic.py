@@ -343,13 +343,17 @@ class Elastic(Policy):
     # ---- completions and idle-gap migration ------------------------------------------------
 
     def after_finish(self, done: Completion, now: float) -> list[TransferPlan]:
-        """Counts the session's context on its host, and plans its idle-gap move (a)."""
+        """Counts the session's context on its host, and plans its idle-gap move (a) or
+        prefetch (f): not after a turn that failed (it may be tried again at once, or ran
+        elsewhere) nor when a later turn of the session already arrived (it is not idle)."""
         sid = done.session_id
         session = self.cluster.sessions.get(sid) if sid is not None else None
         if session is None:
             return []
         host = session.host if session.host != NO_HOST else done.instance
         self.resident.claim(session.session_id, host, session.context_tokens, now)
+        if not done.ok or session.last_request not in (None, done.request_id):
+            return []
         if self.param("idle_migration"):
             plan = self._idle_migration(session, now)
             if plan is not None:
