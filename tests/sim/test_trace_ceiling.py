@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvsched.core.latency import load_latency
 from kvsched.sim.traces import Trace, TraceCall, ideal_apc, matched_blocks
-from kvsched.sim.traces.ceiling import ttft_floor
+from kvsched.sim.traces.ceiling import ideal_hits, ttft_floor
 
 BT = 16
 
@@ -43,6 +43,14 @@ TINY = make_trace(
     ]
 )
 P = 53 + 50 + 64 + 64
+
+
+def test_hits_are_remembered_per_trace_and_scope() -> None:
+    assert ideal_hits(TINY) == (0, 32, 48, 63)
+    assert ideal_hits(TINY) is ideal_hits(TINY)
+    assert ideal_hits(TINY, scope="session") == (0, 0, 48, 63)
+    # Another trace object has hits of its own.
+    assert ideal_hits(make_trace([("a", 53, (1, 2, 3))] * 2)) == (0, 48)
 
 
 def test_known_answers() -> None:

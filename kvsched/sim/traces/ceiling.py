@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -12,6 +13,12 @@ from kvsched.core.latency import LatencyModel
 from kvsched.sim.traces.model import Trace
 
 Scope = Literal["global", "session"]
+
+# The hits of the traces asked about last: a report asks for them once per ceiling and once
+# per policy row, and one pass over a long agentic trace takes seconds. Holding the trace
+# keeps its id from being reused while cached.
+_RECENT: OrderedDict[tuple[int, str], tuple[Trace, tuple[int, ...]]] = OrderedDict()
+_RECENT_SIZE = 4
 
 
 def matched_blocks(ids: Sequence[int], seen: set[int] | frozenset[int]) -> int:
@@ -38,17 +45,31 @@ def matched_blocks(ids: Sequence[int], seen: set[int] | frozenset[int]) -> int:
     return m
 
 
-def ideal_hits(trace: Trace, *, scope: Scope = "global") -> list[int]:
+def ideal_hits(trace: Trace, *, scope: Scope = "global") -> tuple[int, ...]:
     """Per call, the prompt tokens one unbounded cache fed in trace order would serve:
     H = min(matched leading blocks × block_tokens, P − 1).
 
     scope "global": a block is matched when any earlier call had that id; scope "session": only
     earlier calls of the same session count (calls with session "" never hit). Blocks are
-    counted as listed in `block_ids`. O(total block ids); changes nothing.
+    counted as listed in `block_ids`. O(total block ids) the first time for a trace, then
+    remembered (for the last few traces).
 
     Raises ValueError for an unknown scope."""
     if scope not in ("global", "session"):
         raise ValueError(f"scope must be 'global' or 'session', got {scope!r}")
+    key = (id(trace), scope)
+    found = _RECENT.get(key)
+    if found is not None and found[0] is trace:
+        _RECENT.move_to_end(key)
+        return found[1]
+    hits = _walk(trace, scope)
+    _RECENT[key] = (trace, hits)
+    if len(_RECENT) > _RECENT_SIZE:
+        _RECENT.popitem(last=False)
+    return hits
+
+
+def _walk(trace: Trace, scope: Scope) -> tuple[int, ...]:
     bt = trace.block_tokens
     seen_all: set[int] = set()
     by_session: dict[str, set[int]] = {}
@@ -64,7 +85,7 @@ def ideal_hits(trace: Trace, *, scope: Scope = "global") -> list[int]:
         m = matched_blocks(ids, seen)
         out.append(max(0, min(m * bt, call.input_tokens - 1)))
         seen.update(ids[m:])
-    return out
+    return tuple(out)
 
 
 def ideal_apc(
