@@ -7,7 +7,9 @@ parts, each switchable for ablation:
     gap (or whose active sessions' contexts no longer fit its KV memory), copy the session's
     KV during that gap, while the agent runs its tool, so the next turn finds it on the target
     and the copy costs no latency. The session is rebound only once its KV has landed and no
-    turn ran meanwhile; a failed or late copy leaves it on its source.
+    turn ran meanwhile; a failed or late copy leaves it on its source. No move follows a turn
+    that failed, nor one whose end came after the session's next turn arrived (a parallel
+    call's, or an end reported late): the session is not idle.
 (b) `ttft_target`: decide *whether* and *where* to migrate by estimated TTFT including the
     part of the transfer a gap does not hide, moving only when that beats staying by
     `min_gain_s`. Off: EAR's `t_hot_tokens` trigger and least-pending target.
