@@ -237,8 +237,10 @@ async def test_a_leader_rides_out_failed_renewals_and_steps_down_once_its_lease_
 async def test_a_standby_renews_instance_leases_and_drops_its_outbox(
     start_conductor: Start,
 ) -> None:
-    c1 = await start_conductor(conductor_id="c1")
-    c2 = await start_conductor(conductor_id="c2", lead=False)
+    # Leader leases far longer than the instance's: a stall of the machine must not hand the
+    # term to c2, which this test needs as the standby.
+    c1 = await start_conductor(conductor_id="c1", leader_ttl_s=10)
+    c2 = await start_conductor(conductor_id="c2", lead=False, leader_ttl_s=10)
     iid = "node-0/engine-0"
     async with stub(c1.url) as s:
         ttl = pb.RegisterInstanceRequest(spec=instance(0))
