@@ -114,7 +114,7 @@ class Conductor:
         self._own_provider = tracer_provider is None
         self.health = health_servicer()
         self.server: grpc.aio.Server | None = None
-        sync = self.persister.sync_bindings
+        sync = self.persister.sync
         transfers = self.transfers = TransferRunner(
             settings,
             current,
@@ -136,9 +136,7 @@ class Conductor:
             current, self.leadership, explainer, self.metrics.registry, settings.admin_token
         )
         self.streams = OpenStreams()
-        registrar = Registrar(
-            self.store, self.writer, current, self.persister.sync, settings.instance_ttl_s
-        )
+        registrar = Registrar(self.store, self.writer, current, sync, settings.instance_ttl_s)
         self.events = KvEventRpcs(
             current, self.leadership, self.metrics, MirroredBatches(settings.mirror_batches)
         )

@@ -94,7 +94,8 @@ class EventCursors:
         self._lagging.pop(instance_id, None)
         inst = self.state.instance(instance_id)
         lease, key = inst.record.lease_id, keys.cursor_key(instance_id)
-        self.outbox.put_last(key, str(inst.next_sequence).encode(), lease)
+        self.outbox.put(key, str(inst.next_sequence).encode(), lease)
+        self.outbox.writes.move_to_end(key)
 
 
 def _load_only(events: Sequence[KvEvent]) -> bool:

@@ -59,7 +59,7 @@ class PlacementRpcs:
         self.clock = clock  # policy seconds
         self.metrics = metrics
         self.transfers = transfers
-        self.sync = sync  # waits for the term's queued session bindings to reach etcd
+        self.sync = sync  # waits for the term's queued writes to reach etcd
         self.streams = streams
         self.pending = pending
         self.time_scale = time_scale  # wall seconds per policy second (a request's `queued`)

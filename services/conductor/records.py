@@ -12,84 +12,44 @@ from kvsched.core.index import Tier
 from kvsched.core.sessions import NO_HOST, Session
 from services.conductor import keys
 
-# One queued write: key, value (None deletes), lease (0: none), and the place it was queued at.
-Write = tuple[str, bytes | None, int, int]
-
 
 @dataclass(slots=True)
 class Outbox:
-    """Pending etcd writes, coalesced: the last write to a key wins, in the place of its first.
-    Session bindings are queued apart (`sessions`): a flush round writes them all first, so a
-    placement waits for its binding only, never for the block records queued before it. The
-    other records (`records`) go in rounds from the oldest; a cursor queued with `put_last`
-    goes after every record queued before it (the blocks it counts). Places only grow, so
-    `oldest` tells which writes queued so far are still pending."""
+    """Pending etcd writes, coalesced: the last write to a key wins, order of first write
+    kept. `None` means delete. `bindings` counts the session keys among them: the writes
+    placements add (block records are bounded by the index itself)."""
 
-    records: OrderedDict[str, tuple[bytes | None, int, int]] = field(default_factory=OrderedDict)
-    sessions: OrderedDict[str, tuple[bytes | None, int, int]] = field(default_factory=OrderedDict)
-    queued: int = 0  # writes ever queued: the place the next one takes
-
-    def _box(self, key: str) -> OrderedDict[str, tuple[bytes | None, int, int]]:
-        return self.sessions if key.startswith(keys.SESSIONS) else self.records
-
-    def _queue(self, key: str, value: bytes | None, lease: int) -> None:
-        box = self._box(key)
-        old = box.get(key)
-        if old is None:
-            box[key] = (value, lease, self.queued)
-            self.queued += 1
-        else:
-            box[key] = (value, lease, old[2])
+    writes: OrderedDict[str, tuple[bytes | None, int]] = field(default_factory=OrderedDict)
+    bindings: int = 0
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        self._queue(key, value, lease)
+        self._count(key)
+        self.writes[key] = (value, lease)
 
     def delete(self, key: str) -> None:
-        self._queue(key, None, 0)
+        self._count(key)
+        self.writes[key] = (None, 0)
 
-    def put_last(self, key: str, value: bytes, lease: int = 0) -> None:
-        """Queue a write after every write queued so far (its earlier one, if any, dropped)."""
-        self._box(key).pop(key, None)
-        self._queue(key, value, lease)
-
-    @property
-    def bindings(self) -> int:
-        """Session bindings pending: the writes placements add (block records are bounded by
-        the index itself)."""
-        return len(self.sessions)
-
-    def take(self, records: int | None = None) -> list[Write]:
-        """Every pending session binding, then the oldest `records` other writes (all when
-        None), in that order; they are no longer pending."""
-        batch = [(k, v, lease, at) for k, (v, lease, at) in self.sessions.items()]
-        self.sessions.clear()
-        box = self.records
-        if records is None or records >= len(box):
-            batch += [(k, v, lease, at) for k, (v, lease, at) in box.items()]
-            box.clear()
-            return batch
-        for _ in range(records):
-            k, (v, lease, at) = box.popitem(last=False)
-            batch.append((k, v, lease, at))
+    def take(self) -> list[tuple[str, bytes | None, int]]:
+        batch = [(k, v, lease) for k, (v, lease) in self.writes.items()]
+        self.writes.clear()
+        self.bindings = 0
         return batch
 
-    def restore(self, batch: Sequence[Write]) -> None:
-        """Queue again, in their places, writes `take` gave that etcd did not take; newer
-        writes to the same keys, queued since, win."""
-        for key, value, lease, at in reversed(batch):
-            box = self._box(key)
-            if key not in box:
-                box[key] = (value, lease, at)
-                box.move_to_end(key, last=False)
+    def restore(self, batch: Sequence[tuple[str, bytes | None, int]]) -> None:
+        """Queue again a batch `take` gave that etcd did not take; newer writes to the same
+        keys, queued since, win."""
+        for key, value, lease in batch:
+            if key not in self.writes:
+                self._count(key)
+                self.writes[key] = (value, lease)
 
-    def oldest(self) -> int:
-        """The place of the oldest write still pending (`queued` when none is): every write
-        queued before it has been taken."""
-        heads = [next(iter(box.values()))[2] for box in (self.records, self.sessions) if box]
-        return min(heads, default=self.queued)
+    def _count(self, key: str) -> None:
+        if key.startswith(keys.SESSIONS) and key not in self.writes:
+            self.bindings += 1
 
     def __len__(self) -> int:
-        return len(self.records) + len(self.sessions)
+        return len(self.writes)
 
 
 # An instance's id and lease by slot; None for a free slot.

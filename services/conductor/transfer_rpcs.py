@@ -39,7 +39,7 @@ class TransferRpcs:
         self.clock = clock  # policy seconds
         self.time_scale = time_scale  # wall seconds per policy second
         self.transfers = transfers
-        self.sync = sync  # waits for the term's queued session bindings to reach etcd
+        self.sync = sync  # waits for the term's queued writes to reach etcd
 
     async def ReportTransfer(
         self, request: pb.ReportTransferRequest, context: Context

@@ -80,7 +80,7 @@ class TransferRunner:
         self.settings = settings  # time scale, deadlines, Messenger TLS, whether to execute
         self.current = current
         self.clock = clock  # policy seconds
-        self.sync = sync  # waits for the term's queued session bindings to reach etcd
+        self.sync = sync  # waits for the term's queued writes to reach etcd
         self.metrics = metrics
         self.tracer = tracer
         self._tasks: dict[str, asyncio.Task[TransferOutcome]] = {}

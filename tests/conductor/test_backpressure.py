@@ -258,4 +258,4 @@ def test_the_outbox_counts_the_session_bindings_it_holds_once_each() -> None:
     outbox.put(keys.session_key("s1"), b"newer")
     outbox.restore(batch)  # etcd refused the batch: queued again, the newer write kept
     assert (len(outbox), outbox.bindings) == (3, 2)
-    assert outbox.sessions[keys.session_key("s1")][:2] == (b"newer", 0)
+    assert outbox.writes[keys.session_key("s1")] == (b"newer", 0)

@@ -273,6 +273,6 @@ def test_a_cursor_is_queued_after_the_blocks_it_counts() -> None:
     term.state.add_instance(InstanceRecord(InstanceSpec("a", "http://a", "n", Role.BOTH), 0, 7))
     term.cursors.apply("a", 0, False, [BlocksStored((11,), None, Tier.GPU)])
     term.cursors.apply("a", 1, False, [BlocksStored((12,), 11, Tier.GPU)])
-    written = [key for key, _, _, _ in term.outbox.take()]
+    written = [key for key, _, _ in term.outbox.take()]
     assert written[-1] == keys.cursor_key("a")  # a flush cut short never counts lost blocks
     assert written.index(keys.block_key("a", Tier.GPU, 12)) < len(written) - 1

@@ -107,8 +107,7 @@ def observe(t: Term) -> tuple[object, ...]:
         [index.match(HASHES, tier) for tier in Tier],
         [t.state.instances[iid].next_sequence for iid in IID[:N]],
         list(t.state.cluster.load.waiting),
-        list(t.outbox.records.items()),
-        list(t.outbox.sessions.items()),
+        list(t.outbox.writes.items()),
     )
 
 

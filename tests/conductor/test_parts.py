@@ -75,14 +75,13 @@ def test_cursors_apply_in_sequence_and_queue_the_cursor() -> None:
     assert term.state.cluster.index.block_count(0) == 0  # refused whole
     assert term.cursors.apply("a", 0, False, stored) == 1
     assert term.state.cluster.index.block_count(0) == 2
-    queued = {k: (v, lease) for k, v, lease, _ in term.outbox.take()}
-    assert queued[keys.cursor_key("a")] == (b"1", 7)
-    assert keys.block_key("a", Tier.GPU, 12) in queued  # the records observed it
+    assert term.outbox.writes[keys.cursor_key("a")] == (b"1", 7)
+    assert keys.block_key("a", Tier.GPU, 12) in term.outbox.writes  # the records observed it
 
 
 def _cursor_queued(term: Term) -> bytes | None:
     """The cursor value queued for instance "a" since the last look (emptying the outbox)."""
-    return {k: v for k, v, _, _ in term.outbox.take()}.get(keys.cursor_key("a"))
+    return {k: v for k, v, _ in term.outbox.take()}.get(keys.cursor_key("a"))
 
 
 def test_load_only_batches_let_the_etcd_cursor_lag_within_bounds() -> None:
@@ -112,7 +111,7 @@ def test_load_only_batches_let_the_etcd_cursor_lag_within_bounds() -> None:
     # and with any batch that writes blocks (after them), or restarts the sequence.
     seq = term.cursors.apply("a", seq, False, load)
     seq = term.cursors.apply("a", seq, False, [*load, BlocksStored((13,), 12, Tier.GPU)])
-    writes = [k for k, _, _, _ in term.outbox.take()]
+    writes = [k for k, _, _ in term.outbox.take()]
     assert writes == [keys.block_key("a", Tier.GPU, 13), keys.cursor_key("a")]
     seq = term.cursors.apply("a", seq, False, load)
     assert _cursor_queued(term) is None
