@@ -4,9 +4,7 @@ the event stream says the Conductor forgot it, and deregister it when its engine
 
 Keep-alives go to any Conductor that answers (a standby renews the lease in etcd), and a failed
 one is tried again within a tenth of the TTL: the lease never depends on the leader being up,
-so a leader change, however slow, neither unregisters the instance nor costs a resync. Each
-Conductor asked gets its share of the time left on the lease (`attempt_deadline`), so a
-Conductor that answers slowly (busy applying a burst of KV events) still renews it.
+so a leader change, however slow, neither unregisters the instance nor costs a resync.
 
 Every registration opens the instance's event sequence at the number the Conductor gives
 and calls `on_registered` (the relay then resyncs: what the Conductor held may be stale)."""
@@ -16,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 
 from clients.python import ConductorClient, ConductorError, NotFound
@@ -28,13 +25,6 @@ from services.common.durations import seconds
 log = logging.getLogger(__name__)
 
 ROLES = {"both": common.ROLE_BOTH, "prefill": common.ROLE_PREFILL, "decode": common.ROLE_DECODE}
-
-
-def attempt_deadline(ttl_s: float, left_s: float, conductors: int) -> float:
-    """How long one renewal may wait for one Conductor: an equal share, among the Conductors
-    it may ask in turn, of the `left_s` seconds left on the lease, and at least a quarter of
-    its TTL (a hung Conductor leaves time for the next; a slow one is waited for)."""
-    return max(ttl_s / 4, left_s / max(conductors, 1))
 
 
 class Membership:
@@ -98,31 +88,24 @@ class Membership:
         """Keep the lease alive until cancelled (start once registered)."""
         self._again.clear()
         wait_s = self.lease_ttl_s / 3
-        lapses_at = time.monotonic() + self.lease_ttl_s  # registered just before
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
                     await self._again.wait()
             wait_s = self.lease_ttl_s / 3
-            sent_at = time.monotonic()
             if self._again.is_set():
                 self._again.clear()
                 await self.register()
-                lapses_at = sent_at + self.lease_ttl_s
                 continue
-            deadline_s = attempt_deadline(
-                self.lease_ttl_s, lapses_at - sent_at, len(self._client.addresses)
-            )
             try:
-                await self._client.renew_lease(self.instance_id, deadline_s=deadline_s)
+                # A quarter of the TTL per Conductor: a hung one leaves time for the next.
+                await self._client.renew_lease(self.instance_id, deadline_s=self.lease_ttl_s / 4)
             except NotFound:
                 log.warning("the lease of %s lapsed; registering again", self.instance_id)
                 await self.register()
             except ConductorError as exc:
                 log.warning("keep-alive of %s failed: %s", self.instance_id, exc)
                 wait_s = self.lease_ttl_s / 10  # soon again: the lease is running out
-                continue
-            lapses_at = sent_at + self.lease_ttl_s
 
     async def leave(self) -> bool:
         """Stop the instance's events and take it out of the Conductor at once; returns
