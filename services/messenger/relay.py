@@ -2,8 +2,8 @@
 KV events and load there.
 
 A session with the engine goes: ask it who it is (its engine port: vLLM's own API, or the
-simulated engine's); register the instance (with a lease, kept alive every third of its TTL,
-registered again when the Conductor says the lease lapsed); subscribe to its KV events;
+simulated engine's); subscribe to its KV events; register the instance (with a lease, kept
+alive every third of its TTL, registered again when the Conductor says the lease lapsed);
 start with a full sync; then translate every batch of events into ours and hand them,
 coalesced, to the Messenger's one event stream, together with the engine's load whenever it
 changes.
@@ -271,9 +271,30 @@ class EngineRelay:
         )
 
     async def _registered(self, info: EngineInfo, membership: Membership) -> None:
-        """Register, then relay events and keep the lease alive."""
-        await membership.register()
-        await _first_failure(self._relay_events(info), membership.keep_alive())
+        """Subscribe to the engine's KV events, register, then relay them and keep the lease
+        alive. The subscription comes first: batches the engine publishes once the instance is
+        known (its first requests' blocks) wait on our socket instead of reaching no one, which
+        is what an engine without a replay buffer would otherwise lose for good."""
+        kv = info.kv_events
+        sub = self._sub = KvEventSubscriber(
+            kv.endpoint,
+            kv.replay_endpoint,
+            topic=kv.topic.encode(),
+            drop=self.settings.fault_drop_batches,
+        )
+        self._translator = EventTranslator(
+            info.block_size, self.settings.block_hashes.hasher(info.block_size)
+        )
+        try:
+            if not await sub.joined(self.settings.engine_dead_after_s):
+                log.warning(
+                    "KV events of %s: not connected to %s yet", info.instance_id, kv.endpoint
+                )
+            await membership.register()
+            await _first_failure(self._relay_events(info, sub), membership.keep_alive())
+        finally:
+            self._retire_subscriber()
+            self._retire_translator()
 
     def _on_registered(self) -> None:
         self.totals["registrations"] += 1
@@ -321,23 +342,7 @@ class EngineRelay:
         if self.info is not None and self.registered:
             self._stream.send(self.info.instance_id, events, engine_ts=engine_ts)
 
-    async def _relay_events(self, info: EngineInfo) -> None:
-        kv = info.kv_events
-        sub = KvEventSubscriber(
-            kv.endpoint,
-            kv.replay_endpoint,
-            topic=kv.topic.encode(),
-            drop=self.settings.fault_drop_batches,
-        )
-        self._sub = sub
-        self._translator = EventTranslator(
-            info.block_size, self.settings.block_hashes.hasher(info.block_size)
-        )
-        # Batches published before the subscription reaches the engine are missed; taking the
-        # first snapshot once the socket is connected keeps that window tiny (and the
-        # subscriber's tail probes close it where the engine can replay).
-        if not await sub.joined(self.settings.engine_dead_after_s):
-            log.warning("KV events of %s: not connected to %s yet", info.instance_id, kv.endpoint)
+    async def _relay_events(self, info: EngineInfo, sub: KvEventSubscriber) -> None:
         items = sub.batches()
         pending: asyncio.Future[EventBatch | Resync] | None = None
         try:
@@ -363,8 +368,6 @@ class EngineRelay:
                     await pending
             with contextlib.suppress(RuntimeError):
                 await items.aclose()
-            self._retire_subscriber()
-            self._retire_translator()
 
     async def _handle(self, item: EventBatch | Resync, info: EngineInfo) -> None:
         if isinstance(item, Resync):
