@@ -3,9 +3,10 @@
 streamed once a prefill is done; and idle-gap prefetches, loads of a session's context from
 its host's node pool (DRAM tier) into the host's GPU, started when due (`prefetch_due`).
 
-A copy locks its blocks on both ends while it runs. One nobody waits for lands as the live
-import lands (`services.common.kv_transfer`): committed into the target's cache, then
-unlocked, so the blocks are evictable and most recently used.
+A copy locks its blocks on both ends while it runs (on the source, those in its GPU: a copy to
+another node also reads what the source's node pool holds beyond them). One nobody waits for
+lands as the live import lands (`services.common.kv_transfer`): committed into the target's
+cache, then unlocked, so the blocks are evictable and most recently used.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Transfer:
     """A KV transfer in flight."""
 
     plan: TransferPlan
-    source_blocks: int  # blocks locked on the source for the copy
+    source_blocks: int  # blocks the copy brings the target up to
+    source_locked: int  # of them, those locked in the source's GPU (the rest: its node pool's)
     target_start: int  # blocks the target already held (locked for the copy)
     job: Job | None  # the request waiting for it, when on the critical path
     start: float
@@ -67,9 +69,12 @@ class Transfers:
     def start(self, plan: TransferPlan, job: Job | None) -> bool:
         """Lock the blocks on both sides, book the links and schedule the arrival; returns
         whether it did not fail. The source moves what it still holds beyond the target's
-        prefix: when that is nothing, the transfer is done at once (the target holds as much
-        as the source). When the target has no room it fails at once: nothing moves. `job`,
-        the request waiting for the copy, may start once the copy's first layer is in."""
+        prefix, in its GPU or, for a target on another node, in its node's DRAM (read from
+        there as Mooncake Store reads a node's pool: what the GPU evicted during a session's
+        idle gap still moves): when that is nothing, the transfer is done at once (the target
+        holds as much as the source). When the target has no room it fails at once: nothing
+        moves. `job`, the request waiting for the copy, may start once the copy's first layer
+        is in."""
         now = self._clock.now
         if plan.kind is TransferKind.PREFETCH:
             self._clock.push(max(plan.not_before, now), PREFETCH_DUE, plan)
@@ -77,7 +82,8 @@ class Transfers:
             return True
         src, dst = self._engines[plan.source], self._engines[plan.target]
         hashes = plan.block_hashes
-        have_src = src.cache.match(hashes, len(hashes))
+        in_gpu = src.cache.match(hashes, len(hashes))
+        have_src = max(in_gpu, self._pooled(src, dst, hashes))
         have_dst = dst.cache.match(hashes, len(hashes))
         if have_src <= have_dst:
             if plan.kind is TransferKind.MIGRATE_SESSION:
@@ -91,12 +97,12 @@ class Transfers:
             dst.cache.unlock_prefix(hashes, have_dst, now)
             self._failed(plan)
             return False
-        src.cache.lock_prefix(hashes, have_src, now, touch=False)  # reading is not using
+        src.cache.lock_prefix(hashes, in_gpu, now, touch=False)  # reading is not using
         blocks = have_src - have_dst
         nbytes = blocks * dst.bs * self._kv_bytes_per_token
         start, end = self._network.schedule(plan.source, plan.target, nbytes, now)
         self._count(plan, nbytes, end - start)
-        record = Transfer(plan, have_src, have_dst, job, start, end)
+        record = Transfer(plan, have_src, in_gpu, have_dst, job, start, end)
         if job is not None:
             job.held, job.fetched, job.private = have_dst, blocks, job.private + blocks
             job.ready_at = start + (end - start) / dst.layers
@@ -116,7 +122,7 @@ class Transfers:
         plan = record.plan
         src, dst = self._engines[plan.source], self._engines[plan.target]
         if plan.kind is not TransferKind.PREFETCH:  # a prefetch's source is the node's pool
-            src.cache.unlock_prefix(plan.block_hashes, record.source_blocks, now, touch=False)
+            src.cache.unlock_prefix(plan.block_hashes, record.source_locked, now, touch=False)
         if record.job is None:
             hashes = plan.block_hashes
             dst.cache.commit(
@@ -126,6 +132,17 @@ class Transfers:
             self._drain(plan.target)
         self._drain(plan.source)
         self._scheduler.transfer_done(plan.transfer_id, True, now)
+
+    @staticmethod
+    def _pooled(src: Engine, dst: Engine, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` the source's node DRAM holds, for a target on another
+        node (one on the same node loads them from the pool itself); 0 without a pool. As
+        with the GPU's, reading them is not using them; unlike the GPU's, they are not pinned
+        while the copy reads them (an eviction in that window is not modelled)."""
+        pool = src.tier
+        if pool is None or pool is dst.tier:
+            return 0
+        return pool.dram.store.match(hashes, len(hashes))
 
     def prefetch_due(self, plan: TransferPlan) -> None:
         """A prefetch is due: load what the host's node pool holds of the context beyond the
@@ -161,7 +178,7 @@ class Transfers:
         nbytes = needed * engine.bs * self._kv_bytes_per_token
         self._count(plan, nbytes, load.done_at - load.start)
         self.prefetches["loaded"] += 1
-        record = Transfer(plan, gpu + needed, gpu, None, load.start, load.done_at)
+        record = Transfer(plan, gpu + needed, 0, gpu, None, load.start, load.done_at)
         self._clock.push(load.done_at, TRANSFER_DONE, record)
 
     def await_prefill(self, request: int, plan: TransferPlan) -> None:

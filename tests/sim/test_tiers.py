@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvsched.core.cluster import ClusterConfig
+from kvsched.core.decision import TransferKind, TransferPlan
 from kvsched.core.events import BlocksRemoved, BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.latency import load_latency
+from kvsched.core.scheduler import Scheduler
 from kvsched.sim.cli import main
 from kvsched.sim.compare import Comparison, replay_config
 from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind
@@ -148,11 +150,12 @@ def test_a_prefix_evicted_to_dram_is_loaded_not_recomputed(with_tier: bool) -> N
         assert ttft == pytest.approx(recompute, rel=0.05)
 
 
-def _replay(tier: TierConfig, spec: str = "cache_aware") -> Replay:
+def _replay(tier: TierConfig, spec: str = "cache_aware", n_instances: int = 4) -> Replay:
     # Half the instances of the issue's setup on the bundled head of the conversation trace:
     # capacity-bound, so the GPUs evict, and so does DRAM at 1x.
     trace = transform.load(SLICES / "mooncake_conversation_head.jsonl")
-    config = ReplayConfig(ClusterConfig(n_instances=4), seed=1, check_integrity=True, tier=tier)
+    cluster = ClusterConfig(n_instances=n_instances)
+    config = ReplayConfig(cluster, seed=1, check_integrity=True, tier=tier)
     return Replay(prepare(trace, seed=1), spec, config)
 
 
@@ -302,3 +305,35 @@ def test_the_policies_price_a_pool_load_at_the_tiers_host_link() -> None:
     cluster = replay_config(Comparison(trace, "t.jsonl", ("cache_aware",), 4, tier=tier)).cluster
     assert cluster.pool_link == tier.pool_link()
     assert (cluster.pool_link.bandwidth_bytes_per_s, cluster.pool_link.setup_s) == (25e9, 5e-5)
+
+
+def _fetch(replay: Replay, source: int, target: int, hashes: tuple[int, ...]) -> TransferPlan:
+    """A prefix copy of `hashes` from `source` to `target`, opened with the replay's scheduler
+    as a policy's would be."""
+    core = replay.scheduler
+    assert isinstance(core, Scheduler)
+    plan = TransferPlan(TransferKind.FETCH_PREFIX, source, target, hashes, 0, 0, 0, 0.0, False)
+    return core.transfers.open(plan)
+
+
+def test_a_copy_to_another_node_reads_what_the_source_gpu_evicted_from_its_node_pool() -> None:
+    """Mooncake Store reads a node's DRAM: a prefix the source's GPU evicted to its node's
+    pool still moves to an instance on another node, and is not read again for one on the
+    source's own node (which loads it from the shared pool itself)."""
+    replay = _replay(TierConfig(dram=TierSize(factor=4.0)), n_instances=8)  # 2 nodes of 4
+    node_of = replay.cluster.cost.topology.node_of
+    far = next(slot for slot in range(8) if node_of[slot] != node_of[0])
+    near = next(slot for slot in range(1, 8) if node_of[slot] == node_of[0])
+    hashes = next(h for h in replay.prepared.hashes if len(h) >= 8)[:8]
+    source = replay.engines[0]
+    assert source.tier is not None and source.cache.match(hashes, 8) == 0
+    source.tier.evicted(0, [hashes[-1]], now=0.0)  # written back, ancestors and all
+    assert source.tier.match(hashes, 8) == 8
+
+    moved_before = replay.transfers.stats["fetch_prefix"][1]
+    assert replay.transfers.start(_fetch(replay, 0, far, hashes), None)
+    moved = replay.transfers.stats["fetch_prefix"][1] - moved_before
+    assert moved == 8 * replay.cluster.block_size * replay.cluster.cost.kv_bytes_per_token
+    assert replay.transfers.start(_fetch(replay, 0, near, hashes), None)
+    assert replay.transfers.stats["fetch_prefix"][1] - moved_before == moved  # nothing more
+    assert replay.engines[near].cache.match(hashes, 8) == 0
