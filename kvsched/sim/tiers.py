@@ -262,16 +262,21 @@ class NodeTier:
 
     def match(self, hashes: Sequence[int], limit: int) -> int:
         """Leading blocks of `hashes[:limit]` some tier of the node holds. Changes nothing."""
-        hit = self.dram.store.match(hashes, limit)
+        hit = self.in_dram(hashes, limit)
         if self.ssd is not None:
             hit = max(hit, self.ssd.store.match(hashes, limit))
         return hit
+
+    def in_dram(self, hashes: Sequence[int], limit: int) -> int:
+        """Leading blocks of `hashes[:limit]` the node's DRAM holds (what a reader on another
+        node can take at once). Changes nothing."""
+        return self.dram.store.match(hashes, limit)
 
     def load(self, slot: int, hashes: Sequence[int], start: int, end: int, now: float) -> Load:
         """`slot` loads blocks `hashes[start:end]` (held by `match`) into its reserved pages:
         from DRAM where it has them, else from the SSD through DRAM's link, layer by layer.
         Books the links and marks the blocks used."""
-        dram_hit = min(self.dram.store.match(hashes, end), end)
+        dram_hit = min(self.in_dram(hashes, end), end)
         self.dram.touch(hashes, dram_hit, now)
         from_dram = max(dram_hit - start, 0)
         from_ssd = end - max(dram_hit, start)

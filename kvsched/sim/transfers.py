@@ -142,7 +142,7 @@ class Transfers:
         pool = src.tier
         if pool is None or pool is dst.tier:
             return 0
-        return pool.dram.store.match(hashes, len(hashes))
+        return pool.in_dram(hashes, len(hashes))
 
     def prefetch_due(self, plan: TransferPlan) -> None:
         """A prefetch is due: load what the host's node pool holds of the context beyond the
