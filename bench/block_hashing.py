@@ -12,23 +12,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
+from bench.common import median_s
 from kvsched.core.hashing import BlockHasher
 from kvsched.core.vllm_hashing import HASH_ALGOS, VllmBlockHasher
-
-
-def median_s(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def main() -> None:

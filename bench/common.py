@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,3 +24,14 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median_s(run: Callable[[], object], repeats: int) -> float:
+    """The median wall time of `repeats` calls of `run`, after one to warm up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -36,13 +36,13 @@ sys.meta_path.insert(0, EditableFinder)
 
 import kvsched
 from kvsched.core.latency import load_latency
-from services.common.tokenizer_dir import TokenizerDir
+from services.common.model_tokenizer import ModelTokenizer
 from services.engine.settings import latency_profile_for_gpu
 
 assert kvsched.__file__ is None, "the decoy did not stand in for the package"
 print(load_latency().name)
 print(latency_profile_for_gpu("a100", ""))
-print(TokenizerDir.load().tokenizer.get_vocab_size())
+print(ModelTokenizer().vocab_size)
 """
 
 

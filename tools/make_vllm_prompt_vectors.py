@@ -1,11 +1,15 @@
 """Write tests/data/vllm/prompt_tokens.json: the prompt token ids vLLM's own OpenAI front end
-makes of chat and completion requests, for the demo tokenizer and test chat templates.
+makes of chat and completion requests, for the demo tokenizer and test chat templates, and for
+the tokenizer families of tests/data/tokenizers/ (tools/make_family_tokenizers.py).
 
 Run with the vLLM environment's Python (`.venv-vllm/bin/python tools/make_vllm_prompt_vectors.py`);
 no server starts: each request goes through vLLM's request models and `OnlineRenderer`
 (`render_chat` / `render_completion`, what `vllm serve` runs before the engine) over a model
 directory holding `kvsched/data/tokenizer/` (with another chat template per variant) and a
-config.json, served as with `--enable-auto-tool-choice --tool-call-parser hermes`. The
+config.json, served as with `--enable-auto-tool-choice --tool-call-parser hermes`. Every case
+of the demo tokenizer is run again for each family (`qwen2`, `mistral`: variant and name
+prefixed with the family), over a model directory holding that family's tokenizer directory
+(the file's `bases`) and a config.json of its architecture. The
 project's tests check `services.common.openai_api.PromptTokenizer` against the file without
 vLLM. Every chat case also records whether transformers' plain
 `apply_chat_template(messages, tokenize=True)` (or `tokenizer(prompt)`) gives the same ids: where
@@ -22,12 +26,26 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "kvsched" / "data" / "tokenizer"
 TEMPLATES = ROOT / "tests" / "data" / "chat_templates"
 OUT = ROOT / "tests" / "data" / "vllm" / "prompt_tokens.json"
+
+
+class Family(NamedTuple):
+    """A variant over a tokenizer directory of its own, and its model's architecture."""
+
+    base: Path
+    architecture: str
+    model_type: str
+
+
+FAMILIES = {
+    "qwen2": Family(ROOT / "tests/data/tokenizers/qwen2", "Qwen2ForCausalLM", "qwen2"),
+    "mistral": Family(ROOT / "tests/data/tokenizers/mistral", "LlamaForCausalLM", "llama"),
+}
 
 U = "user"
 LONG = " ".join(
@@ -454,9 +472,19 @@ def cases() -> list[dict[str, Any]]:
     ]
 
 
+def family_cases(demo_cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every case of the demo tokenizer again for each family, after all of them."""
+    return [
+        {**case, "name": f"{family}: {case['name']}", "variant": family}
+        for family in FAMILIES
+        for case in demo_cases
+        if case["variant"] == "demo"
+    ]
+
+
 def variants() -> dict[str, dict[str, Any]]:
     """Tokenizer directories as files to write over the demo tokenizer's (a JSON value is
-    merged into tokenizer_config.json)."""
+    merged into tokenizer_config.json), or over a family's own directory (none)."""
     string_dump = (TEMPLATES / "dump_string.jinja").read_text(encoding="utf-8")
     openai_dump = (TEMPLATES / "dump_openai.jinja").read_text(encoding="utf-8")
     demo = json.loads((TOKENIZER / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -480,16 +508,23 @@ def variants() -> dict[str, dict[str, Any]]:
         "no_bos": {"tokenizer_config.json": {"add_bos_token": False}},
         "split_special_tokens": {"tokenizer_config.json": {"split_special_tokens": True}},
         "special_tokens_map": {"special_tokens_map.json": {"bos_token": {"content": "<|user|>"}}},
+        **{family: {} for family in FAMILIES},  # their own directories, as they are
     }
 
 
-def write_tokenizer_variant(out: Path, files: dict[str, Any]) -> Path:
-    """The demo tokenizer directory at `out` (made), with `files` written over it: a JSON
-    object is merged into the file it names, text replaces it. The tests read the same
-    variants."""
+def bases() -> dict[str, str]:
+    """The variants' tokenizer directories other than the demo one (repository-relative)."""
+    return {name: family.base.relative_to(ROOT).as_posix() for name, family in FAMILIES.items()}
+
+
+def write_tokenizer_variant(out: Path, files: dict[str, Any], base: Path = TOKENIZER) -> Path:
+    """The tokenizer directory `base` (by default the demo one) at `out` (made), with `files`
+    written over it: a JSON object is merged into the file it names, text replaces it. The
+    tests read the same variants."""
     out.mkdir(parents=True, exist_ok=True)
-    for src in TOKENIZER.iterdir():
-        shutil.copyfile(src, out / src.name)
+    for src in base.iterdir():
+        if src.is_file():
+            shutil.copyfile(src, out / src.name)
     for name, value in files.items():
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -501,10 +536,12 @@ def write_tokenizer_variant(out: Path, files: dict[str, Any]) -> Path:
     return out
 
 
-def write_variant(out: Path, files: dict[str, Any]) -> None:
-    """A model directory vLLM loads: the tokenizer variant and a tiny model's config."""
-    write_tokenizer_variant(out, files)
-    config = {
+def write_variant(out: Path, name: str, files: dict[str, Any]) -> None:
+    """A model directory vLLM loads: the tokenizer variant and a tiny model's config (a
+    family's: its architecture, vocabulary size and special token ids)."""
+    family = FAMILIES.get(name)
+    write_tokenizer_variant(out, files, family.base if family else TOKENIZER)
+    config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -513,6 +550,15 @@ def write_variant(out: Path, files: dict[str, Any]) -> None:
         "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 0,
         "eos_token_id": 1, "dtype": "float32",
     }  # fmt: skip
+    if family:
+        tok = _module("transformers").AutoTokenizer.from_pretrained(str(out))
+        # Qwen2 has no BOS token; its configs name <|endoftext|>, its pad token, instead.
+        bos = tok.bos_token_id if tok.bos_token_id is not None else tok.pad_token_id
+        config |= {
+            "architectures": [family.architecture], "model_type": family.model_type,
+            "vocab_size": len(tok),
+            "bos_token_id": bos, "eos_token_id": tok.eos_token_id,
+        }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config), encoding="utf-8")
 
 
@@ -591,9 +637,10 @@ async def vectors() -> dict[str, Any]:
         for name, files in all_variants.items():
             model = Path(tmp) / name
             model.mkdir()
-            write_variant(model, files)
+            write_variant(model, name, files)
             fronts[name] = Front(model)
-        for case in cases():
+        demo_cases = cases()
+        for case in [*demo_cases, *family_cases(demo_cases)]:
             front = fronts[case["variant"]]
             result = await front.vllm(case["kind"], case["body"])
             prompt = case["body"].get("prompt")
@@ -614,6 +661,7 @@ async def vectors() -> dict[str, Any]:
         "vllm_version": _module("vllm").__version__,
         "transformers_version": _module("transformers").__version__,
         "variants": all_variants,
+        "bases": bases(),
         "cases": out,
     }
 

@@ -20,14 +20,17 @@ from typing import Literal
 import jinja2
 from jinja2 import nodes
 
+from services.common.model_tokenizer import jinja_template
+
 ContentFormat = Literal["string", "openai"]
+ContentFormatOption = Literal["auto", "string", "openai"]  # vLLM's `--chat-template-content-format`
 
 
 @lru_cache(maxsize=32)
-def content_format(template: jinja2.Template, source: str) -> ContentFormat:
-    """The content format of `template`, compiled from `source` (cached per template)."""
+def content_format(source: str) -> ContentFormat:
+    """The content format of the template `source` (cached per template)."""
     try:
-        ast = template.environment.parse(source)
+        ast = jinja_template(source).environment.parse(source)
         next(_content_loops(ast))
     except (StopIteration, jinja2.TemplateError, _Unreadable):
         return "string"

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
 
 from services.common.api_errors import bad_request
+from services.common.chat_content_format import ContentFormatOption, content_format
 from services.common.chat_messages import conversation, has_non_text_part
-from services.common.chat_template import ChatTemplate
+from services.common.model_tokenizer import ModelTokenizer, jinja_template
 
 _REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 # transformers' `apply_chat_template` takes these itself: as template arguments they either do
@@ -101,53 +103,109 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
 
 
 class ChatRenderer:
-    """Renders chat requests with a model's chat templates (by name, as transformers keeps
-    them: "default", and optionally "tool_use" for requests with tools)."""
+    """Renders chat requests as vLLM does (vllm/renderers/hf.py, `safe_apply_chat_template`):
+    the messages as vLLM hands them to a template (`chat_messages`), then transformers'
+    `apply_chat_template` with the model's template, or the one the server was given."""
 
-    def __init__(self, templates: Mapping[str, str], special_tokens: Mapping[str, str]) -> None:
-        """Compiles the templates: raises `ValueError` for one with a syntax error, so that a
-        server does not start with it."""
-        self._templates = {}
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        chat_template: str | None = None,
+        content_format: ContentFormatOption = "auto",
+    ) -> None:
+        """`chat_template`: a template's text in place of the tokenizer's (vLLM's
+        `--chat-template`, read by `load_chat_template`); `content_format`: vLLM's
+        `--chat-template-content-format`. Raises `ValueError` for a template with a syntax
+        error, so that a server does not start with it."""
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template
+        self._content_format = content_format
+        own = tokenizer.hf.chat_template
+        if chat_template is not None:
+            templates = {"given": chat_template}
+        elif isinstance(own, str):
+            templates = {"default": own}
+        elif own is None or (
+            isinstance(own, dict) and all(isinstance(t, str) for t in own.values())
+        ):
+            templates = dict(own or {})
+        else:
+            raise ValueError(
+                f"{tokenizer.directory}: chat_template must be a string or a list of named "
+                "templates"
+            )
+        self._has_template = bool(templates)
         for name, source in templates.items():
             try:
-                self._templates[name] = ChatTemplate(source)
+                jinja_template(source)
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"chat template {name!r}, line {exc.lineno}: {exc}") from exc
-        self._special_tokens = dict(special_tokens)
 
     def render(self, chat: ChatRequest) -> str:
         """The prompt text; raises `ApiError` 400 for what vLLM or the template refuses."""
-        template = self._template(chat.tools is not None)
+        source = self._source(chat.tools)
+        fmt = self._content_format
         messages = conversation(
             chat.messages,
-            template.content_format,
-            template_knows_developer=template.knows_developer,
+            content_format(source) if fmt == "auto" else fmt,
+            template_knows_developer='"developer"' in source or "'developer'" in source,
         )
-        return template.render(
-            messages,
-            tools=chat.tools,
-            documents=chat.documents,
-            add_generation_prompt=chat.add_generation_prompt,
-            continue_final_message=chat.continue_final_message,
-            variables={**self._special_tokens, **chat.variables},
-        )
-
-    def _template(self, with_tools: bool) -> ChatTemplate:
-        """transformers' choice (`get_chat_template`): "tool_use" for a request with tools when
-        there is one, else "default"."""
-        if with_tools and "tool_use" in self._templates:
-            return self._templates["tool_use"]
-        if "default" in self._templates:
-            return self._templates["default"]
-        if self._templates:
-            raise bad_request(
-                "This model has multiple chat templates with no default specified; available "
-                f"template names are {sorted(self._templates)}."
+        try:
+            text = self._tokenizer.hf.apply_chat_template(
+                messages,
+                tools=chat.tools,
+                documents=chat.documents,
+                chat_template=source,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tokenize=False,
+                **chat.variables,
             )
-        raise bad_request(
-            "As of transformers v4.44, default chat template is no longer allowed, so you must "
-            "provide a chat template if the tokenizer does not define one."
-        )
+        except Exception as exc:  # what the template raised: vLLM answers all of it with a 400
+            raise bad_request(f"The chat template failed: {_template_error_reason(exc)}") from None
+        return str(text)
+
+    def _source(self, tools: list[dict[str, Any]] | None) -> str:
+        """The template's text: transformers' choice (`get_chat_template`: "tool_use" for a
+        request with tools where there is one, else "default"), or a 400 in vLLM's words or
+        else in transformers'."""
+        if not self._has_template:
+            raise bad_request(
+                "As of transformers v4.44, default chat template is no longer allowed, so you "
+                "must provide a chat template if the tokenizer does not define one."
+            )
+        try:
+            return str(self._tokenizer.hf.get_chat_template(self._chat_template, tools=tools))
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's `--chat-template` (`load_chat_template`): the text of the file `value` names,
+    else `value` itself where it looks like a template (holds `{`, `}` or a newline); raises
+    `ValueError` for what looks like a path that cannot be read."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"The supplied chat template ({value}) looks like a file path, but it failed to "
+                f"be opened: {exc}"
+            ) from None
+        return value
+
+
+def _template_error_reason(exc: BaseException) -> str:
+    """The most specific reason in `exc`'s chain: the template's own words where it raised
+    (vllm/renderers/hf.py, `_template_error_reason`)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, jinja2.TemplateError):
+            return str(current)
+        current = current.__cause__ or current.__context__
+    return str(exc)
 
 
 _UNTRUSTED_TEMPLATE = (

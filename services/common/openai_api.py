@@ -18,9 +18,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from services.common.api_errors import ApiError, bad_request, rate_limited, unavailable
+from services.common.chat_content_format import ContentFormatOption
 from services.common.chat_prompt import ChatRenderer, ChatRequest, parse_chat
+from services.common.model_tokenizer import ModelTokenizer
 from services.common.request_fields import check_fields
-from services.common.tokenizer_dir import TokenizerDir
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL", "MAX_BODY_BYTES", "ApiError", "CompletionRequest",
@@ -165,19 +166,27 @@ def check_length(
 
 
 class PromptTokenizer:
-    """A model's tokenizer and chat templates (see `tokenizer_dir`): the token ids vLLM feeds
-    its model for a request. Thread-safe, so calls can run off the event loop."""
+    """A model's tokenizer and chat templates as vLLM loads them (`model_tokenizer`): the
+    token ids vLLM feeds its model for a request. Thread-safe, so calls can run off the event
+    loop."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
-        """`path`: a tokenizer directory or a `tokenizer.json` (with the files beside it);
-        `None`: the demo model's. Raises `OSError` or `ValueError` (see `TokenizerDir`)."""
-        files = TokenizerDir.load(path)
-        self._tok = files.tokenizer
-        self._chat = ChatRenderer(files.chat_templates, files.special_tokens)
-        self.vocab_size = self._tok.get_vocab_size()
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        chat_template: str | None = None,
+        content_format: ContentFormatOption = "auto",
+    ) -> None:
+        """`path`: a tokenizer directory or a file in one; `None`: the demo model's.
+        `chat_template`, `content_format`: as vLLM's `--chat-template` (the template's text)
+        and `--chat-template-content-format`. Raises `ValueError` (see `ModelTokenizer`,
+        `ChatRenderer`)."""
+        self.model = ModelTokenizer(path)
+        self._chat = ChatRenderer(self.model, chat_template, content_format)
+        self.vocab_size = self.model.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self.model.encode(text, add_special_tokens)
 
     def _encode_prompt(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """`encode`, or a 400 for text that is not Unicode: JSON's `\\ud800` escapes decode to
@@ -190,7 +199,7 @@ class PromptTokenizer:
             ) from None
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+        return self.model.decode(ids)
 
     def render_chat(self, chat: ChatRequest) -> str:
         """A chat request's prompt text; raises `ApiError` 400 (malformed messages, media

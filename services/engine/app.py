@@ -363,7 +363,9 @@ def build(
     )
     if settings.kv_pool_socket:
         live.pool = PoolLink(settings.kv_pool_socket, memory, live.transfers)
-    tokenizer = tokenizer or PromptTokenizer(settings.tokenizer)
+    tokenizer = tokenizer or PromptTokenizer(
+        settings.tokenizer, chat_template=settings.chat_template
+    )
     words = words or Words(tokenizer, settings.seed)
     return EngineApp(settings, live, tokenizer, words, tracer)
 

@@ -26,6 +26,7 @@ from kvsched.core.vllm_hashing import resolve_seed
 from kvsched.data_files import data_path
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
+from services.common.chat_prompt import load_chat_template
 from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.kv_events import Shape
 from services.common.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
@@ -45,7 +46,8 @@ class EngineSettings:
     instance_id: str = field(default_factory=process_id)
     listen: str = "127.0.0.1:8100"
     model: str = DEFAULT_MODEL  # the served name (what `model` in a request must say)
-    tokenizer: str | None = None  # tokenizer.json; None: the shipped one
+    tokenizer: str | None = None  # tokenizer directory or a file in one; None: the shipped one
+    chat_template: str | None = None  # the template's text, in place of the tokenizer's
     block_size: int = _SIM.block_size
     # The architecture modelled (KV bytes, layers, context length). Not the simulator's
     # default: the engine keeps real KV bytes for its whole cache, which must fit this
@@ -136,7 +138,8 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "listen", d.listen, "HTTP listen address (port 0: any free one)")
     _flag(p, "instance-id", "", "this engine's instance id (default host-pid)")
     _flag(p, "model", d.model, "served model name")
-    _flag(p, "tokenizer", "", "tokenizer.json (default: the shipped demo tokenizer)")
+    _flag(p, "tokenizer", "", "tokenizer directory (default: the shipped demo tokenizer)")
+    _flag(p, "chat-template", "", "chat template file or text, as vLLM's --chat-template")
     _flag(p, "block-size", d.block_size, "tokens per KV block")
     _flag(p, "model-config", d.model_config, "model architecture (KV size, context length)")
     _flag(p, "latency-profile", "", f"latency model profile (default {DEFAULT_LATENCY})")
@@ -174,6 +177,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     try:
         return EngineSettings(
             instance_id=a.instance_id or process_id(),
+            chat_template=load_chat_template(a.chat_template) if a.chat_template else None,
             listen=a.listen,
             model=a.model,
             tokenizer=a.tokenizer or None,

@@ -16,7 +16,13 @@ from pathlib import Path
 from services.common.block_hashes import BlockHashes
 from services.common.files import write_private
 from services.common.openai_api import DEFAULT_MODEL
-from services.launcher.plan import ENGINES, ClusterOptions, ClusterPlan, plan_cluster
+from services.launcher.plan import (
+    DEFAULT_BLOCK_SIZE,
+    ENGINES,
+    ClusterOptions,
+    ClusterPlan,
+    plan_cluster,
+)
 from services.launcher.supervisor import StartError, Supervisor
 from services.router.api_keys import new_key
 
@@ -31,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=d.nodes, help="nodes, one Messenger each")
     p.add_argument("--engines-per-node", type=int, default=d.engines_per_node)
     p.add_argument("--policy", default=d.policy, help="placement policy spec, e.g. cache_aware")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=0, help="tokens per KV block (default: "
+                   + ", ".join(f"{n} for --engine {e}" for e, n in DEFAULT_BLOCK_SIZE.items())
+                   + ")")  # fmt: skip
     p.add_argument(
         "--time-scale",
         type=float,
@@ -79,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=d.tool_call_parser,
                    help="vLLM's tool-call parser ('': no tool calling)")  # fmt: skip
     p.add_argument("--dtype", default=d.dtype, help="vLLM's --dtype ('': the model's)")
+    p.add_argument("--chat-template", type=Path, help="a chat template file in place of the "
+                   "model's, for engines and Routers alike (vLLM's --chat-template)")  # fmt: skip
     p.add_argument("--kv-pool-bytes", type=int, default=d.kv_pool_bytes,
                    help="each node's KV pool for vLLM engines, bytes (0: none)")  # fmt: skip
     p.add_argument("--prefix-caching-hash-algo", default=d.block_hashes.algo,
@@ -95,35 +105,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    """The cluster `kvsched up`'s parsed flags ask for; raises `ValueError`."""
+    return ClusterOptions(
+        conductors=args.conductors,
+        routers=args.routers,
+        nodes=args.nodes,
+        engines_per_node=args.engines_per_node,
+        policy=args.policy,
+        block_size=args.block_size or DEFAULT_BLOCK_SIZE[args.engine],
+        time_scale=args.time_scale,
+        instance_ttl_s=args.instance_ttl,
+        seed=args.seed,
+        api_keys=args.api_keys,
+        engine_flags=tuple(args.engine_flag),
+        messenger_flags=tuple(args.messenger_flag),
+        model_config=args.model_config,
+        transfer_backend=args.transfer_backend,
+        engine=args.engine,
+        model_dir=args.model,
+        model=args.served_model_name or (args.model.name if args.model else DEFAULT_MODEL),
+        vllm_python=args.vllm_python,
+        max_model_len=args.max_model_len,
+        tool_call_parser=args.tool_call_parser,
+        dtype=args.dtype,
+        chat_template=args.chat_template,
+        kv_pool_bytes=args.kv_pool_bytes,
+        block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
+        insecure=args.insecure,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        opts = ClusterOptions(
-            conductors=args.conductors,
-            routers=args.routers,
-            nodes=args.nodes,
-            engines_per_node=args.engines_per_node,
-            policy=args.policy,
-            block_size=args.block_size,
-            time_scale=args.time_scale,
-            instance_ttl_s=args.instance_ttl,
-            seed=args.seed,
-            api_keys=args.api_keys,
-            engine_flags=tuple(args.engine_flag),
-            messenger_flags=tuple(args.messenger_flag),
-            model_config=args.model_config,
-            transfer_backend=args.transfer_backend,
-            engine=args.engine,
-            model_dir=args.model,
-            model=args.served_model_name or (args.model.name if args.model else DEFAULT_MODEL),
-            vllm_python=args.vllm_python,
-            max_model_len=args.max_model_len,
-            tool_call_parser=args.tool_call_parser,
-            dtype=args.dtype,
-            kv_pool_bytes=args.kv_pool_bytes,
-            block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
-            insecure=args.insecure,
-        )
+        opts = cluster_options(args)
     except ValueError as exc:
         print(f"kvsched up: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,10 @@ from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
 from services.launcher.vllm import VllmServer, core_share
 
 ENGINES = ("sim", "vllm")
+# Tokens per KV block when none is given, by engine: the simulated engines model vLLM's GPU
+# default (16); for vLLM the smallest size both its CPU attention (multiples of 32) and its
+# GPU backends (multiples of 16) take, so that prefixes are matched as finely as they allow.
+DEFAULT_BLOCK_SIZE = {"sim": 16, "vllm": 32}
 DEFAULT_KV_POOL_BYTES = 512 << 20  # resident: 32,768 blocks of the tiny model
 READY_TIMEOUT_S = 60.0  # for a process to serve, unless its Child says otherwise
 
@@ -40,7 +44,7 @@ class ClusterOptions:
     nodes: int = 2
     engines_per_node: int = 2
     policy: str = "elastic"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE["sim"]  # `kvsched up`: DEFAULT_BLOCK_SIZE[engine]
     time_scale: float = 1.0
     instance_ttl_s: int = 3
     leader_ttl_s: int = 2
@@ -56,6 +60,7 @@ class ClusterOptions:
     max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
     tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
     dtype: str = ""  # vLLM's --dtype ("": the model's)
+    chat_template: Path | None = None  # a template file in place of the model's, for all
     # Each node's KV pool, where its vLLM engines save and load blocks (kvsched's KV
     # connector) and transfers stage KV; host memory set aside (made resident at start).
     kv_pool_bytes: int = DEFAULT_KV_POOL_BYTES
@@ -230,7 +235,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         for engine in engines:
             argv += ["--engine", engine]
         argv += ["--instance-ttl", str(opts.instance_ttl_s), *hashing]
-        argv += ["--transfer-backend", opts.transfer_backend]
+        argv += ["--block-size", str(opts.block_size), "--transfer-backend", opts.transfer_backend]
         me = Identity(Role.MESSENGER, node)
         argv += server_tls("serve-tls-", me) + client_tls("tls-", me)
         if socket:
@@ -251,6 +256,8 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += server_tls("grpc-tls-", me) + client_tls("conductor-", me)
         if opts.model_dir is not None:  # the served model's own tokenizer and chat template
             argv += ["--tokenizer", str(opts.model_dir)]
+        if opts.chat_template is not None:
+            argv += ["--chat-template", str(opts.chat_template)]
         if opts.max_model_len:
             argv += ["--max-model-len", str(opts.max_model_len)]
         entry = {"url": url, "grpc_url": f"127.0.0.1:{grpc_port}"}
@@ -305,6 +312,7 @@ def _engine(
             cpu_cores=core_share(index, opts.nodes * opts.engines_per_node),
             tool_call_parser=opts.tool_call_parser,
             dtype=opts.dtype,
+            chat_template="" if opts.chat_template is None else str(opts.chat_template),
             pool_socket=pool_socket,
         )
         argv = (*server.argv(), *opts.engine_flags)
@@ -321,6 +329,8 @@ def _engine(
     sim += opts.engine_flags
     if opts.model_dir is not None:
         sim += ["--tokenizer", str(opts.model_dir)]
+    if opts.chat_template is not None:
+        sim += ["--chat-template", str(opts.chat_template)]
     return Child(name, "engine", tuple(sim), ready, entry), f"{url},kind=sim"
 
 

@@ -39,6 +39,7 @@ class VllmServer:
     eager: bool = True
     tool_call_parser: str = "hermes"  # how tool calls are read back ("": no tool calling)
     dtype: str = ""  # the model's weights and KV ("": the model's own)
+    chat_template: str = ""  # a template file in place of the model's ("": the model's)
     # The node's KV pool (its Messenger's socket): kvsched's KV connector saves computed
     # blocks there and loads missing ones from it ("": no connector).
     pool_socket: str = ""
@@ -69,6 +70,8 @@ class VllmServer:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.dtype:
             argv += ["--dtype", self.dtype]
+        if self.chat_template:
+            argv += ["--chat-template", self.chat_template]
         if self.pool_socket:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return argv

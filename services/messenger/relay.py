@@ -227,14 +227,22 @@ class EngineRelay:
 
     async def _identify(self) -> EngineInfo:
         """Who the engine is; with `kind=auto`, a 404 from the simulated engine's route
-        means a vLLM server."""
+        means a vLLM server. Raises `EngineMalformed` for an engine whose KV blocks are not
+        the cluster's size (its hashes could never match the Routers')."""
+        info = None
         if self.target.kind == "auto":
             try:
                 self.api = self._sim
-                return await self._sim.info()
+                info = await self._sim.info()
             except EngineLacksRoute:
                 self.api = self._vllm
-        return await self.api.info()
+        info = info or await self.api.info()
+        if info.block_size != self.settings.block_size:
+            raise EngineMalformed(
+                f"the engine's KV blocks hold {info.block_size} tokens, this cluster's "
+                f"{self.settings.block_size} (--block-size)"
+            )
+        return info
 
     async def _session(self, info: EngineInfo) -> None:
         """Serve one engine session; raises `SessionEnded` when it is over."""

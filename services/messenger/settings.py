@@ -48,6 +48,9 @@ class MessengerSettings:
     resend_batches: int = 1024  # batches kept per instance to resend after a resume point
     mirror_batches: int = 1024  # batches queued per standby Conductor for its mirror; 0: none
     block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
+    # The cluster's tokens per KV block (the Conductor's and the Routers'): an engine whose
+    # blocks hold another number is refused, as one hashing blocks another way is.
+    block_size: int = 16
     vllm_metrics_interval_s: float = 1.0  # how often a vLLM engine's /metrics is read
     # How KV bytes move: our TCP stream (the faster on loopback and plain Ethernet, see
     # bench.transfer), or mooncake (RDMA where the NICs have it; needs libibverbs).
@@ -71,6 +74,7 @@ class MessengerSettings:
 
     def __post_init__(self) -> None:
         positive = {
+            "--block-size": self.block_size,
             "--instance-ttl": self.instance_ttl_s,
             "--load-interval": self.load_interval_s,
             "--engine-dead-after": self.engine_dead_after_s,
@@ -159,6 +163,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
         "KV event batches queued per standby Conductor for its mirror (0: no mirror)",
     )
     block_hashes.add_flags(_flag, p)
+    _flag(p, "block-size", d.block_size, "tokens per KV block (the cluster's): others refused")
     _flag(p, "vllm-metrics-interval", d.vllm_metrics_interval_s, "seconds between /metrics reads")
     _flag(p, "transfer-backend", d.transfer_backend, f"how KV moves: {' or '.join(BACKENDS)}")
     _flag(p, "mooncake-protocol", d.mooncake_protocol, "Mooncake transport: tcp or rdma")
@@ -200,6 +205,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             resend_batches=a.resend_batches,
             mirror_batches=a.mirror_batches,
             block_hashes=block_hashes.from_args(a),
+            block_size=a.block_size,
             vllm_metrics_interval_s=a.vllm_metrics_interval,
             transfer_backend=a.transfer_backend,
             mooncake_protocol=a.mooncake_protocol,

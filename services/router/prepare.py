@@ -9,8 +9,8 @@ alone (`RouterTokenizer.least_tokens`: refused untokenized), the chat's renderin
 (`PromptTokenizer.prompt_ids`: media parts, a request's own template), then the lengths
 (`output_budget`: an empty prompt, the model's context, in vLLM's words).
 What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
-event loop for a small prompt, else on a thread pool, where `RouterTokenizer.encode` lets go
-of the GIL for a long text), and leaves as a `Call`. (Who may ask, and whether this Router
+event loop for a small prompt, else on a thread pool, where the tokenizer's backend lets go
+of the GIL), and leaves as a `Call`. (Who may ask, and whether this Router
 still takes requests, is the server's: `server`.)
 """
 
@@ -78,7 +78,11 @@ class Preparer:
     its threads, and the body reader and its worker process (`start` starts it)."""
 
     def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
-        self.tokenizer = RouterTokenizer(settings.tokenizer)
+        self.tokenizer = RouterTokenizer(
+            settings.tokenizer,
+            chat_template=settings.chat_template,
+            content_format=settings.chat_template_content_format,
+        )
         longest = self.tokenizer.max_token_bytes
         self.max_body_bytes = body_limit(settings.max_body_bytes, settings.max_model_len, longest)
         worker = BodyWorker(longest, settings.max_model_len) if settings.body_worker_bytes else None

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
+from services.common.chat_content_format import ContentFormatOption
+from services.common.chat_prompt import load_chat_template
 from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.openai_api import DEFAULT_MODEL
 from services.common.tls import ClientTls, ServerTls
@@ -37,6 +40,8 @@ class RouterSettings:
     api_keys: str | None = None  # path of the tenants file; None needs `no_auth`
     no_auth: bool = False
     tokenizer: str | None = None  # tokenizer directory or tokenizer.json; None: the demo one
+    chat_template: str | None = None  # the template's text, in place of the tokenizer's
+    chat_template_content_format: ContentFormatOption = "auto"
     block_size: int = 16
     block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
     model: str = DEFAULT_MODEL
@@ -90,6 +95,11 @@ class RouterSettings:
         for flag, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if self.chat_template_content_format not in get_args(ContentFormatOption):
+            raise ValueError(
+                "--chat-template-content-format must be auto, string or openai, got "
+                f"{self.chat_template_content_format!r}"
+            )
         if self.max_connections < 0:
             raise ValueError("--max-connections must be 0 (unlimited) or positive")
         if self.max_body_bytes < 0:
@@ -115,6 +125,13 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "api-keys", "", "tenants and hashed API keys (JSON; see services.router.api_keys)")
     _flag(p, "no-auth", False, "serve without API keys (one anonymous tenant, no salt)")
     _flag(p, "tokenizer", "", "tokenizer directory or tokenizer.json (default: the demo one)")
+    _flag(p, "chat-template", "", "chat template file or text, as vLLM's --chat-template")
+    _flag(
+        p,
+        "chat-template-content-format",
+        d.chat_template_content_format,
+        "auto, string or openai: message content as the template gets it (as vLLM's flag)",
+    )
     _flag(p, "block-size", d.block_size, "tokens per KV block (as the Conductor's)")
     block_hashes.add_flags(_flag, p)
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
@@ -144,6 +161,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     grpc_tls = GRPC_TLS.read(p, a)
     require_secure(p, a, (GRPC_TLS, grpc_tls), [(CONDUCTOR_TLS, tls)])
     try:
+        template = load_chat_template(a.chat_template) if a.chat_template else None
         return RouterSettings(
             router_id=a.id or process_id(),
             listen=a.listen,
@@ -154,6 +172,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             api_keys=a.api_keys or None,
             no_auth=a.no_auth,
             tokenizer=a.tokenizer or None,
+            chat_template=template,
+            chat_template_content_format=a.chat_template_content_format,
             block_size=a.block_size,
             block_hashes=block_hashes.from_args(a),
             model=a.model,

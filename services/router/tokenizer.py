@@ -1,5 +1,5 @@
 """The Router's tokenizer: how many tokens a prompt has at least, known before it is
-tokenized, and tokenizing a long prompt without holding the GIL.
+tokenized.
 
 A token stands for at most `max_token_bytes` UTF-8 bytes of the prompt (the longest piece of
 the vocabulary), so a prompt of `n` bytes has at least `ceil(n / max_token_bytes)` tokens.
@@ -18,11 +18,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from services.common.chat_content_format import ContentFormatOption
 from services.common.openai_api import CompletionRequest, PromptTokenizer
 
-# Texts at least this long are tokenized without the GIL: under it, `encode` holds the GIL
-# for about half a millisecond (demo tokenizer), a pause the event loop can take.
-GIL_FREE_CHARS = 1024
 # The most JSON bytes one byte of text can take: a control character escaped as \u0001.
 JSON_ESCAPE_BYTES = 6
 # Room in a body for what is not the prompt: sampling fields, stop strings, tools, a schema.
@@ -33,28 +31,21 @@ _MAX_CHAR_BYTES = 4
 
 class RouterTokenizer(PromptTokenizer):
     """The Router's tokenizer: a `PromptTokenizer` that also knows the fewest tokens a
-    request's prompt can have (`least_tokens`) without tokenizing it, and tokenizes a long
-    text without holding the GIL (`encode`)."""
+    request's prompt can have (`least_tokens`) without tokenizing it."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
-        super().__init__(path)
-        self.max_token_bytes = max_token_bytes(json.loads(self._tok.to_str()))
-        # Ids without the offsets `encode` also computes (tokenizers 0.21 on): a quarter less
-        # CPU for a short prompt, the same ids. None on an older tokenizers.
-        self._ids_only = getattr(self._tok, "encode_batch_fast", None)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """The same ids as `PromptTokenizer.encode`; a text of `GIL_FREE_CHARS` or more goes
-        through `encode_batch`, which releases the GIL while it works (`encode` holds it for
-        the whole call: 0.2 s for 384 KiB, during which the event loop stood still), so the
-        loop serves other requests while a pool thread tokenizes (`bench.router_large_prompt`).
-        A shorter one, tokenized on the event loop, skips the offsets nobody reads."""
-        if len(text) < GIL_FREE_CHARS:
-            if self._ids_only is None:
-                return super().encode(text, add_special_tokens)
-            return list(self._ids_only([text], add_special_tokens=add_special_tokens)[0].ids)
-        batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
-        return list(batch[0].ids)
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        chat_template: str | None = None,
+        content_format: ContentFormatOption = "auto",
+    ) -> None:
+        super().__init__(path, chat_template=chat_template, content_format=content_format)
+        backend = self.model.backend
+        # A Python tokenizer's rules are its own code: no bound is known.
+        self.max_token_bytes = (
+            None if backend is None else max_token_bytes(json.loads(backend.to_str()))
+        )
 
     def least_tokens(self, request: CompletionRequest) -> int:
         """`least_tokens` with this tokenizer's `max_token_bytes`."""

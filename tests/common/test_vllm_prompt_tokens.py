@@ -1,6 +1,7 @@
 """Prompt token ids equal to vLLM's: every request of tests/data/vllm/prompt_tokens.json (made
 by tools/make_vllm_prompt_vectors.py with vLLM's own front end) gives the ids vLLM fed its
-engine, or a 400 where vLLM refused it."""
+engine, or a 400 where vLLM refused it, for the demo tokenizer and its variants and for the
+other tokenizer families (Qwen2's ChatML, Mistral's [INST]: `tests/data/tokenizers/`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PromptToke
     for name, files in VECTORS["variants"].items():
         if files:
             out[name] = PromptTokenizer(write_tokenizer_variant(tmp / name, files))
+    for family, path in VECTORS["bases"].items():  # other tokenizer families, as they are
+        out[family] = PromptTokenizer(REPO / path)
     return out
 
 
@@ -34,6 +37,12 @@ def test_vectors_cover_the_cases_asked_for() -> None:
     assert sum("ids" in c["vllm"] for c in cases) >= 50
     # Where vLLM's preprocessing differs from transformers' plain call, vLLM is the reference.
     assert any(c["vllm"].get("transformers") == "differs" for c in cases)
+    # Every request shape again for each other tokenizer family, most of them with ids.
+    shapes = {c["name"] for c in cases if c["variant"] == "demo"}
+    for family in VECTORS["bases"]:
+        named = {c["name"].removeprefix(f"{family}: ") for c in cases if c["variant"] == family}
+        assert named == shapes
+        assert sum("ids" in c["vllm"] for c in cases if c["variant"] == family) >= 50
 
 
 @pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda case: case["name"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.__main__ import build_parser, cluster_options
 from services.launcher.plan import STAGES, ClusterOptions, plan_cluster
 from services.launcher.vllm import REPO
 
@@ -208,3 +209,17 @@ def test_insecure_runs_plaintext_without_credentials(tmp_path: Path) -> None:
         if child.stage in ("conductor", "messenger", "router"):
             assert "--insecure" in child.argv
     assert plan.stage("etcd")[0].endpoint["url"].startswith("http://")
+
+
+@pytest.mark.parametrize(
+    ("flags", "block_size"),
+    [
+        ([], 16),
+        (["--engine", "vllm", "--model", "m"], 32),  # what vLLM's CPU attention takes
+        (["--engine", "vllm", "--model", "m", "--block-size", "64"], 64),
+    ],
+)
+def test_a_block_size_the_engines_take_when_none_is_given(
+    flags: list[str], block_size: int
+) -> None:
+    assert cluster_options(build_parser().parse_args(flags)).block_size == block_size

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
 from services.conductor.app import Conductor
 from services.messenger.app import Messenger
@@ -116,3 +117,24 @@ async def test_a_batch_lost_for_good_costs_its_own_blocks_and_nothing_else(
     cached = expected_hashes(await engine.snapshot(http))
     held = indexed(conductor, IID)
     assert held is not None and held < cached and len(cached - held) == 2
+
+
+async def test_an_engine_whose_blocks_are_not_the_clusters_size_is_refused_in_one_line(
+    start_conductor: Start,
+    start_engine: Callable[..., EngineProcess],
+    start_messenger: Start,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    conductor: Conductor = await start_conductor()
+    engine = start_engine(IID)
+    await engine.ready(http)
+    target = [f"{engine.url},kind=vllm,id={IID}"]
+    messenger = await start_messenger([conductor.url], target, block_size=2 * BLOCK)
+    relay = relay_of(messenger, engine)
+    said = f"the engine's KV blocks hold {BLOCK} tokens, this cluster's {2 * BLOCK} (--block-size)"
+    await wait_for(lambda: said in caplog.text, 10.0, message="the refusal logged")
+    assert relay.totals["malformed_answers"] >= 1 and IID not in conductor.state.instances
+    await wait_for(lambda: relay.totals["malformed_answers"] >= 3, 10.0, message="probed again")
+    assert caplog.text.count(said) == 1  # said once, not at every probe
+    assert IID not in conductor.state.instances
