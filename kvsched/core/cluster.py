@@ -82,9 +82,16 @@ class ClusterState:
     load: LoadTracker
     sessions: SessionTable
     alive: npt.NDArray[np.bool_]  # per slot
+    # The served model of each slot's instance ("": not said, taken to serve any).
+    models: list[str] = field(default_factory=list)
     _role_masks: dict[frozenset[Role], npt.NDArray[np.bool_]] = field(
         default_factory=dict, repr=False
     )
+    _model_masks: dict[str, npt.NDArray[np.bool_]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            self.models = [""] * self.n
 
     @property
     def n(self) -> int:
@@ -94,22 +101,39 @@ class ClusterState:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def slots_with(self, *roles: Role) -> npt.NDArray[np.bool_]:
-        """Boolean mask of live slots whose role is one of `roles` (a fresh array)."""
+    def slots_with(self, *roles: Role, model: str = "") -> npt.NDArray[np.bool_]:
+        """Boolean mask of live slots whose role is one of `roles` and that serve `model`
+        ("": any; see `serving`), a fresh array."""
         key = frozenset(roles)
         mask = self._role_masks.get(key)
         if mask is None:
             mask = self._role_masks[key] = np.array([r in roles for r in self.roles], dtype=bool)
-        return np.logical_and(mask, self.alive)
+        out = np.logical_and(mask, self.alive)
+        serving = self.serving(model)
+        return out if serving is None else np.logical_and(out, serving)
 
-    def add_instance(self, slot: int, role: Role, node: int | None = None) -> None:
+    def serving(self, model: str) -> npt.NDArray[np.bool_] | None:
+        """Boolean mask of the slots whose instance serves `model` (or said no model); None
+        where that is every slot (no model asked for, or one model in the cluster), so that
+        callers change nothing then."""
+        if not model or all(m in ("", model) for m in self.models):
+            return None
+        mask = self._model_masks.get(model)
+        if mask is None:
+            mask = self._model_masks[model] = np.array([m in ("", model) for m in self.models])
+        return mask
+
+    def add_instance(self, slot: int, role: Role, node: int | None = None, model: str = "") -> None:
         """An instance joined (or came back) in `slot` with `role`, on `node` (None: where the
-        topology put the slot): it starts empty and idle."""
+        topology put the slot), serving `model` ("": not said): it starts empty and idle."""
         if node is not None and self.cost.topology.node_of[slot] != node:
             self.cost = replace(self.cost, topology=self.cost.topology.on_node(slot, node))
         if self.roles[slot] is not role:
             self.roles = (*self.roles[:slot], role, *self.roles[slot + 1 :])
             self._role_masks.clear()
+        if self.models[slot] != model:
+            self.models[slot] = model
+            self._model_masks.clear()
         self.index.clear_instance(slot)
         self.load.reset(slot, self.capacity_blocks)
         self.alive[slot] = True

@@ -39,6 +39,9 @@ class RequestInfo:
     # Policy seconds the request already waited before this placement (at the router):
     # SLO admission counts them against the TTFT objective.
     waited_s: float = 0.0
+    # The served model it asks for: only instances serving it are candidates, and only their
+    # KV counts (two models' blocks of the same tokens hash alike). "": any instance.
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)

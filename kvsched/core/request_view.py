@@ -44,13 +44,15 @@ class RequestView:
 
 def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
     """The request's hits on every instance; the candidates are the live instances that take
-    prompt work. A hit is the longer of what an instance holds in its own memory (GPU tier,
-    speculative placements included) and in its node's KV pool (CPU tier); the blocks the
-    pool adds beyond the GPU hit are the pool-only ones, which the engine loads over the host
-    link before its prefill uses them (`cost.pool_load` prices that; policies that count only
-    hits read `hit_blocks` and `hit_tokens` alone). Changes nothing."""
+    prompt work and serve the request's model (another model's instances hold no hit). A hit
+    is the longer of what an instance holds in its own memory (GPU tier, speculative
+    placements included) and in its node's KV pool (CPU tier); the blocks the pool adds
+    beyond the GPU hit are the pool-only ones, which the engine loads over the host link
+    before its prefill uses them (`cost.pool_load` prices that; policies that count only hits
+    read `hit_blocks` and `hit_tokens` alone). Changes nothing."""
     bs = cluster.block_size
-    eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
+    serving = cluster.serving(req.model)
+    eligible = cluster.slots_with(Role.BOTH, Role.PREFILL, model=req.model)
     cap = max(req.prompt_tokens - 1, 0)
     max_blocks = cap // bs
     index = cluster.index
@@ -61,6 +63,10 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
         blocks, tokens, pool = kernels.hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
     else:
         blocks, tokens, pool = hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
+    if serving is not None:
+        # What another model's instances hold is no hit: a policy must not copy KV from them.
+        blocks, tokens = np.where(serving, blocks, 0.0), np.where(serving, tokens, 0.0)
+        pool = None if pool is None else np.where(serving, pool, 0.0)
     # No pool-only tokens (every trace without a node pool): None, which keeps those
     # decisions' floats exactly what they were before the tier was priced.
     return RequestView(req, eligible, blocks, tokens, max_blocks, pool)
@@ -80,6 +86,9 @@ def tier_terms(cluster: ClusterState, view: RequestView) -> dict[str, FloatVec]:
     for slot, blocks in pooled.items():
         pool_hits[slot] = blocks * cluster.block_size
     pool_hits = np.minimum(pool_hits, max(view.req.prompt_tokens - 1, 0))
+    serving = cluster.serving(view.req.model)
+    if serving is not None:
+        pool_hits = np.where(serving, pool_hits, 0.0)
     return {
         "hit_tokens": hits,
         "gpu_hit_tokens": hits - pool,

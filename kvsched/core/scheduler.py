@@ -127,10 +127,11 @@ class Scheduler:
 
     # ---- instances ---------------------------------------------------------------------
 
-    def add_instance(self, slot: int, role: Role, node: int | None = None) -> None:
-        """An instance joined (or came back) in `slot`: it starts empty and idle."""
+    def add_instance(self, slot: int, role: Role, node: int | None = None, model: str = "") -> None:
+        """An instance joined (or came back) in `slot`, serving `model` ("": any): it starts
+        empty and idle."""
         self._forget_slot(slot)
-        self.cluster.add_instance(slot, role, node)
+        self.cluster.add_instance(slot, role, node, model)
 
     def remove_instance(self, slot: int) -> int:
         """An instance left: its blocks and load are dropped, its sessions rebind on their

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,16 +81,19 @@ class CompletionRequest:
 
     kind: Kind
     model: str | None
-    prompt_text: str | None  # the completion prompt given as text
+    prompt_text: str | None  # the completion prompt given as text (a batch's first)
     prompt_ids: tuple[int, ...] | None  # the completion prompt given as token ids
+    # A batch's other prompts (vLLM serves each, in one answer), as text or token ids.
+    more_prompts: tuple[str | tuple[int, ...], ...]
     chat: ChatRequest | None  # a chat request's prompt, rendered by `PromptTokenizer`
     # Whether the tokenizer adds its special tokens (BOS): vLLM's default is yes for a
     # completion, no for a chat (its template writes BOS).
     add_special_tokens: bool
     max_tokens: int
+    n: int  # choices per prompt
     stream: bool
     include_usage: bool
-    session_id: str | None  # `user`, or `metadata.session_id` (a header may override it)
+    session_id: str | None  # the body's (`_session_of`); a session header overrides it
     cache_salt: str | None
 
 
@@ -104,19 +107,20 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
         raise bad_request("'model' must be a string", "model")
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    more: tuple[str | tuple[int, ...], ...] = ()
     chat: ChatRequest | None = None
     if kind == "chat":
         chat = parse_chat(body)
     else:
-        text, ids = _prompt(body)
+        first, *rest = _prompts(body)
+        text, ids = (first, None) if isinstance(first, str) else (None, first)
+        more = tuple(rest)
     if body.get("truncate_prompt_tokens") is not None:
         # vLLM would cut the prompt to that many tokens; hashing the cut prompt is not done.
         raise bad_request("'truncate_prompt_tokens' is not supported", "truncate_prompt_tokens")
     add_special_tokens = body.get("add_special_tokens", kind == "completion")
     if not isinstance(add_special_tokens, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
-    if body.get("n") not in (1, None):  # an integer of at least 1 (`check_fields`)
-        raise bad_request("only n=1 is supported", "n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[kind]
@@ -130,9 +134,11 @@ def parse_request(kind: Kind, body: Mapping[str, Any]) -> CompletionRequest:
         model=model,
         prompt_text=text,
         prompt_ids=ids,
+        more_prompts=more,
         chat=chat,
         add_special_tokens=add_special_tokens,
         max_tokens=max_tokens,
+        n=body.get("n") or 1,  # an integer of at least 1 (`check_fields`)
         stream=stream,
         include_usage=include_usage,
         session_id=_session_of(body),
@@ -206,9 +212,17 @@ class PromptTokenizer:
         parts, a template that refuses them)."""
         return self._chat.render(chat)
 
+    def batch_ids(self, request: CompletionRequest) -> list[list[int]]:
+        """Each prompt's token ids, a batch's first first (`prompt_ids`); raises as it does."""
+        out = [self.prompt_ids(request)]
+        for prompt in request.more_prompts:
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            out.append(self.prompt_ids(replace(request, prompt_text=text, prompt_ids=ids)))
+        return out
+
     def prompt_ids(self, request: CompletionRequest) -> list[int]:
-        """The prompt's token ids; raises `ApiError` 400 (ids outside the vocabulary, and
-        see `render_chat`)."""
+        """The (first) prompt's token ids; raises `ApiError` 400 (ids outside the
+        vocabulary, and see `render_chat`)."""
         ids = request.prompt_ids
         if request.chat is not None:
             if request.chat.forwarded_ids is None:
@@ -233,37 +247,48 @@ _COMPLETION_REFUSALS = {
 }
 
 
-def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+def _prompts(body: Mapping[str, Any]) -> list[str | tuple[int, ...]]:
+    """The completion's prompts: one, or a batch (a list of texts or of token-id lists)."""
     for key, refusal in _COMPLETION_REFUSALS.items():
         if body.get(key) is not None:
             raise bad_request(refusal, key)
-    text, ids = _prompt_of(body.get("prompt"))
-    if text == "":
+    prompt = body.get("prompt")
+    batch = prompt if isinstance(prompt, list) and prompt and _is_batch(prompt) else [prompt]
+    prompts = [_prompt_of(p) for p in batch]
+    if any(p == "" for p in prompts):
         raise bad_request(
             "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
         )
-    return text, ids
+    return prompts
 
 
-def _prompt_of(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
+def _is_batch(prompt: list[Any]) -> bool:
+    """Whether a list prompt is a batch of prompts rather than one prompt's token ids."""
+    return all(isinstance(p, str | list) for p in prompt)
+
+
+def _prompt_of(prompt: object) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return _prompt_of(prompt[0])  # a batch of one
+        return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return None, tuple(prompt)
+        return tuple(prompt)
     raise bad_request(
-        "'prompt' must be a string or a non-empty list of token ids (batches are not supported)",
+        "'prompt' must be a string, a non-empty list of token ids, or a list of those",
         "prompt",
     )
 
 
 def _session_of(body: Mapping[str, Any]) -> str | None:
+    """The session a body names: `metadata.session_id`, else OpenAI's `prompt_cache_key`
+    (the key its prompt cache routes by; agent CLIs set it to their session), else `user`."""
     metadata = body.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str):
         return str(metadata["session_id"]) or None
-    user = body.get("user")
-    return user if isinstance(user, str) and user else None
+    for key in ("prompt_cache_key", "user"):
+        value = body.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def _optional_str(body: Mapping[str, Any], key: str) -> str | None:

@@ -272,6 +272,7 @@ def _request_info(
     session_id: str,
     *,
     waited_s: float = 0.0,
+    model: str = "",
 ) -> RequestInfo:
     if not request_id:
         raise RequestError("invalid", "request_id is required (it is the idempotency key)")
@@ -282,6 +283,7 @@ def _request_info(
         tuple(hashes),
         session_id or None,
         waited_s,
+        model,
     )
 
 
@@ -304,6 +306,7 @@ def request_info(
         block_hashes(request.block_hashes, request.packed_block_hashes, max_blocks),
         request.session_id,
         waited_s=waited_s / time_scale,
+        model=request.model,
     )
 
 
@@ -322,7 +325,9 @@ def explain_request(
     prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
     if not hashes:
         raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")
-    return _request_info("explain", prompt, request.output_tokens, hashes, request.session_id)
+    return _request_info(
+        "explain", prompt, request.output_tokens, hashes, request.session_id, model=request.model
+    )
 
 
 def completion(state: ConductorState, request: pb.FinishRequest, now: float) -> Completion:

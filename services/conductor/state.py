@@ -115,7 +115,7 @@ class ConductorState:
             self.remove_instance(holder)
         # Nodes are numbered as they first appear; racks group consecutive numbers.
         node = self._nodes.setdefault(record.spec.node, len(self._nodes))
-        self.scheduler.add_instance(record.slot, record.spec.role, node)
+        self.scheduler.add_instance(record.slot, record.spec.role, node, record.spec.model)
         inst = self.instances[record.spec.instance_id] = Instance(record, next_sequence)
         self.by_slot[record.slot] = record.spec.instance_id
         return inst

@@ -31,6 +31,7 @@ from services.common.openai_api import (
     CompletionRequest,
     Kind,
     PromptTokenizer,
+    bad_request,
     parse_request,
     read_json,
     unavailable,
@@ -76,6 +77,7 @@ class EngineApp:
                 web.post("/v1/chat/completions", self.chat),
                 web.get("/v1/models", self.models),
                 web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
                 web.get("/health", self.health),
                 web.get("/metrics", self.prometheus),
                 web.get("/load", self.server_load),
@@ -116,6 +118,11 @@ class EngineApp:
             if self.draining:
                 raise unavailable("the engine is shutting down")
             req = parse_request(kind, await read_json(request))
+            if req.n != 1 or req.more_prompts:
+                raise bad_request(
+                    "the simulated engine serves n=1 and one prompt a request",
+                    "n" if req.n != 1 else "prompt",
+                )
             self._check_model(req.model)
             ids = await self._prompt_ids(req)
             output = self.live.model.output_tokens(len(ids), req.max_tokens)
@@ -203,6 +210,17 @@ class EngineApp:
         return web.json_response(
             {"count": len(ids), "max_model_len": self.live.model.max_model_len, "tokens": ids}
         )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/detokenize`: the text of `tokens`."""
+        body = await read_json(request)
+        model = body.get("model")
+        self._check_model(model if isinstance(model, str) else None)
+        tokens = body.get("tokens")
+        vocab = self.tokenizer.vocab_size
+        if not (isinstance(tokens, list) and all(_is_token(t, vocab) for t in tokens)):
+            raise bad_request(f"'tokens' must be a list of token ids below {vocab}", "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining or self.live.failed:
@@ -386,3 +404,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         log.exception("request failed: %s %s", request.method, request.path)
         return ApiError(500, "internal error", type_="internal_error").response()
+
+
+def _is_token(value: object, vocab: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab

@@ -78,10 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.engine,
         help="simulated engines, or stock vLLM servers (needs --model and scripts/setup --vllm)",
     )
-    p.add_argument("--model", type=Path, help="model directory: vLLM serves it, Routers use "
-                   "its tokenizer and chat template (e.g. out/models/tiny-llama)")  # fmt: skip
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the "
-                   "model directory's name, or the simulated engines' model)")  # fmt: skip
+    p.add_argument("--model", type=Path, action="append", default=[],
+                   help="model directory: vLLM serves it, Routers use its tokenizer and chat "
+                   "template (e.g. out/models/tiny-llama); again for more models, "
+                   "--engines-per-node engines of each on every node")  # fmt: skip
+    p.add_argument("--served-model-name", help="the first model's name in the API (default: "
+                   "its directory's name, or the simulated engines' model); the others are "
+                   "named by their directories")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument("--vllm-python", type=Path, default=d.vllm_python, help="vLLM's Python")
     p.add_argument("--tool-call-parser", default=d.tool_call_parser,
@@ -123,8 +126,9 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         model_config=args.model_config,
         transfer_backend=args.transfer_backend,
         engine=args.engine,
-        model_dir=args.model,
-        model=args.served_model_name or (args.model.name if args.model else DEFAULT_MODEL),
+        model_dir=args.model[0] if args.model else None,
+        model=args.served_model_name or (args.model[0].name if args.model else DEFAULT_MODEL),
+        more_models=tuple((path.name, path) for path in args.model[1:]),
         vllm_python=args.vllm_python,
         max_model_len=args.max_model_len,
         tool_call_parser=args.tool_call_parser,

@@ -56,6 +56,9 @@ class ClusterOptions:
     transfer_backend: str = "tcp"
     engine: str = "sim"  # sim: our simulated engines; vllm: stock vLLM servers
     model_dir: Path | None = None  # the model vLLM serves (its tokenizer is the Routers')
+    # More served models (name, directory): `engines_per_node` engines of each on every node,
+    # like the first; the Routers pick the tokenizer by a request's model.
+    more_models: tuple[tuple[str, Path], ...] = ()
     vllm_python: Path = DEFAULT_VLLM_PYTHON  # the Python of vLLM's own environment
     max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
     tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
@@ -83,6 +86,9 @@ class ClusterOptions:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
         if self.engine == "vllm" and self.model_dir is None:
             raise ValueError("--engine vllm needs --model DIR (e.g. tools/make_tiny_model.py's)")
+        names = [name for name, _ in self.served_models()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two --model directories serve the same name: {names}")
         if self.engine == "vllm" and self.block_size % 32:
             raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32")
         if self.kv_pool_bytes < 0:
@@ -92,6 +98,11 @@ class ClusterOptions:
                 f"policy {self.policy} hands KV from prefill to decode engines: engines move "
                 "KV only through their nodes' KV pools (--kv-pool-bytes)"
             )
+
+    def served_models(self) -> list[tuple[str, Path | None]]:
+        """Every served model's name and directory, the first one's first (its directory
+        None: the simulated engines' demo tokenizer)."""
+        return [(self.model, self.model_dir), *self.more_models]
 
 
 @dataclass(frozen=True)
@@ -120,9 +131,11 @@ class ClusterPlan:
         return [c for c in self.children if c.stage == stage]
 
     def endpoints(self, pids: dict[str, int]) -> dict[str, Any]:
-        """The endpoints file: `{"model", "etcd", "conductors", "routers", "messengers",
-        "engines"}`, each process with its pid, plus what a load generator needs to know."""
+        """The endpoints file: `{"model", "models", "etcd", "conductors", "routers",
+        "messengers", "engines"}` (the first served model and all of them), each process with
+        its pid, plus what a load generator needs to know."""
         out: dict[str, Any] = {"model": self.options.model}
+        out["models"] = [name for name, _ in self.options.served_models()]
         groups = {"conductor": "conductors", "router": "routers", "messenger": "messengers"}
         groups["engine"] = "engines"
         for child in self.children:
@@ -209,25 +222,29 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         )
     conductors = ",".join(conductor_urls)
 
-    roles = engine_roles(opts.policy, opts.nodes * opts.engines_per_node)
+    per_model = opts.nodes * opts.engines_per_node
+    roles = engine_roles(opts.policy, per_model)  # each model's engines take them alike
+    models = opts.served_models()
     pooled = opts.kv_pool_bytes > 0
     for n in range(opts.nodes):
         node = f"node-{n}"
         socket = pool_socket(run_dir, node) if pooled else ""
         engines = []  # the Messenger's --engine values
-        for e in range(opts.engines_per_node):
-            index = n * opts.engines_per_node + e
-            child, engine = _engine(
-                opts,
-                free_port,
-                node=node,
-                iid=f"{node}-e{e}",
-                role=roles[index],
-                index=index,
-                pool_socket=socket,
-            )
-            children.append(child)
-            engines.append(engine)
+        for m, (name, model_dir) in enumerate(models):
+            for e in range(opts.engines_per_node):
+                index = n * opts.engines_per_node + e  # within the model's engines
+                child, engine = _engine(
+                    opts,
+                    free_port,
+                    node=node,
+                    iid=f"{node}-e{m * opts.engines_per_node + e}",
+                    model=(name, model_dir),
+                    role=roles[index],
+                    core=(m * per_model + index, len(models) * per_model),
+                    pool_socket=socket,
+                )
+                children.append(child)
+                engines.append(engine)
         port, http_port = free_port(), free_port()
         url = f"127.0.0.1:{port}"
         argv = [*py, "services.messenger", "--listen", url, "--node", node]
@@ -256,6 +273,9 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += server_tls("grpc-tls-", me) + client_tls("conductor-", me)
         if opts.model_dir is not None:  # the served model's own tokenizer and chat template
             argv += ["--tokenizer", str(opts.model_dir)]
+        if opts.more_models:
+            more = ",".join(f"{name}={path}" for name, path in opts.more_models)
+            argv += ["--model-tokenizer", more]
         if opts.chat_template is not None:
             argv += ["--chat-template", str(opts.chat_template)]
         if opts.max_model_len:
@@ -286,22 +306,25 @@ def _engine(
     *,
     node: str,
     iid: str,
+    model: tuple[str, Path | None],
     role: str,
-    index: int,
+    core: tuple[int, int],
     pool_socket: str,
 ) -> tuple[Child, str]:
-    """Engine `iid`, the `index`th (a simulated one, or a vLLM server: minutes to start on a
-    CPU), and its Messenger's `--engine` value."""
+    """Engine `iid` serving `model` (its name and directory), the `core[0]`th of `core[1]`
+    on this machine (a simulated one, or a vLLM server: minutes to start on a CPU), and its
+    Messenger's `--engine` value."""
+    name_served, model_dir = model
     port, kv_port, replay_port = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    entry = {"id": iid, "url": url, "node": node}
+    entry = {"id": iid, "url": url, "node": node, "model": name_served}
     name, ready = f"engine-{iid}", f"{url}/health"
     if opts.engine == "vllm":
-        assert opts.model_dir is not None  # checked by ClusterOptions
+        assert model_dir is not None  # checked by ClusterOptions
         server = VllmServer(
             python=opts.vllm_python,
-            model_dir=opts.model_dir,
-            served_name=opts.model,
+            model_dir=model_dir,
+            served_name=name_served,
             port=port,
             kv_port=kv_port,
             replay_port=replay_port,
@@ -309,7 +332,7 @@ def _engine(
             hash_algo=opts.block_hashes.algo,
             hash_seed=opts.block_hashes.seed,
             max_model_len=opts.max_model_len,
-            cpu_cores=core_share(index, opts.nodes * opts.engines_per_node),
+            cpu_cores=core_share(*core),
             tool_call_parser=opts.tool_call_parser,
             dtype=opts.dtype,
             chat_template="" if opts.chat_template is None else str(opts.chat_template),
@@ -322,13 +345,13 @@ def _engine(
     sim += ["--instance-id", iid, "--kv-events", f"tcp://127.0.0.1:{kv_port}"]
     sim += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
     sim += ["--block-size", str(opts.block_size), "--time-scale", repr(opts.time_scale)]
-    sim += ["--model", opts.model, "--model-config", opts.model_config, "--role", role]
+    sim += ["--model", name_served, "--model-config", opts.model_config, "--role", role]
     sim += ["--seed", str(opts.seed), *hash_flags(opts.block_hashes)]
     if pool_socket:
         sim += ["--kv-pool-socket", pool_socket]
     sim += opts.engine_flags
-    if opts.model_dir is not None:
-        sim += ["--tokenizer", str(opts.model_dir)]
+    if model_dir is not None:
+        sim += ["--tokenizer", str(model_dir)]
     if opts.chat_template is not None:
         sim += ["--chat-template", str(opts.chat_template)]
     return Child(name, "engine", tuple(sim), ready, entry), f"{url},kind=sim"

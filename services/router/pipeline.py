@@ -75,7 +75,7 @@ class Pipeline:
         client's response as it goes. Raises `ApiError` for what the client gets as one."""
         call = await self._preparer.prepare(request, kind, tenant, arrived, reply)
         placement = await self.place(call.query, call.arrived)
-        headers = engine_headers(call.query)
+        headers = engine_headers(call.query, call.client_request_id)
         forward = await self.settle(request.path, call, placement, headers)
         return await self.relay(request, call, forward, headers)
 
@@ -183,12 +183,14 @@ class Pipeline:
             self._placer.finish(report)
 
 
-def engine_headers(query: PlacementQuery) -> dict[str, str]:
-    """The headers an engine gets with the client's body (the trace context comes later)."""
+def engine_headers(query: PlacementQuery, client_request_id: str | None = None) -> dict[str, str]:
+    """The headers an engine gets with the client's body (the trace context comes later):
+    the request id is the client's own where it sent one (vLLM names the request by it),
+    else ours."""
     headers = {
         "Content-Type": "application/json",
         "Accept-Encoding": "identity",
-        "x-request-id": query.request_id,
+        "x-request-id": client_request_id or query.request_id,
     }
     if query.session_id:
         headers["x-session-id"] = query.session_id

@@ -20,7 +20,8 @@ requests wait for an answer at once; more are shed without asking.
 
 Fallback. The Router keeps the last instance list (`ListInstances` every `refresh_s` seconds)
 and decides locally only when the Conductor is unreachable: the refresh or a placement got
-UNAVAILABLE (connection refused, no leader), not merely no answer in time. A session goes to
+UNAVAILABLE (connection refused, no leader), not merely no answer in time. Its candidates
+are the instances that serve the request's model. A session goes to
 the instance the Conductor last placed it on, as this Router saw it (`session_hosts.py`:
 during a leader change the session's turns keep finding their KV), else to its
 rendezvous-hash instance (highest `xxh3_64(instance_id ‖ session)`; every Router computes
@@ -74,6 +75,7 @@ class KnownInstance:
 
     instance_id: str
     url: str
+    model: str = ""  # the model it serves ("": not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,7 @@ class PlacementQuery:
     output_tokens: int
     packed_hashes: bytes  # the prompt's block hashes, packed (`clients.python.pack_hashes`)
     session_id: str  # tenant-scoped ("tenant/session"); empty for none
+    model: str = ""  # the served model asked for ("": any instance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +223,7 @@ class Placer:
                 self._set_up(False)
             return  # slow, not gone: placements keep going to it (and are shed when late)
         self._instances = tuple(
-            KnownInstance(s.spec.instance_id, s.spec.url.rstrip("/"))
+            KnownInstance(s.spec.instance_id, s.spec.url.rstrip("/"), s.spec.model)
             for s in statuses
             # The fallback sends whole requests: decode-only instances cannot take them.
             if s.spec.role != common.ROLE_DECODE and s.spec.url
@@ -286,6 +289,7 @@ class Placer:
             output_tokens=query.output_tokens,
             packed_block_hashes=query.packed_hashes,
             session_id=query.session_id,
+            model=query.model,
         )
         if arrived is not None:
             message.queued.FromNanoseconds(max(0, round((time.perf_counter() - arrived) * 1e9)))
@@ -347,7 +351,9 @@ class Placer:
         candidates = [
             i
             for i in self._instances
-            if i.instance_id not in self._suspects and i.instance_id not in exclude
+            if i.instance_id not in self._suspects
+            and i.instance_id not in exclude
+            and (not query.model or i.model in ("", query.model))
         ]
         if not candidates:
             raise unavailable("No inference instance is available; try again shortly.")
@@ -375,6 +381,22 @@ class Placer:
             expected_cached_tokens=0,
             fallback=reason,
         )
+
+    def any_instance(self, model: str, exclude: Collection[str] = ()) -> KnownInstance:
+        """An instance serving `model` for a request no prefix places (`passthrough`): the
+        one with the fewest requests in flight from this Router, suspects and `exclude`
+        skipped; raises `ApiError` 503 when none is up."""
+        now = self._clock()
+        candidates = [
+            i
+            for i in self._instances
+            if self._suspects.get(i.instance_id, 0.0) <= now
+            and i.instance_id not in exclude
+            and i.model in ("", model)
+        ]
+        if not candidates:
+            raise unavailable("No inference instance is available; try again shortly.")
+        return self._least_in_flight(candidates)
 
     def _least_in_flight(self, candidates: Sequence[KnownInstance]) -> KnownInstance:
         # Start the scan at a rotating position so ties (an idle cluster) spread round-robin.

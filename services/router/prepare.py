@@ -30,6 +30,7 @@ from opentelemetry.trace import Tracer
 
 from clients.python.packed_hashes import hash_count, pack_hashes
 from services.common.openai_api import (
+    ApiError,
     CompletionRequest,
     Kind,
     bad_request,
@@ -50,6 +51,14 @@ _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no spac
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
 # loop: at most ~80 µs of work (demo tokenizer), less than a pool thread's round trip costs.
 INLINE_PROMPT_CHARS: Final = 256
+MAX_REQUEST_ID_CHARS: Final = 128
+# Headers that name a request's session, first found first: ours, then what agent CLIs send
+# on every call of a session (Claude Code's; Codex's `session_id` and `conversation_id`,
+# which OpenCode's session-cache plugin sends too). Over any session the body names.
+SESSION_HEADERS: Final = (
+    "x-session-id", "x-claude-code-session-id", "session_id", "x-codex-session-id",
+    "conversation_id",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +80,9 @@ class Call:
     body: bytes  # what the engine gets
     arrived: float  # perf_counter() when the request came in
     reply: dict[str, str]  # our headers for the client's response (filled as we go)
+    # The client's own X-Request-Id (`client_request_id`): the engine's request id, and the
+    # client's again in our answer. None: the engine gets ours.
+    client_request_id: str | None = None
 
 
 class Preparer:
@@ -78,12 +90,20 @@ class Preparer:
     its threads, and the body reader and its worker process (`start` starts it)."""
 
     def __init__(self, settings: RouterSettings, tracer: Tracer) -> None:
-        self.tokenizer = RouterTokenizer(
-            settings.tokenizer,
-            chat_template=settings.chat_template,
-            content_format=settings.chat_template_content_format,
-        )
-        longest = self.tokenizer.max_token_bytes
+        def tokenizer(path: str | None) -> RouterTokenizer:
+            return RouterTokenizer(
+                path,
+                chat_template=settings.chat_template,
+                content_format=settings.chat_template_content_format,
+            )
+
+        self.default_model = settings.model
+        self.tokenizer = tokenizer(settings.tokenizer)  # the default model's
+        self.tokenizers = {settings.model: self.tokenizer}
+        self.tokenizers |= {name: tokenizer(path) for name, path in settings.model_tokenizers}
+        # What refuses a body by its bytes alone must hold for every model's tokenizer.
+        bounds = [t.max_token_bytes for t in self.tokenizers.values()]
+        longest = None if None in bounds else max(b for b in bounds if b is not None)
         self.max_body_bytes = body_limit(settings.max_body_bytes, settings.max_model_len, longest)
         worker = BodyWorker(longest, settings.max_model_len) if settings.body_worker_bytes else None
         self.bodies = BodyReader(self.max_body_bytes, worker, settings.body_worker_bytes)
@@ -95,6 +115,17 @@ class Preparer:
         self._pool = ThreadPoolExecutor(
             settings.tokenizer_threads, thread_name_prefix="kvsched-tok"
         )
+
+    def served_model(self, model: str | None) -> str:
+        """The served name a request's `model` stands for (the default one where it names
+        none, an alias's model); raises the 404 vLLM answers for a model it does not serve."""
+        if not model:
+            return self.default_model
+        served = self.aliases.get(model, model)
+        if served not in self.tokenizers:
+            raise ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError",
+                           param="model")  # fmt: skip
+        return served
 
     async def start(self) -> None:
         """Start the body worker process, if there is one (one that cannot start is tried
@@ -125,52 +156,67 @@ class Preparer:
         read = await self.bodies.read(request, kind)
         raw, body = read.raw, read.fields
         req = parse_request(kind, body)
-        session = request.headers.get("x-session-id") or req.session_id
+        model = self.served_model(req.model)
+        tokenizer = self.tokenizers[model]
+        header, named = session_header(request)
+        session = named or req.session_id
         if session:
-            check_session_id(session, self.max_session_id_bytes, _session_param(request, body))
+            param = header or _session_param(body)
+            check_session_id(session, self.max_session_id_bytes, param)
         scoped = session_key(tenant.name, session) if session else ""
         if not read.checked:  # (the body worker did it)
-            self._refuse_beyond_context(req)
+            self._refuse_beyond_context(req, tokenizer)
         salt = tenant.cache_salt(req.cache_salt)
         with child_span(self._tracer, "tokenize") as span:
             if _small(req):
-                tokenized = self._tokenize(req, raw, body, salt)
+                tokenized = self._tokenize(req, model, raw, body, salt)
             else:
                 tokenized = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._tokenize, req, raw, body, salt
+                    self._pool, self._tokenize, req, model, raw, body, salt
                 )
             if span.is_recording():
                 span.set_attribute("kvsched.prompt_tokens", tokenized.prompt_tokens)
                 span.set_attribute("kvsched.blocks", hash_count(tokenized.packed_hashes))
-        rid = uuid.uuid4().hex
+        rid = uuid.uuid4().hex  # the Conductor's idempotency key: never a client's choice
         reply["x-kvsched-request-id"] = rid
+        client_rid = client_request_id(request)
+        if client_rid is not None:
+            reply["x-request-id"] = client_rid
         query = PlacementQuery(
-            rid, tokenized.prompt_tokens, tokenized.output_tokens, tokenized.packed_hashes, scoped
+            rid,
+            tokenized.prompt_tokens,
+            tokenized.output_tokens,
+            tokenized.packed_hashes,
+            scoped,
+            model,
         )
-        return Call(req, query, tokenized.body, arrived, reply)
+        return Call(req, query, tokenized.body, arrived, reply, client_rid)
 
-    def _refuse_beyond_context(self, req: CompletionRequest) -> None:
+    def _refuse_beyond_context(self, req: CompletionRequest, tokenizer: RouterTokenizer) -> None:
         """Raise the 400 vLLM gives for a prompt over the context when the fewest tokens the
         prompt can have (`RouterTokenizer.least_tokens`) are already too many: such a
         prompt is refused without being tokenized (seconds of work for megabytes of text)."""
-        least = self.tokenizer.least_tokens(req)
+        least = tokenizer.least_tokens(req)
         if least >= self.max_model_len:
             check_length(least, req.max_tokens, self.max_model_len, at_least=True)
 
     def _tokenize(
-        self, req: CompletionRequest, raw: bytes, body: dict[str, Any], salt: str
+        self, req: CompletionRequest, model: str, raw: bytes, body: dict[str, Any], salt: str
     ) -> Tokenized:
-        """Tokenize, check the lengths, hash, and build the engine's body (thread-safe)."""
-        served = self.aliases.get(req.model or "")
-        if served is not None:  # the engines know the model by its served name only
-            body = {**body, "model": served}
+        """Tokenize with `model`'s tokenizer, check the lengths, hash, and build the engine's
+        body (thread-safe)."""
+        if req.model is not None and req.model != model:  # the engines know the served name
+            body = {**body, "model": model}
             raw = json.dumps(body).encode()
-        ids = self.tokenizer.prompt_ids(req)
-        output = output_budget(req, len(ids), self.max_model_len)
+        batch = self.tokenizers[model].batch_ids(req)
+        # Each prompt of a batch is checked as vLLM checks it; the engine computes them all
+        # (and `n` choices of each) where the first one is placed.
+        output = sum(output_budget(req, len(ids), self.max_model_len) for ids in batch) * req.n
         # Packed once here (off the event loop for a long prompt): the placement and the
         # completion report both carry these bytes as they are.
-        hashes = pack_hashes(self.hasher.hash_prompt(ids, salt or None))
-        return Tokenized(len(ids), output, hashes, with_cache_salt(raw, body, salt))
+        hashes = pack_hashes(self.hasher.hash_prompt(batch[0], salt or None))
+        prompt_tokens = sum(map(len, batch))
+        return Tokenized(prompt_tokens, output, hashes, with_cache_salt(raw, body, salt))
 
 
 def output_budget(req: CompletionRequest, prompt_tokens: int, max_model_len: int) -> int:
@@ -190,6 +236,16 @@ def _small(req: CompletionRequest) -> bool:
     return req.prompt_ids is not None and len(req.prompt_ids) <= INLINE_PROMPT_CHARS
 
 
+def client_request_id(request: web.Request) -> str | None:
+    """The client's own `X-Request-Id`, where it is one a header may carry on (printable
+    ASCII, at most `MAX_REQUEST_ID_CHARS`): the engine gets it as its request id, and the
+    client gets it back."""
+    rid = request.headers.get("x-request-id", "")
+    if 0 < len(rid) <= MAX_REQUEST_ID_CHARS and rid.isascii() and rid.isprintable():
+        return rid
+    return None
+
+
 def check_session_id(session: str, max_bytes: int, param: str) -> None:
     """Raise a 400 for a session id over `max_bytes` UTF-8 bytes (before it is placed, so
     nothing is bound to it). Any character may be in one: `session_key` makes it a valid
@@ -202,14 +258,22 @@ def check_session_id(session: str, max_bytes: int, param: str) -> None:
         )
 
 
-def _session_param(request: web.Request, body: dict[str, Any]) -> str:
-    """Where the request's session id came from, as the error's `param` names it."""
-    if request.headers.get("x-session-id"):
-        return "x-session-id"
+def session_header(request: web.Request) -> tuple[str, str]:
+    """The first of `SESSION_HEADERS` the request carries, and its value; ("", "") for
+    none."""
+    for name in SESSION_HEADERS:
+        value = request.headers.get(name)
+        if value:
+            return name, value
+    return "", ""
+
+
+def _session_param(body: dict[str, Any]) -> str:
+    """Where in the body the request's session id came from, as the error's `param`."""
     metadata = body.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str):
         return "metadata.session_id"
-    return "user"
+    return "prompt_cache_key" if body.get("prompt_cache_key") else "user"
 
 
 def session_key(tenant: str, session: str) -> str:

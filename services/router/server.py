@@ -9,10 +9,11 @@ one mature client and server library the project already uses (the Conductor's a
 so the upstream client pool and the server share an event loop and a dependency.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), `GET
-/v1/models`, `GET /health` (503 while draining), `GET /metrics` (Prometheus). A completion:
-refused while draining → authenticate (tenant) → counted as open until it ends → the
-pipeline: prepare (read, check, tokenize, hash) → place → settle (the KV it waits for) →
-relay to the engine → report to the Conductor in the background. Every response carries
+/v1/models` and `/v1/models/{id}` (every served model), `GET /health` (503 while draining),
+`GET /metrics` (Prometheus). A completion: refused while draining → authenticate (tenant) →
+counted as open until it ends → the pipeline: prepare (read, check, tokenize, hash) → place
+→ settle (the KV it waits for) → relay to the engine → report to the Conductor in the
+background. Every response carries
 `x-kvsched-request-id`, and once placed `x-kvsched-instance` plus `x-kvsched-policy` (the
 Conductor decided) or `x-kvsched-fallback: 1` (the local fallback did).
 
@@ -29,6 +30,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final, cast
 
@@ -53,7 +55,7 @@ from services.common.grpc_server import (
 )
 from services.common.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
 from services.common.http_site import start_site
-from services.common.openai_api import ApiError, Kind, unavailable
+from services.common.openai_api import ApiError, unavailable
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
@@ -62,14 +64,16 @@ from services.common.telemetry import (
     shutdown_tracing,
 )
 from services.common.tls import channel_credentials
-from services.router.auth import Authenticator
+from services.router.auth import Authenticator, Tenant
 from services.router.grpc_service import SERVICE_NAME, RouterServicer
 from services.router.kv_moves import KvMoves
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, shed
+from services.router.passthrough import ROUTES as PASS_THROUGH
+from services.router.passthrough import PassThrough
 from services.router.pipeline import Pipeline
 from services.router.placement import Placer
-from services.router.prepare import Preparer
+from services.router.prepare import Preparer, client_request_id
 from services.router.proxy import EngineFailed, Upstream
 from services.router.settings import RouterSettings
 
@@ -78,6 +82,10 @@ log = logging.getLogger(__name__)
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
+# A request's work once admitted: (tenant, arrived, our reply headers) -> the response.
+Serve = Callable[[Tenant, float, dict[str, str]], Awaitable[web.StreamResponse]]
+# `/v1/models` asks one instance of each served model, up to this many models.
+_MAX_MODELS_ASKED: Final = 64
 
 
 class Router:
@@ -142,6 +150,7 @@ class Router:
             metrics=self.metrics,
             tracer=self.tracer,
         )
+        self.passthrough = PassThrough(self.preparer, self.placer, self.upstream)
         self.health = health_servicer()
         self.draining = False
         self.streams_open = 0
@@ -162,6 +171,8 @@ class Router:
                 web.post(COMPLETIONS, self.completions),
                 web.post(CHAT, self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model}", self.model),
+                *(web.post(route, self.pass_through) for route in PASS_THROUGH),
                 web.get("/health", self.health_check),
                 web.get("/metrics", self.prometheus),
             ]
@@ -255,14 +266,19 @@ class Router:
     # ---- completions -----------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "completion", COMPLETIONS)
+        return await self._serve(
+            request, COMPLETIONS, partial(self.pipeline.run, request, "completion")
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "chat", CHAT)
+        return await self._serve(request, CHAT, partial(self.pipeline.run, request, "chat"))
 
-    async def _serve(self, request: web.Request, kind: Kind, route: str) -> web.StreamResponse:
-        """One completion request inside its SERVER span; every failure becomes an OpenAI
-        error response (a bug is logged, the client gets a plain 500)."""
+    async def pass_through(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, request.path, partial(self.passthrough.serve, request))
+
+    async def _serve(self, request: web.Request, route: str, run: Serve) -> web.StreamResponse:
+        """One request inside its SERVER span; every failure becomes an OpenAI error response
+        (a bug is logged, the client gets a plain 500)."""
         arrived = time.perf_counter()
         span = self.tracer.start_span(
             f"POST {route}",
@@ -270,11 +286,13 @@ class Router:
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": route, "url.path": route},
         )
+        if (rid := client_request_id(request)) is not None:
+            span.set_attribute("http.request.header.x-request-id", rid)
         reply: dict[str, str] = {}
         status = 500
         try:
             with trace.use_span(span, record_exception=False, set_status_on_exception=False):
-                response = await self._complete(request, kind, arrived, reply)
+                response = await self._admitted(request, run, arrived, reply)
             status = response.status
             return response
         except ApiError as err:
@@ -293,8 +311,8 @@ class Router:
             self.requests_served += 1
             self.metrics.requests.labels(route, str(status)).inc()
 
-    async def _complete(
-        self, request: web.Request, kind: Kind, arrived: float, reply: dict[str, str]
+    async def _admitted(
+        self, request: web.Request, run: Serve, arrived: float, reply: dict[str, str]
     ) -> web.StreamResponse:
         if self.draining:
             raise unavailable("This router is draining; send the request to another one.")
@@ -305,7 +323,7 @@ class Router:
             raise shed("too many requests in flight at this router")
         self._opened()
         try:
-            return await self.pipeline.run(request, kind, tenant, arrived, reply)
+            return await run(tenant, arrived, reply)
         finally:
             self._closed()
             self.in_flight.leave()
@@ -326,29 +344,59 @@ class Router:
     # ---- other routes ----------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        """An engine's /v1/models when one answers, else the configured model."""
+        """Every served model: the `/v1/models` of one instance of each model the Conductor
+        knows (merged, with a card for each alias), else the configured models."""
         try:
             self.auth.tenant(request.headers.get("Authorization"))
         except ApiError as err:
             self.metrics.requests.labels("/v1/models", str(err.status)).inc()
             return err.response()
-        for inst in self.placer.instances[:2]:
-            with contextlib.suppress(EngineFailed):
-                status, data, content_type = await self.upstream.get(inst.url + "/v1/models")
-                if status == 200:
-                    self.metrics.requests.labels("/v1/models", "200").inc()
-                    headers = {"x-kvsched-instance": inst.instance_id}
-                    data = with_aliases(data, self.preparer.aliases)
-                    return web.Response(body=data, content_type=content_type, headers=headers)
         self.metrics.requests.labels("/v1/models", "200").inc()
-        model = {
-            "id": self.settings.model,
+        return web.json_response({"object": "list", "data": await self._model_cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model's card (`GET /v1/models/{id}`), or OpenAI's 404."""
+        try:
+            self.auth.tenant(request.headers.get("Authorization"))
+            wanted = request.match_info["model"]
+            card = next((c for c in await self._model_cards() if c.get("id") == wanted), None)
+            if card is None:
+                raise ApiError(404, f"The model `{wanted}` does not exist.",
+                               type_="NotFoundError", param="model")  # fmt: skip
+        except ApiError as err:
+            self.metrics.requests.labels("/v1/models/{id}", str(err.status)).inc()
+            return err.response()
+        self.metrics.requests.labels("/v1/models/{id}", "200").inc()
+        return web.json_response(card)
+
+    async def _model_cards(self) -> list[dict[str, object]]:
+        """The model cards of one answering instance of each served model, the configured
+        model's own where none answers, then a card for each alias."""
+        cards: dict[str, dict[str, object]] = {}
+        asked: set[str] = set()
+        for inst in self.placer.instances:
+            if inst.model in asked or len(asked) >= _MAX_MODELS_ASKED:
+                continue
+            with contextlib.suppress(EngineFailed, ValueError, TypeError, KeyError):
+                status, data, _ = await self.upstream.get(inst.url + "/v1/models")
+                if status == 200:
+                    listed = json.loads(data)["data"]
+                    cards |= {c["id"]: c for c in listed if isinstance(c, dict) and "id" in c}
+                    asked.add(inst.model)
+        for name in self.preparer.tokenizers:
+            cards.setdefault(name, self._own_card(name))
+        extra = {alias: {**cards[name], "id": alias, "root": name}
+                 for alias, name in self.preparer.aliases.items() if name in cards}  # fmt: skip
+        return [*cards.values(), *extra.values()]
+
+    def _own_card(self, name: str) -> dict[str, object]:
+        return {
+            "id": name,
             "object": "model",
             "created": self._started_at,
             "owned_by": "kvsched",
             "max_model_len": self.settings.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
 
     async def health_check(self, request: web.Request) -> web.Response:
         body = {
@@ -369,19 +417,3 @@ def _is_mistake(status: int) -> bool:
     """Whether a status says the client sent what it should not have (not a 429: that one
     says the cluster is busy)."""
     return 400 <= status < 500 and status != 429
-
-
-def with_aliases(models: bytes, aliases: dict[str, str]) -> bytes:
-    """An engine's `/v1/models` with a card for each alias of a model it lists (its `root`
-    the served name); the engine's bytes themselves when there is nothing to add."""
-    if not aliases:
-        return models
-    try:
-        listing = json.loads(models)
-        cards = [c for c in listing["data"] if isinstance(c, dict)]
-    except (ValueError, TypeError, KeyError):
-        return models
-    served = {c.get("id"): c for c in cards}
-    extra = [{**served[name], "id": alias, "root": name}
-             for alias, name in aliases.items() if name in served]  # fmt: skip
-    return json.dumps({**listing, "data": [*cards, *extra]}).encode() if extra else models

@@ -44,9 +44,11 @@ class RouterSettings:
     chat_template_content_format: ContentFormatOption = "auto"
     block_size: int = 16
     block_hashes: BlockHashes = field(default_factory=BlockHashes)  # how engines name blocks
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # the served model a request naming none asks for
     # Other names clients may use, each standing for a name the engines serve.
     model_aliases: tuple[tuple[str, str], ...] = ()
+    # The other served models, each with its tokenizer directory (`model` has `tokenizer`).
+    model_tokenizers: tuple[tuple[str, str], ...] = ()
     max_model_len: int = 131_072
     placement_timeout_s: float = 0.25
     transfer_wait_s: float = 60.0  # longest wait for a KV transfer a request needs
@@ -136,6 +138,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     block_hashes.add_flags(_flag, p)
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
     _flag(p, "model-alias", "", "ALIAS=NAME[,...]: names clients may use for a served model")
+    _flag(p, "model-tokenizer", "", "NAME=DIR[,...]: other served models, their tokenizers")
     _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
     _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before a placement is shed")
     _flag(p, "transfer-wait", d.transfer_wait_s, "longest wait for KV a request needs, seconds")
@@ -177,7 +180,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             block_size=a.block_size,
             block_hashes=block_hashes.from_args(a),
             model=a.model,
-            model_aliases=_aliases(a.model_alias),
+            model_aliases=_pairs(a.model_alias, "--model-alias", "ALIAS=NAME"),
+            model_tokenizers=_pairs(a.model_tokenizer, "--model-tokenizer", "NAME=DIR"),
             max_model_len=a.max_model_len,
             placement_timeout_s=a.placement_timeout,
             transfer_wait_s=a.transfer_wait,
@@ -199,12 +203,12 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
         p.error(str(exc))
 
 
-def _aliases(text: str) -> tuple[tuple[str, str], ...]:
-    """`ALIAS=NAME,...`; raises ValueError on a part without both."""
+def _pairs(text: str, flag: str, shape: str) -> tuple[tuple[str, str], ...]:
+    """`KEY=VALUE,...`; raises ValueError on a part without both."""
     pairs = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        alias, _, name = (x.strip() for x in part.partition("="))
-        if not alias or not name:
-            raise ValueError(f"--model-alias wants ALIAS=NAME, got {part!r}")
-        pairs.append((alias, name))
+        key, _, value = (x.strip() for x in part.partition("="))
+        if not key or not value:
+            raise ValueError(f"{flag} wants {shape}, got {part!r}")
+        pairs.append((key, value))
     return tuple(pairs)

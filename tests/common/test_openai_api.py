@@ -57,13 +57,15 @@ def test_stream_usage_session_salt() -> None:
     [
         ("completion", {}, "prompt"),
         ("completion", {"prompt": []}, "prompt"),
-        ("completion", {"prompt": ["a", "b"]}, "prompt"),
+        ("completion", {"prompt": ["a", ""]}, "prompt"),
+        ("completion", {"prompt": [[1], []]}, "prompt"),
+        ("completion", {"prompt": ["a", 1]}, "prompt"),
         ("completion", {"prompt": [1, -2]}, "prompt"),
         ("completion", {"prompt": [1, True]}, "prompt"),
         ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("completion", {"prompt": "x", "max_tokens": "9"}, "max_tokens"),
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
-        ("completion", {"prompt": "x", "n": 2}, "n"),
+        ("completion", {"prompt": "x", "n": 0}, "n"),
         ("completion", {"prompt": "x", "model": 3}, "model"),
         ("completion", {"prompt": "x", "cache_salt": 3}, "cache_salt"),
         ("completion", {"prompt": ""}, "prompt"),
@@ -140,3 +142,12 @@ def test_rate_limited_response_has_retry_after() -> None:
     assert resp.status == 429 and resp.headers["Retry-After"] == "2"
     assert resp.body is not None
     assert json.loads(bytes(resp.body))["error"]["code"] == "rate_limit_exceeded"  # type: ignore[arg-type]
+
+
+def test_a_batch_of_prompts_and_n_choices_parse_as_vllm_takes_them() -> None:
+    req = parse_request("completion", {"prompt": ["a", [5, 6], "b"], "n": 3})
+    assert (req.prompt_text, req.more_prompts, req.n) == ("a", ((5, 6), "b"), 3)
+    ids = parse_request("completion", {"prompt": [[1, 2], [3]]})
+    assert (ids.prompt_ids, ids.more_prompts) == ((1, 2), ((3,),))
+    assert parse_request("completion", {"prompt": [7, 8]}).prompt_ids == (7, 8)  # one prompt
+    assert PromptTokenizer().batch_ids(req)[1:] == [[5, 6], PromptTokenizer().encode("b", True)]

@@ -2,8 +2,8 @@
 byte-level BPE saved as `Qwen2Tokenizer` with a ChatML template, and a SentencePiece-style
 `LlamaTokenizer` (Mistral, Llama-2) with an `[INST]` template (`tests/data/tokenizers/`, made by
 `tools/make_family_tokenizers.py`), each served by its tiny random-weight model
-(`out/models/tiny-qwen2`, `out/models/tiny-mistral`: `scripts/setup --vllm`). One cluster a
-family, in turn: two vLLM engines on one node, two Routers.
+(`out/models/tiny-qwen2`, `out/models/tiny-mistral`: `scripts/setup --vllm`). One cluster
+serves both models behind one endpoint: two vLLM engines of each on one node, two Routers.
 
 Marked `vllm`, run by the test command after the default suite."""
 
@@ -28,13 +28,12 @@ pytestmark = pytest.mark.vllm
 
 FAMILIES = ("qwen2", "mistral")
 BLOCK = 32
-START_TIMEOUT_S = 900.0  # two vLLM servers starting together on two cores
+START_TIMEOUT_S = 900.0  # four vLLM servers starting together on two cores
 VECTORS = json.loads((REPO / "tests/data/vllm/prompt_tokens.json").read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def served_name(family: str) -> str:
+    return f"tiny-{family}"  # the model directory's name, as vLLM names it
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +44,25 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, family: str, key: tuple[Path, str]
+    tmp_path_factory: pytest.TempPathFactory, key: tuple[Path, str]
 ) -> Iterator[LocalCluster]:
-    model = REPO / "out" / "models" / f"tiny-{family}"
-    if not DEFAULT_PYTHON.exists() or not (model / "config.json").exists():
+    models = [REPO / "out" / "models" / served_name(family) for family in FAMILIES]
+    if not DEFAULT_PYTHON.exists() or not all((m / "config.json").exists() for m in models):
         pytest.skip("vLLM is not set up here: run scripts/setup --vllm")
-    flags = ["--engine", "vllm", "--model", str(model), "--nodes", "1", "--engines-per-node", "2"]
-    flags += ["--routers", "2", "--dtype", "float32", "--block-size", str(BLOCK)]
-    flags += ["--api-keys", str(key[0])]
+    flags = ["--engine", "vllm", *(f for m in models for f in ("--model", str(m)))]
+    flags += ["--nodes", "1", "--engines-per-node", "2", "--routers", "2", "--dtype", "float32"]
+    flags += ["--api-keys", str(key[0])]  # and no --block-size: kvsched up picks one
+    # No node pool: an engine's cache is its own (with one, the other engine of the node
+    # shares every block, and a session may move to it for free whenever its host is busy).
+    flags += ["--kv-pool-bytes", "0"]
     with local_cluster(
-        tmp_path_factory.mktemp(f"up-{family}"),
-        *flags,
-        time_scale=1.0,
-        start_timeout_s=START_TIMEOUT_S,
+        tmp_path_factory.mktemp("up"), *flags, time_scale=1.0, start_timeout_s=START_TIMEOUT_S
     ) as up:
         yield up
+
+
+def engines_of(cluster: LocalCluster, family: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.endpoints["engines"] if e["model"] == served_name(family)]
 
 
 async def post(
@@ -69,10 +72,7 @@ async def post(
         return resp.status, await resp.json(), resp.headers
 
 
-def served_name(family: str) -> str:
-    return f"tiny-{family}"  # the model directory's name, as vLLM names it
-
-
+@pytest.mark.parametrize("family", FAMILIES)
 async def test_our_token_ids_equal_vllms_for_every_reference_request(
     cluster: LocalCluster, http: aiohttp.ClientSession, family: str
 ) -> None:
@@ -83,7 +83,7 @@ async def test_our_token_ids_equal_vllms_for_every_reference_request(
     tokenizer = PromptTokenizer(REPO / "out" / "models" / f"tiny-{family}")
     cases = [c for c in VECTORS["cases"] if c["variant"] == family]
     assert sum("ids" in c["vllm"] for c in cases) >= 50
-    engine = cluster.endpoints["engines"][0]["url"]
+    engine = engines_of(cluster, family)[0]["url"]
     for case in cases:
         route = "/v1/chat/completions" if case["kind"] == "chat" else "/v1/completions"
         body = {**case["body"], "model": served_name(family), "max_tokens": 1}
@@ -98,6 +98,7 @@ async def test_our_token_ids_equal_vllms_for_every_reference_request(
         assert fed == ours, case["name"]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 async def test_a_chat_through_alternating_routers_stays_on_one_engine_and_its_cache_grows(
     cluster: LocalCluster, http: aiohttp.ClientSession, family: str, key: tuple[Path, str]
 ) -> None:
@@ -115,8 +116,32 @@ async def test_a_chat_through_alternating_routers_stays_on_one_engine_and_its_ca
         )  # fmt: skip
         assert status == 200, answer
         served.append(headers["x-kvsched-instance"])
+        assert answer["model"] == served_name(family)
         cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
         reply = answer["choices"][0]["message"]["content"]
         messages.append({"role": "assistant", "content": reply})
-    assert len(set(served)) == 1, served
+    assert len(set(served)) == 1, (served, cached)
+    assert served[0] in {e["id"] for e in engines_of(cluster, family)}  # one of its model's
     assert all(b > a for a, b in itertools.pairwise(cached)), cached
+
+
+async def test_both_models_are_listed_and_each_request_is_answered_by_its_models_engines(
+    cluster: LocalCluster, http: aiohttp.ClientSession, key: tuple[Path, str]
+) -> None:
+    auth = {"Authorization": f"Bearer {key[1]}"}
+    async with http.get(cluster.routers[0] + "/v1/models", headers=auth) as resp:
+        listed = {card["id"] for card in (await resp.json())["data"]}
+    assert listed == {served_name(f) for f in FAMILIES}
+    for i in range(8):
+        family = FAMILIES[i % 2]
+        body = {"model": served_name(family), "prompt": f"request {i}", "max_tokens": 2}
+        status, answer, headers = await post(
+            http, cluster.routers[i % 2] + "/v1/completions", body, **auth
+        )
+        assert status == 200, answer
+        assert headers["x-kvsched-instance"] in {e["id"] for e in engines_of(cluster, family)}
+    status, answer, headers = await post(
+        http, cluster.routers[0] + "/v1/completions", {"model": "tiny-other", "prompt": "x"}, **auth
+    )
+    assert status == 404 and answer["error"]["param"] == "model", answer
+    assert cluster.endpoints["block_size"] == 32

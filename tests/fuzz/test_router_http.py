@@ -59,7 +59,9 @@ def to_either_router(requests: st.SearchStrategy[FuzzRequest]) -> st.SearchStrat
 
 # -- strategies ---------------------------------------------------------------------------
 
-OPENAI_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+              "/detokenize"]  # fmt: skip
+OPENAI_PATHS = [*POST_PATHS, "/v1/models", "/v1/models/" + DEFAULT_MODEL]
 KNOWN_PATHS = [*OPENAI_PATHS, "/health", "/metrics"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 
@@ -86,7 +88,7 @@ field_values = st.one_of(json_values, huge_text, st.just(""), st.just([]), st.ju
 COMPLETION_FIELDS = [
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
     "logprobs", "echo", "user", "session_id", "presence_penalty", "frequency_penalty",
-    "stream_options", "min_tokens",
+    "stream_options", "min_tokens", "prompt_cache_key", "tokens", "input",
 ]  # fmt: skip
 CHAT_FIELDS = [
     *(f for f in COMPLETION_FIELDS if f not in {"prompt", "echo"}),
@@ -148,6 +150,9 @@ headers = st.fixed_dictionaries(
             header_text,
         ),
         "x-session-id": header_text,
+        "X-Claude-Code-Session-Id": header_text,
+        "session_id": header_text,
+        "X-Request-Id": header_text,
         "Authorization": st.one_of(header_text, header_text.map("Bearer ".__add__)),
         "Accept-Encoding": header_text,
     },
@@ -167,7 +172,7 @@ def fuzz_requests() -> st.SearchStrategy[FuzzRequest]:
     to_openai = st.builds(
         FuzzRequest,
         st.just("POST"),
-        st.sampled_from(OPENAI_PATHS[:2]),
+        st.sampled_from(POST_PATHS),
         st.one_of(json_bodies, raw_bodies),
         headers,
     )
@@ -195,7 +200,7 @@ refused_requests = st.one_of(
     st.builds(
         FuzzRequest,
         st.just("POST"),
-        st.sampled_from(OPENAI_PATHS[:2]),
+        st.sampled_from(POST_PATHS),
         st.one_of(not_an_object, wrong_type),
         st.just({"Content-Type": "application/json"}),
     ),
@@ -233,10 +238,11 @@ async def send(http: aiohttp.ClientSession, routers: Routers, req: FuzzRequest) 
         status = resp.status
         # (a 502, 503 or 504 says an engine was slow or away, which a loaded machine may make)
         assert status != 500 and status < 600, (req, status, body[:500])
-        if req.path.startswith("/v1/") and status >= 400 and req.method != "HEAD":
+        api = req.path.startswith(("/v1/", "/tokenize", "/detokenize"))
+        if api and status >= 400 and req.method != "HEAD":
             assert resp.content_type == "application/json", (req, status, body[:500])
             openai_error(body)
-        if req.keyed and req.path.startswith("/v1/"):
+        if req.keyed and api:
             assert status >= 400, (req, status, body[:500])  # no key, no answer
         return status
 

@@ -108,6 +108,29 @@ def test_each_node_has_its_own_pool_socket_and_no_pool_means_no_connector(
     assert all("--kv-pool-socket" not in m.argv for m in bare.stage("messenger"))
 
 
+def test_two_models_get_their_engines_on_every_node_and_the_routers_both_tokenizers(
+    tmp_path: Path,
+) -> None:
+    args = ["--engine", "vllm", "--model", str(tmp_path / "tiny-llama"), "--model"]
+    args += [str(tmp_path / "tiny-qwen2"), "--nodes", "2", "--engines-per-node", "2"]
+    plan = plan_cluster(cluster_options(build_parser().parse_args(args)), tmp_path, tmp_path, "")
+    engines = plan.stage("engine")
+    served = [(e.endpoint["node"], _flag(e.argv, "--served-model-name")) for e in engines]
+    assert sorted(served) == sorted(
+        (f"node-{n}", m) for n in range(2) for m in ("tiny-llama", "tiny-qwen2") for _ in range(2)
+    )
+    assert len({e.endpoint["id"] for e in engines}) == 8
+    assert len({e.env["VLLM_CPU_OMP_THREADS_BIND"] for e in engines}) >= 2  # cores shared out
+    for messenger in plan.stage("messenger"):
+        assert messenger.argv.count("--engine") == 4  # both models' engines of its node
+    for router in plan.stage("router"):
+        assert _flag(router.argv, "--model") == "tiny-llama"
+        assert _flag(router.argv, "--model-tokenizer") == f"tiny-qwen2={tmp_path / 'tiny-qwen2'}"
+    assert plan.endpoints({})["models"] == ["tiny-llama", "tiny-qwen2"]
+    with pytest.raises(ValueError, match="serve the same name"):
+        cluster_options(build_parser().parse_args([*args[:5], str(tmp_path / "tiny-llama")]))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [({"engine": "vllm"}, "needs --model"), ({"engine": "tgi"}, "--engine"),

@@ -117,13 +117,13 @@ async def start_engines(tmp_path: Path, http: aiohttp.ClientSession) -> AsyncIte
         engine.stop()
 
 
-def spec(instance_id: str, url: str) -> pb.InstanceSpec:
+def spec(instance_id: str, url: str, model: str = MODEL) -> pb.InstanceSpec:
     return pb.InstanceSpec(
         instance_id=instance_id,
         url=url,
         node=instance_id.partition("/")[0],
         role=common.ROLE_BOTH,
-        model=MODEL,
+        model=model,
     )
 
 
@@ -134,8 +134,8 @@ class Registry:
         self.client = client
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def add(self, instance_id: str, url: str) -> None:
-        await self.client.register_instance(spec(instance_id, url), lease_ttl_s=3)
+    async def add(self, instance_id: str, url: str, model: str = MODEL) -> None:
+        await self.client.register_instance(spec(instance_id, url, model), lease_ttl_s=3)
         self._tasks.append(asyncio.create_task(self._keep(instance_id)))
 
     async def _keep(self, instance_id: str) -> None:

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from clients.python import ConductorClient
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.data_files import data_path
 from services.launcher.ports import free_port
 from tests.fixtures.poll import wait_for
 from tests.router.conftest import Stack, chat, completion
@@ -65,13 +66,37 @@ async def test_bad_requests_are_400_and_bad_keys_401(
 
 
 async def test_an_engines_own_error_passes_through_unchanged(stack: Stack) -> None:
-    _, (engine,), router = await stack.up(1)
-    body = chat(model="no-such-model")
+    # A request only the engine knows it cannot take: more KV than its memory holds.
+    _, (engine,), router = await stack.up(1, engine_flags={"capacity_blocks": 4})
+    body = chat(max_tokens=500)
     direct_status, _, direct = await stack.post(engine.url + "/v1/chat/completions", body)
     assert 400 <= direct_status < 500
     status, headers, data = await stack.post(router.url + "/v1/chat/completions", body)
     assert (status, data) == (direct_status, direct)
     assert headers["x-kvsched-instance"] == engine.instance_id
+
+
+async def test_a_model_with_no_instance_serving_it_is_503(stack: Stack) -> None:
+    known = (("other-model", str(data_path("tokenizer"))),)  # known, but no engine serves it
+    _, _, router = await stack.up(1, model_tokenizers=known)
+    status, headers, data = await stack.post(
+        router.url + "/v1/chat/completions", chat(model="other-model")
+    )
+    assert status == 503 and "Retry-After" in headers, data
+    assert "x-kvsched-instance" not in headers
+    status, _, _ = await stack.post(router.url + "/v1/chat/completions", chat())
+    assert status == 200
+
+
+async def test_a_model_no_router_knows_is_404_before_any_placement(stack: Stack) -> None:
+    _, (engine,), router = await stack.up(1)
+    body = chat(model="no-such-model")
+    direct_status, _, direct = await stack.post(engine.url + "/v1/chat/completions", body)
+    status, headers, data = await stack.post(router.url + "/v1/chat/completions", body)
+    assert (status, json.loads(data)) == (direct_status, json.loads(direct)) == (404, {
+        "error": {"message": "The model `no-such-model` does not exist.",
+                  "type": "NotFoundError", "param": "model", "code": 404}})  # fmt: skip
+    assert "x-kvsched-instance" not in headers
 
 
 async def test_a_rejection_by_the_conductor_is_429_with_retry_after(stack: Stack) -> None:

@@ -14,9 +14,10 @@ from clients.python import ConductorClient, unpack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.openai_api import PromptTokenizer
+from tests.conftest import REPO
 from tests.fixtures.poll import wait_for
 from tests.router.conftest import MODEL, Stack, chat, completion
-from tests.router.tap import Tap, parse_http
+from tests.router.tap import HttpMessage, Tap, parse_http
 
 
 async def nothing_in_flight(url: str) -> bool:
@@ -173,6 +174,32 @@ async def test_a_session_stays_on_one_instance_through_two_routers(stack: Stack)
         assert (await client.get_session("anonymous/u9")).host_instance_id in hosts
 
 
+@pytest.mark.parametrize(
+    ("headers", "fields", "session"),
+    [
+        ({"X-Claude-Code-Session-Id": "cc-1"}, {}, "cc-1"),
+        ({"session_id": "codex-1", "conversation_id": "other"}, {}, "codex-1"),
+        ({"conversation_id": "codex-2"}, {}, "codex-2"),
+        ({}, {"prompt_cache_key": "pck-1", "user": "u1"}, "pck-1"),
+        ({"x-session-id": "ours"}, {"prompt_cache_key": "pck-2"}, "ours"),
+    ],
+)
+async def test_agent_session_headers_and_prompt_cache_key_name_the_session(
+    stack: Stack, headers: dict[str, str], fields: dict[str, str], session: str
+) -> None:
+    c, _, router = await stack.up(2, policy="sticky")
+    hosts = set()
+    for turn in range(3):
+        status, reply, data = await stack.post(
+            router.url + "/v1/chat/completions", chat(f"turn {turn}", **fields), **headers
+        )
+        assert status == 200, data
+        hosts.add(reply["x-kvsched-instance"])
+    assert len(hosts) == 1
+    async with ConductorClient([c.url]) as client:
+        assert (await client.get_session(f"anonymous/{session}")).host_instance_id in hosts
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 async def test_finish_reports_what_the_engine_counted(stack: Stack, include_usage: bool) -> None:
     _, _, router = await stack.up(1, policy="sticky")
@@ -267,6 +294,35 @@ async def test_an_alias_is_served_as_the_model_the_engines_know(stack: Stack) ->
     assert cards["fast"]["root"] == MODEL and MODEL in cards
 
 
+async def test_two_models_behind_one_router_each_served_by_its_own_engines(stack: Stack) -> None:
+    conductor = await stack.start_conductor(policy="cache_aware")
+    qwen2 = str(REPO / "tests" / "data" / "tokenizers" / "qwen2")
+    ours = await stack.start_engines(2)
+    other = await stack.start_engines(2, model="tiny-qwen2", tokenizer=qwen2)  # another model
+    reg = stack.registry(conductor.url)
+    for engine in ours:
+        await reg.add(engine.instance_id, engine.url)
+    for engine in other:
+        await reg.add(engine.instance_id, engine.url, model="tiny-qwen2")
+    router = await stack.start_router(conductor.url, model_tokenizers=(("tiny-qwen2", qwen2),))
+    await wait_for(lambda: len(router.placer.instances) == 4, 5.0, message="all four known")
+    by_model = {MODEL: {e.instance_id for e in ours}, "tiny-qwen2": {e.instance_id for e in other}}
+    words = " ".join(f"w{i}" for i in range(200))  # one prompt for both models
+    for turn in range(6):
+        model = (MODEL, "tiny-qwen2")[turn % 2]
+        body = chat(model=model, content=words, user=f"s-{model}")
+        status, headers, data = await stack.post(router.url + "/v1/chat/completions", body)
+        assert status == 200, data
+        assert headers["x-kvsched-instance"] in by_model[model], (model, headers)
+        assert json.loads(data)["model"] == model
+    async with stack.http.get(router.url + "/v1/models") as resp:
+        assert {m["id"] for m in (await resp.json())["data"]} == {MODEL, "tiny-qwen2"}
+    async with stack.http.get(router.url + "/v1/models/tiny-qwen2") as resp:
+        assert resp.status == 200 and (await resp.json())["id"] == "tiny-qwen2"
+    async with stack.http.get(router.url + "/v1/models/none-such") as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["param"] == "model"
+
+
 async def test_concurrent_requests_share_placement_stream_messages(stack: Stack) -> None:
     c, _, router = await stack.up(1)
     n = 32
@@ -282,3 +338,57 @@ async def test_concurrent_requests_share_placement_stream_messages(stack: Stack)
     # ... in fewer messages than items: those queued together went together.
     messages = c.metrics.stream_messages.labels("received")._value.get()
     assert messages < 2 * n, messages
+
+
+async def test_tokenize_detokenize_and_embeddings_pass_to_an_engine_of_the_model(
+    stack: Stack,
+) -> None:
+    _, engines, router = await stack.up(2)
+    ids = {e.instance_id for e in engines}
+    body = {"model": MODEL, "prompt": "The KV cache"}
+    status, headers, data = await stack.post(router.url + "/tokenize", body)
+    assert status == 200 and headers["x-kvsched-instance"] in ids, data
+    tokens = json.loads(data)["tokens"]
+    assert tokens == PromptTokenizer().encode("The KV cache", add_special_tokens=True)
+    status, _, data = await stack.post(
+        router.url + "/detokenize", {"model": MODEL, "tokens": tokens}
+    )
+    assert status == 200 and json.loads(data)["prompt"].endswith("The KV cache"), data
+    status, _, data = await stack.post(router.url + "/tokenize", {**body, "model": "none-such"})
+    assert status == 404 and json.loads(data)["error"]["param"] == "model"
+    # The simulated engine has no pooling runner: its answer passes through as vLLM's would.
+    status, headers, _ = await stack.post(
+        router.url + "/v1/embeddings", {"model": MODEL, "input": "x"}
+    )
+    assert status == 404 and headers["x-kvsched-instance"] in ids
+
+
+async def test_the_clients_request_id_reaches_the_engine_and_comes_back(stack: Stack) -> None:
+    (engine,) = await stack.start_engines(1)
+    tap = Tap(engine.port)
+    await tap.start()
+    try:
+        c = await stack.start_conductor()
+        await stack.registry(c.url).add(engine.instance_id, tap.url)
+        router = await stack.start_router(c.url)
+        await wait_for(lambda: router.placer.instances, 5.0, message="the Router knows it")
+        for route, body in (("/v1/chat/completions", chat()), ("/tokenize", {"prompt": "x"})):
+            status, headers, _ = await stack.post(
+                router.url + route, body, **{"X-Request-Id": "abc-123"}
+            )
+            named = {k.lower(): v for k, v in headers.items()}
+            assert status == 200 and named["x-request-id"] == "abc-123", (route, headers)
+            assert last_sent(tap, route).headers["x-request-id"] == "abc-123"
+        status, headers, _ = await stack.post(
+            router.url + "/v1/chat/completions", chat(), **{"X-Request-Id": "x" * 200}
+        )
+        sent = last_sent(tap, "/v1/chat/completions")
+        assert status == 200 and sent.headers["x-request-id"] == headers["x-kvsched-request-id"]
+    finally:
+        await tap.stop()
+
+
+def last_sent(tap: Tap, route: str) -> HttpMessage:
+    """The last request for `route` that reached the engine through `tap`."""
+    sent = [m for e in tap.exchanges for m in parse_http(bytes(e.to_engine))]
+    return [m for m in sent if m.start_line.startswith(f"POST {route} ")][-1]

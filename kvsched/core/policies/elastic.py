@@ -410,7 +410,8 @@ class Elastic(Policy):
         if crowded:
             overflow = 1.0 - self._capacity_tokens / resident[host]
             penalty = overflow * cluster.cost.prefill_one(session.prompt_tokens, 0)
-        eligible = cluster.slots_with(Role.BOTH, Role.PREFILL)
+        # Only where the host's model is served: the next turn asks for the same model.
+        eligible = cluster.slots_with(Role.BOTH, Role.PREFILL, model=cluster.models[host])
         return self.planner.during_gap(session, gap, eligible, room, penalty)
 
     def after_transfer(self, plan: TransferPlan, moved: bool, now: float) -> None:

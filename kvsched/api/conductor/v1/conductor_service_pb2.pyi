@@ -71,7 +71,9 @@ class InstanceSpec(_message.Message):
     role: _common_pb2.Role.ValueType
     """What it serves."""
     model: _builtins.str
-    """Served model name."""
+    """Served model name (vLLM's `--served-model-name`): requests for it are placed only on
+    instances that serve it.
+    """
     messenger_url: _builtins.str
     """Address of the node's Messenger gRPC service."""
     def __init__(
@@ -723,6 +725,7 @@ class ScheduleRequest(_message.Message):
     EXPLAIN_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's identifier; also the idempotency key: a retry with the same id gets the same
     decision without a second placement.
@@ -739,6 +742,10 @@ class ScheduleRequest(_message.Message):
     """The same hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes`: one
     field, checked by its length before any hash is decoded. Set at most one of the two: both
     is INVALID_ARGUMENT, as is a length that is not a multiple of 8.
+    """
+    model: _builtins.str
+    """Served model name the request asks for (the engines' `InstanceSpec.model`): only
+    instances serving it are candidates, and only their KV counts. Empty: any instance.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -762,10 +769,11 @@ class ScheduleRequest(_message.Message):
         explain: _builtins.bool = ...,
         queued: _duration_pb2.Duration | None = ...,
         packed_block_hashes: _builtins.bytes = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "model", b"model", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1592,6 +1600,7 @@ class ExplainRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Prompt length in tokens; 0 takes the length the hashes or tokens imply."""
     output_tokens: _builtins.int
@@ -1602,6 +1611,8 @@ class ExplainRequest(_message.Message):
     """The hashes as packed little-endian u64, 8 bytes each, instead of `block_hashes` (and
     not with it, nor with `token_ids`).
     """
+    model: _builtins.str
+    """Served model name, as `ScheduleRequest.model`."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Chained block hashes of the prompt; or"""
@@ -1619,10 +1630,11 @@ class ExplainRequest(_message.Message):
         output_tokens: _builtins.int = ...,
         session_id: _builtins.str = ...,
         packed_block_hashes: _builtins.bytes = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "model", b"model", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
