@@ -12,6 +12,7 @@ COMMANDS = {
     "up": ("services.launcher.__main__", "run a whole local cluster on loopback"),
     "bench": ("services.loadgen.__main__", "replay a trace through live Routers"),
     "certs": ("services.launcher.certs", "mint mTLS certificates with a cluster's CA"),
+    "vllm-flags": ("services.launcher.vllm_flags", "the flags a vLLM fleet needs behind kvsched"),
     "admin": ("services.launcher.admin", "an operator's calls: set the policy, drain Routers"),
     "health": ("services.common.health_probe", "ask a gRPC server's health service (a probe)"),
     "conductor": ("services.conductor.__main__", "run a Conductor (gRPC + HTTP admin)"),

@@ -49,12 +49,20 @@ class ApiError(Exception):
             }
         }
 
-    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
-        """The error as an aiohttp response (with Retry-After on a 429 or a 503)."""
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error as Anthropic's Messages API (and vLLM's `/v1/messages`) shapes it."""
+        return {"type": "error", "error": {"type": self.type, "message": self.message}}
+
+    def response(
+        self, headers: Mapping[str, str] | None = None, *, anthropic: bool = False
+    ) -> web.Response:
+        """The error as an aiohttp response (with Retry-After on a 429 or a 503), OpenAI's
+        JSON or, with `anthropic`, Anthropic's."""
         out = dict(headers or {})
         if self.retry_after_s is not None:
             out["Retry-After"] = str(max(1, round(self.retry_after_s + 0.4999)))
-        return web.json_response(self.body(), status=self.status, headers=out)
+        body = self.anthropic_body() if anthropic else self.body()
+        return web.json_response(body, status=self.status, headers=out)
 
 
 def unavailable_headers() -> dict[str, str]:

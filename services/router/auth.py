@@ -85,6 +85,14 @@ class Authenticator:
     def tenants(self) -> int:
         return len(set(self._by_digest.values())) if self._by_digest else 0
 
+    def tenant_of(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant of a request with `headers`: its `Authorization: Bearer KEY`, else
+        Anthropic's `x-api-key: KEY` (what the Anthropic SDKs send); raises `ApiError` 401."""
+        authorization = headers.get("Authorization")
+        if not authorization and (key := headers.get("x-api-key")):
+            authorization = f"Bearer {key}"
+        return self.tenant(authorization)
+
     def tenant(self, authorization: str | None) -> Tenant:
         """The tenant of a request; raises `ApiError` 401 for a missing or unknown key."""
         if self._by_digest is None:

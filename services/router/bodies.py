@@ -178,11 +178,12 @@ class BodyReader:
         self.worker = worker if worker_bytes > 0 else None
         self.worker_bytes = worker_bytes
 
-    async def read(self, request: web.Request, kind: Kind) -> Body:
+    async def read(self, request: web.Request, kind: Kind | None) -> Body:
         """The body of `request`; raises `ApiError` 413 over `max_bytes`, 400 for a body cut
-        short, not JSON, not an object, or (from the worker) what `check_body` refuses."""
+        short, not JSON, not an object, or (from the worker) what `check_body` refuses for a
+        request of `kind` (None: a body the worker does not check, decoded here)."""
         chunks, size = await self._chunks(request)
-        if self.worker is not None and size >= self.worker_bytes:
+        if self.worker is not None and kind is not None and size >= self.worker_bytes:
             try:
                 fields = await self.worker.check(kind, chunks, size)
             except WorkerFailed as exc:

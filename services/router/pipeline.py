@@ -23,14 +23,14 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.common.openai_api import ApiError, Kind
+from services.common.openai_api import ApiError
 from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.finish import RequestOutcome, finish_report
 from services.router.kv_moves import Forward, KvMoves
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, PlacementQuery, Placer
-from services.router.prepare import Call, Preparer
+from services.router.prepare import Api, Call, Preparer
 from services.router.proxy import EngineFailed, EngineRefused, Relayed, Upstream
 
 log = logging.getLogger(__name__)
@@ -66,14 +66,15 @@ class Pipeline:
     async def run(
         self,
         request: web.Request,
-        kind: Kind,
+        api: Api,
         tenant: Tenant,
         arrived: float,
         reply: dict[str, str],
     ) -> web.StreamResponse:
-        """Serve one completion request of `tenant`; fills `reply` with our headers for the
-        client's response as it goes. Raises `ApiError` for what the client gets as one."""
-        call = await self._preparer.prepare(request, kind, tenant, arrived, reply)
+        """Serve one completion request of `tenant` that came by `api`; fills `reply` with our
+        headers for the client's response as it goes. Raises `ApiError` for what the client
+        gets as one."""
+        call = await self._preparer.prepare(request, api, tenant, arrived, reply)
         placement = await self.place(call.query, call.arrived)
         headers = engine_headers(call.query, call.client_request_id)
         forward = await self.settle(request.path, call, placement, headers)

@@ -22,13 +22,14 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 from urllib.parse import quote
 
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
 from clients.python.packed_hashes import hash_count, pack_hashes
+from services.common import anthropic_messages, responses_input
 from services.common.openai_api import (
     ApiError,
     CompletionRequest,
@@ -51,6 +52,13 @@ _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no spac
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
 # loop: at most ~80 µs of work (demo tokenizer), less than a pool thread's round trip costs.
 INLINE_PROMPT_CHARS: Final = 256
+# The APIs a request may come by: OpenAI's completions and chat, Anthropic's Messages and
+# OpenAI's Responses (the last two read as the chat request vLLM makes of them).
+Api = Literal["completion", "chat", "messages", "responses"]
+# How each is parsed (`parse_request`) and so checked by the body worker; None: converted.
+OPENAI_KINDS: Final[dict[Api, Kind | None]] = {
+    "completion": "completion", "chat": "chat", "messages": None, "responses": None,
+}  # fmt: skip
 MAX_REQUEST_ID_CHARS: Final = 128
 # Headers that name a request's session, first found first: ours, then what agent CLIs send
 # on every call of a session (Claude Code's; Codex's `session_id` and `conversation_id`,
@@ -109,12 +117,39 @@ class Preparer:
         self.bodies = BodyReader(self.max_body_bytes, worker, settings.body_worker_bytes)
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)
+        self._chat_template = settings.chat_template
+        # What each model's chat template shows the Messages and Responses conversions.
+        self._messages_traits: dict[str, anthropic_messages.TemplateTraits] = {}
+        self._responses_traits: dict[str, responses_input.TemplateTraits] = {}
         self.max_model_len = settings.max_model_len
         self.max_session_id_bytes = settings.max_session_id_bytes
         self._tracer = tracer
         self._pool = ThreadPoolExecutor(
             settings.tokenizer_threads, thread_name_prefix="kvsched-tok"
         )
+
+    def _parse(self, api: Api, body: dict[str, Any]) -> CompletionRequest:
+        """What the serving path needs of `body`: an Anthropic Messages or a Responses body is
+        read as the chat request vLLM makes of it (its prompt, for the ids to hash); the
+        engine still gets the body as the client sent it. Raises `ApiError` 400 (404 for an
+        unknown model)."""
+        kind = OPENAI_KINDS[api]
+        if kind is not None:
+            return parse_request(kind, body)
+        asked = body.get("model")
+        model = self.served_model(asked if isinstance(asked, str) else None)
+        tokenizer = self.tokenizers[model]
+        if api == "messages":
+            traits = self._messages_traits.get(model)
+            if traits is None:  # probed once a model, as vLLM does at its start
+                traits = anthropic_messages.template_traits(tokenizer, self._chat_template)
+                self._messages_traits[model] = traits
+            return parse_request("chat", anthropic_messages.chat_body(body, traits))
+        shows = self._responses_traits.get(model)
+        if shows is None:
+            shows = responses_input.template_traits(tokenizer, self._chat_template)
+            self._responses_traits[model] = shows
+        return parse_request("chat", responses_input.chat_body(body, shows))
 
     def served_model(self, model: str | None) -> str:
         """The served name a request's `model` stands for (the default one where it names
@@ -146,16 +181,16 @@ class Preparer:
     async def prepare(
         self,
         request: web.Request,
-        kind: Kind,
+        api: Api,
         tenant: Tenant,
         arrived: float,
         reply: dict[str, str],
     ) -> Call:
         """Check, tokenize and hash `request`; raises `ApiError` 400 for what the Router
         refuses. Names the request (`x-kvsched-request-id` in `reply`) once it passed."""
-        read = await self.bodies.read(request, kind)
+        read = await self.bodies.read(request, OPENAI_KINDS[api])
         raw, body = read.raw, read.fields
-        req = parse_request(kind, body)
+        req = self._parse(api, body)
         model = self.served_model(req.model)
         tokenizer = self.tokenizers[model]
         header, named = session_header(request)

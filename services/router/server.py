@@ -82,6 +82,8 @@ log = logging.getLogger(__name__)
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
+MESSAGES: Final = "/v1/messages"  # Anthropic's Messages API, as vLLM serves it
+RESPONSES: Final = "/v1/responses"
 # A request's work once admitted: (tenant, arrived, our reply headers) -> the response.
 Serve = Callable[[Tenant, float, dict[str, str]], Awaitable[web.StreamResponse]]
 # `/v1/models` asks one instance of each served model, up to this many models.
@@ -170,6 +172,8 @@ class Router:
             [
                 web.post(COMPLETIONS, self.completions),
                 web.post(CHAT, self.chat_completions),
+                web.post(MESSAGES, self.messages),
+                web.post(RESPONSES, self.responses),
                 web.get("/v1/models", self.models),
                 web.get("/v1/models/{model}", self.model),
                 *(web.post(route, self.pass_through) for route in PASS_THROUGH),
@@ -273,12 +277,24 @@ class Router:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, CHAT, partial(self.pipeline.run, request, "chat"))
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        run = partial(self.pipeline.run, request, "messages")
+        return await self._serve(request, MESSAGES, run, anthropic=True)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(
+            request, RESPONSES, partial(self.pipeline.run, request, "responses")
+        )
+
     async def pass_through(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, request.path, partial(self.passthrough.serve, request))
 
-    async def _serve(self, request: web.Request, route: str, run: Serve) -> web.StreamResponse:
-        """One request inside its SERVER span; every failure becomes an OpenAI error response
-        (a bug is logged, the client gets a plain 500)."""
+    async def _serve(
+        self, request: web.Request, route: str, run: Serve, *, anthropic: bool = False
+    ) -> web.StreamResponse:
+        """One request inside its SERVER span; every failure becomes an error response,
+        OpenAI's JSON or, with `anthropic`, Anthropic's (a bug is logged, the client gets a
+        plain 500)."""
         arrived = time.perf_counter()
         span = self.tracer.start_span(
             f"POST {route}",
@@ -299,10 +315,11 @@ class Router:
             status = err.status
             if _is_mistake(status):
                 self.client_errors.warning("POST %s: %d %s", route, status, err.message)
-            return err.response(reply)
+            return err.response(reply, anthropic=anthropic)
         except Exception:
             log.exception("request failed")
-            return ApiError(500, "internal error", type_="internal_error").response(reply)
+            failed = ApiError(500, "internal error", type_="internal_error")
+            return failed.response(reply, anthropic=anthropic)
         finally:
             span.set_attribute("http.response.status_code", status)
             if status >= 500:
@@ -316,7 +333,7 @@ class Router:
     ) -> web.StreamResponse:
         if self.draining:
             raise unavailable("This router is draining; send the request to another one.")
-        tenant = self.auth.tenant(request.headers.get("Authorization"))
+        tenant = self.auth.tenant_of(request.headers)
         # Before the body is read: a Router over its bound spends nothing more on a request.
         if not self.in_flight.enter():
             self.metrics.shed.labels("in_flight").inc()
@@ -347,7 +364,7 @@ class Router:
         """Every served model: the `/v1/models` of one instance of each model the Conductor
         knows (merged, with a card for each alias), else the configured models."""
         try:
-            self.auth.tenant(request.headers.get("Authorization"))
+            self.auth.tenant_of(request.headers)
         except ApiError as err:
             self.metrics.requests.labels("/v1/models", str(err.status)).inc()
             return err.response()
@@ -357,7 +374,7 @@ class Router:
     async def model(self, request: web.Request) -> web.Response:
         """One model's card (`GET /v1/models/{id}`), or OpenAI's 404."""
         try:
-            self.auth.tenant(request.headers.get("Authorization"))
+            self.auth.tenant_of(request.headers)
             wanted = request.match_info["model"]
             card = next((c for c in await self._model_cards() if c.get("id") == wanted), None)
             if card is None:

@@ -1,9 +1,11 @@
 """Token counts from an engine's answer, read without touching what the client gets.
 
-A non-streaming answer carries `usage` in its body. A stream carries it only when the client
-asked (`stream_options.include_usage`): vLLM then sends one last chunk with `"choices": []`
-and the usage just before `data: [DONE]`, so only the stream's tail is scanned, once, after
-it ended. Without usage the Router reports its own estimates (see `proxy`).
+A non-streaming answer carries `usage` in its body. A chat or completions stream carries it
+only when the client asked (`stream_options.include_usage`): vLLM then sends one last chunk
+with `"choices": []` and the usage just before `data: [DONE]`, so only the stream's tail is
+scanned, once, after it ended. A Responses stream ends with the whole response and its usage;
+an Anthropic Messages stream's last usage (`message_delta`) counts what vLLM counted by then.
+Without usage the Router reports its own estimates (see `proxy`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,19 @@ class Usage:
 
 
 def from_usage(usage: object) -> Usage | None:
-    """A `usage` object as OpenAI and vLLM shape it; None when it is not one."""
+    """A `usage` object as OpenAI's chat and completions shape it, as its Responses API does
+    (`input_tokens`, `input_tokens_details.cached_tokens`), or as Anthropic's Messages API does
+    (`input_tokens` without the cache's `cache_read_input_tokens` and
+    `cache_creation_input_tokens`), each as vLLM fills it; None when it is not one."""
     if not isinstance(usage, dict):
         return None
+    if "input_tokens" in usage or "output_tokens" in usage:
+        details = usage.get("input_tokens_details")
+        read = _count(usage.get("cache_read_input_tokens"))
+        cached = details.get("cached_tokens") if isinstance(details, dict) else read
+        prompt = _count(usage.get("input_tokens")) + read
+        prompt += _count(usage.get("cache_creation_input_tokens"))
+        return Usage(prompt, _count(usage.get("output_tokens")), _count(cached))
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     return Usage(
@@ -54,7 +66,10 @@ def from_sse_tail(tail: bytes) -> Usage | None:
         except (ValueError, UnicodeDecodeError):
             continue
         if isinstance(parsed, dict):
-            found = from_usage(parsed.get("usage"))
+            # (A Responses stream's usage is in its last event's `response`.)
+            response = parsed.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else parsed.get("usage")
+            found = from_usage(usage)
             if found is not None:
                 return found
     return None

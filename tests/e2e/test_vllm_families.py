@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
+import openai
 import pytest
+from anthropic.types import MessageParam, MetadataParam
 
 from services.common.openai_api import ApiError, PromptTokenizer, parse_request
 from services.launcher.vllm import DEFAULT_PYTHON
@@ -145,3 +148,101 @@ async def test_both_models_are_listed_and_each_request_is_answered_by_its_models
     )
     assert status == 404 and answer["error"]["param"] == "model", answer
     assert cluster.endpoints["block_size"] == 32
+
+
+# ---- the API surface through the Router, with the vendors' own SDKs as clients --------------
+
+
+async def test_openai_sdk_completions_chat_and_responses_streamed_and_not(
+    cluster: LocalCluster, key: tuple[Path, str]
+) -> None:
+    model = served_name("qwen2")
+    ids = {e["id"] for e in engines_of(cluster, "qwen2")}
+    async with openai.AsyncOpenAI(base_url=cluster.routers[0] + "/v1", api_key=key[1]) as client:
+        raw = await client.completions.with_raw_response.create(
+            model=model, prompt=["one prompt", "and another"], max_tokens=2, n=2
+        )
+        assert raw.headers["x-kvsched-instance"] in ids
+        assert len(raw.parse().choices) == 4  # every prompt, n choices each
+        chat = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens > 0
+        chunks = [c async for c in await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True,
+            stream_options={"include_usage": True},
+        )]  # fmt: skip
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+        text = [c async for c in await client.completions.create(
+            model=model, prompt="count", max_tokens=2, stream=True
+        )]  # fmt: skip
+        assert text
+        response = await client.responses.create(model=model, input="hi", max_output_tokens=4)
+        assert response.usage is not None and response.usage.input_tokens > 0
+        events = [e.type async for e in await client.responses.create(
+            model=model, input="hi", max_output_tokens=4, stream=True
+        )]  # fmt: skip
+        assert events[-1] == "response.completed"
+        assert (await client.models.retrieve(model)).id == model
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("none-such")
+
+
+async def test_anthropic_sdk_messages_streamed_and_not_stay_on_one_engine_cache_growing(
+    cluster: LocalCluster, key: tuple[Path, str]
+) -> None:
+    model = served_name("qwen2")
+    words = " ".join(f"m{i * 7907 % 5000}" for i in range(200))  # no other test's prefix
+    # The session as Claude Code names it, in metadata.user_id.
+    metadata: MetadataParam = {"user_id": "user_1_account_2_session_messages-1"}
+    messages: list[MessageParam] = []
+    served, cached = [], []
+    async with anthropic.AsyncAnthropic(base_url=cluster.routers[0], api_key=key[1]) as client:
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn}: {words[turn * 200 :]}"})
+            raw = await client.messages.with_raw_response.create(
+                model=model,
+                max_tokens=4,
+                messages=messages,
+                metadata=metadata,
+            )
+            answer = await raw.parse()
+            served.append(raw.headers["x-kvsched-instance"])
+            cached.append(answer.usage.cache_read_input_tokens or 0)
+            reply = "".join(b.text for b in answer.content if b.type == "text")
+            messages.append({"role": "assistant", "content": reply or "ok"})
+        async with client.messages.stream(
+            model=model,
+            max_tokens=4,
+            messages=messages[:1],
+            metadata=metadata,
+        ) as stream:
+            final = await stream.get_final_message()
+        assert final.usage.output_tokens > 0
+    assert len(set(served)) == 1, (served, cached)
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
+
+
+async def test_tokenize_detokenize_pass_through_and_embeddings_get_vllms_own_answer(
+    cluster: LocalCluster, http: aiohttp.ClientSession, key: tuple[Path, str]
+) -> None:
+    auth = {"Authorization": f"Bearer {key[1]}"}
+    model = served_name("mistral")
+    router = cluster.routers[1]
+    status, answer, headers = await post(
+        http, router + "/tokenize", {"model": model, "prompt": "The KV cache"}, **auth
+    )
+    assert status == 200 and headers["x-kvsched-instance"] in {
+        e["id"] for e in engines_of(cluster, "mistral")
+    }
+    expected = PromptTokenizer(REPO / "out" / "models" / model).encode("The KV cache", True)
+    assert answer["tokens"] == expected
+    status, answer, _ = await post(
+        http, router + "/detokenize", {"model": model, "tokens": expected}, **auth
+    )
+    assert status == 200 and "The KV cache" in answer["prompt"], answer
+    # A generative engine serves no embeddings: vLLM's own answer passes through.
+    status, answer, headers = await post(
+        http, router + "/v1/embeddings", {"model": model, "input": "x"}, **auth
+    )
+    assert 400 <= status < 500 and "x-kvsched-instance" in headers, (status, answer)

@@ -59,8 +59,8 @@ def to_either_router(requests: st.SearchStrategy[FuzzRequest]) -> st.SearchStrat
 
 # -- strategies ---------------------------------------------------------------------------
 
-POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
-              "/detokenize"]  # fmt: skip
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
+              "/v1/embeddings", "/tokenize", "/detokenize"]  # fmt: skip
 OPENAI_PATHS = [*POST_PATHS, "/v1/models", "/v1/models/" + DEFAULT_MODEL]
 KNOWN_PATHS = [*OPENAI_PATHS, "/health", "/metrics"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
@@ -88,7 +88,8 @@ field_values = st.one_of(json_values, huge_text, st.just(""), st.just([]), st.ju
 COMPLETION_FIELDS = [
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
     "logprobs", "echo", "user", "session_id", "presence_penalty", "frequency_penalty",
-    "stream_options", "min_tokens", "prompt_cache_key", "tokens", "input",
+    "stream_options", "min_tokens", "prompt_cache_key", "tokens", "input", "system",
+    "instructions", "metadata", "thinking", "max_output_tokens", "previous_response_id",
 ]  # fmt: skip
 CHAT_FIELDS = [
     *(f for f in COMPLETION_FIELDS if f not in {"prompt", "echo"}),
@@ -216,6 +217,18 @@ refused_requests = st.one_of(
 # -- the checks ---------------------------------------------------------------------------
 
 
+def api_error(body: bytes) -> None:
+    """An error body as the API shapes it: Anthropic's on `/v1/messages` where the Router
+    refused it (an engine's own passes as it is), else OpenAI's."""
+    parsed = json.loads(body)
+    if isinstance(parsed, dict) and parsed.get("type") == "error":
+        error = parsed["error"]
+        assert set(error) == {"type", "message"} and error["message"], parsed
+        assert "Traceback" not in error["message"]
+        return
+    openai_error(body)
+
+
 @dataclass(frozen=True)
 class Routers:
     """The two Routers fuzzed: one open, one asking for API keys."""
@@ -241,7 +254,7 @@ async def send(http: aiohttp.ClientSession, routers: Routers, req: FuzzRequest) 
         api = req.path.startswith(("/v1/", "/tokenize", "/detokenize"))
         if api and status >= 400 and req.method != "HEAD":
             assert resp.content_type == "application/json", (req, status, body[:500])
-            openai_error(body)
+            api_error(body)
         if req.keyed and api:
             assert status >= 400, (req, status, body[:500])  # no key, no answer
         return status

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from services.launcher import vllm_flags
 from services.launcher.__main__ import build_parser, cluster_options
 from services.launcher.plan import STAGES, ClusterOptions, plan_cluster
 from services.launcher.vllm import REPO
@@ -246,3 +248,22 @@ def test_a_block_size_the_engines_take_when_none_is_given(
     flags: list[str], block_size: int
 ) -> None:
     assert cluster_options(build_parser().parse_args(flags)).block_size == block_size
+
+
+def test_vllm_flags_prints_what_kvsched_up_starts_its_engines_with(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert vllm_flags.main(["--model", "m/tiny", "--kv-pool-socket", "/run/pool.sock"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    argv = shlex.split(out[1])
+    assert argv[:3] == ["vllm", "serve", "m/tiny"]
+    opts = ClusterOptions(
+        engine="vllm", model_dir=Path("m/tiny"), model="tiny", block_size=32, nodes=1
+    )
+    up = plan_cluster(opts, Path("run"), Path("keys"), "").stage("engine")[0].argv
+    for flag in ("--block-size", "--prefix-caching-hash-algo", "--served-model-name"):
+        assert _flag(tuple(argv), flag) == _flag(up, flag)
+    config = json.loads(_flag(tuple(argv), "--kv-transfer-config"))
+    assert config["kv_connector_extra_config"]["pool_socket"] == "/run/pool.sock"
+    assert "--enforce-eager" not in argv
+    assert any(line.startswith("kvsched messenger --engine") for line in out)

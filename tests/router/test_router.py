@@ -392,3 +392,40 @@ def last_sent(tap: Tap, route: str) -> HttpMessage:
     """The last request for `route` that reached the engine through `tap`."""
     sent = [m for e in tap.exchanges for m in parse_http(bytes(e.to_engine))]
     return [m for m in sent if m.start_line.startswith(f"POST {route} ")][-1]
+
+
+async def test_messages_and_responses_are_placed_by_the_prompt_vllm_would_render(
+    stack: Stack, keys_file: tuple[Path, dict[str, str]]
+) -> None:
+    c, _, router = await stack.up(2, no_auth=False, api_keys=str(keys_file[0]))
+    key = keys_file[1]["acme"]
+    say = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    body = {**say, "metadata": {"user_id": "user_x_account_y_session_z"}}
+    # Anthropic's SDKs send the key as x-api-key; the simulated engine has no /v1/messages,
+    # so its 404 is the answer, but the request was placed, in the session the body names.
+    status, headers, data = await stack.post(
+        router.url + "/v1/messages", body, **{"x-api-key": key}
+    )
+    assert status == 404 and "x-kvsched-instance" in headers, data
+    async with ConductorClient([c.url]) as client:
+        session = await client.get_session("acme/user_x_account_y_session_z")
+    assert session.host_instance_id == headers["x-kvsched-instance"]
+    status, headers, data = await stack.post(
+        router.url + "/v1/responses", {"model": MODEL, "input": "Hi"},
+        Authorization=f"Bearer {key}",
+    )  # fmt: skip
+    assert status == 404 and "x-kvsched-instance" in headers, data
+    # What the Router refuses itself it refuses in the API's own error shape.
+    status, _, data = await stack.post(
+        router.url + "/v1/messages", {**say, "max_tokens": "4"}, **{"x-api-key": key}
+    )
+    error = json.loads(data)
+    assert status == 400 and error["type"] == "error" and error["error"]["message"], error
+    status, _, data = await stack.post(router.url + "/v1/messages", say)
+    assert status == 401 and json.loads(data)["type"] == "error"
+    status, _, data = await stack.post(
+        router.url + "/v1/responses",
+        {"model": MODEL, "input": "Hi", "previous_response_id": "resp_1"},
+        Authorization=f"Bearer {key}",
+    )
+    assert status == 400 and json.loads(data)["error"]["param"] == "previous_response_id"
