@@ -2,16 +2,18 @@
 the request runs.
 
 Every check the Router makes of a request's content is here, in the order a client meets
-them: the body (JSON, at most `max_body_bytes`; a large one decoded and checked by the body
-worker process: `bodies`), its fields (`parse_request`),
-the session id's length (`check_session_id`), a prompt too long for the context by its bytes
-alone (`RouterTokenizer.least_tokens`: refused untokenized), the chat's rendering
+them: the body (JSON, at most `max_body_bytes`; a large completion or chat body decoded and
+checked by the body worker process: `bodies`), its fields (`parse_request`; an Anthropic
+Messages or Responses body first read as the chat request vLLM makes of it), its model (a
+model the Router has no tokenizer for is vLLM's 404), the session id's length
+(`check_session_id`), a prompt too long for the context by its bytes alone
+(`RouterTokenizer.least_tokens`: refused untokenized), the chat's rendering
 (`PromptTokenizer.prompt_ids`: media parts, a request's own template), then the lengths
 (`output_budget`: an empty prompt, the model's context, in vLLM's words).
-What passes is tokenized and hashed as vLLM does, with the tenant's salt (one call: on the
-event loop for a small prompt, else on a thread pool, where the tokenizer's backend lets go
-of the GIL), and leaves as a `Call`. (Who may ask, and whether this Router
-still takes requests, is the server's: `server`.)
+What passes is tokenized with its model's tokenizer and hashed as vLLM does, with the
+tenant's salt (one call: on the event loop for a small prompt, else on a thread pool, where
+the tokenizer's backend lets go of the GIL), and leaves as a `Call`. (Who may ask, and
+whether this Router still takes requests, is the server's: `server`.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, Literal
 from urllib.parse import quote
 
@@ -42,6 +45,7 @@ from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.bodies import BodyReader, BodyWorker, body_limit
 from services.router.placement import PlacementQuery
+from services.router.prompt_pieces import PieceTokenizer, SessionPrompts
 from services.router.proxy import with_cache_salt
 from services.router.settings import RouterSettings
 from services.router.tokenizer import RouterTokenizer
@@ -109,6 +113,11 @@ class Preparer:
         self.tokenizer = tokenizer(settings.tokenizer)  # the default model's
         self.tokenizers = {settings.model: self.tokenizer}
         self.tokenizers |= {name: tokenizer(path) for name, path in settings.model_tokenizers}
+        # Each model's sessions' last turns, to tokenize and hash only what a turn adds.
+        self.session_prompts = {
+            name: SessionPrompts(PieceTokenizer(tok.model), settings.session_prompt_tokens)
+            for name, tok in self.tokenizers.items()
+        } if settings.session_prompt_tokens else {}  # fmt: skip
         # What refuses a body by its bytes alone must hold for every model's tokenizer.
         bounds = [t.max_token_bytes for t in self.tokenizers.values()]
         longest = None if None in bounds else max(b for b in bounds if b is not None)
@@ -203,12 +212,11 @@ class Preparer:
             self._refuse_beyond_context(req, tokenizer)
         salt = tenant.cache_salt(req.cache_salt)
         with child_span(self._tracer, "tokenize") as span:
+            work = partial(self._tokenize, req, model, raw, body, salt, session=scoped)
             if _small(req):
-                tokenized = self._tokenize(req, model, raw, body, salt)
+                tokenized = work()
             else:
-                tokenized = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._tokenize, req, model, raw, body, salt
-                )
+                tokenized = await asyncio.get_running_loop().run_in_executor(self._pool, work)
             if span.is_recording():
                 span.set_attribute("kvsched.prompt_tokens", tokenized.prompt_tokens)
                 span.set_attribute("kvsched.blocks", hash_count(tokenized.packed_hashes))
@@ -236,20 +244,44 @@ class Preparer:
             check_length(least, req.max_tokens, self.max_model_len, at_least=True)
 
     def _tokenize(
-        self, req: CompletionRequest, model: str, raw: bytes, body: dict[str, Any], salt: str
+        self,
+        req: CompletionRequest,
+        model: str,
+        raw: bytes,
+        body: dict[str, Any],
+        salt: str,
+        *,
+        session: str = "",
     ) -> Tokenized:
         """Tokenize with `model`'s tokenizer, check the lengths, hash, and build the engine's
-        body (thread-safe)."""
+        body (thread-safe). A chat of a `session` is tokenized and hashed from what its
+        previous turn left (`session_prompts`): only what is new, the same ids."""
         if req.model is not None and req.model != model:  # the engines know the served name
             body = {**body, "model": model}
             raw = json.dumps(body).encode()
-        batch = self.tokenizers[model].batch_ids(req)
+        tokenizer = self.tokenizers[model]
+        prompts = self.session_prompts.get(model)
+        chat = req.chat
+        if session and prompts is not None and chat is not None and chat.forwarded_ids is None:
+            text = tokenizer.render_chat(chat)
+            try:
+                ids, block_hashes = prompts.ids_and_hashes(
+                    session, text, req.add_special_tokens, self.hasher, salt or None
+                )
+            except TypeError:  # a lone surrogate, as `prompt_ids` refuses it
+                raise bad_request(
+                    "'messages' is not valid Unicode (it contains a lone surrogate)", "messages"
+                ) from None
+            batch = [ids]
+        else:
+            batch = tokenizer.batch_ids(req)
+            block_hashes = self.hasher.hash_prompt(batch[0], salt or None)
         # Each prompt of a batch is checked as vLLM checks it; the engine computes them all
         # (and `n` choices of each) where the first one is placed.
         output = sum(output_budget(req, len(ids), self.max_model_len) for ids in batch) * req.n
         # Packed once here (off the event loop for a long prompt): the placement and the
         # completion report both carry these bytes as they are.
-        hashes = pack_hashes(self.hasher.hash_prompt(batch[0], salt or None))
+        hashes = pack_hashes(block_hashes)
         prompt_tokens = sum(map(len, batch))
         return Tokenized(prompt_tokens, output, hashes, with_cache_salt(raw, body, salt))
 

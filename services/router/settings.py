@@ -59,6 +59,9 @@ class RouterSettings:
     suspect_s: float = 5.0  # how long an instance that refused a connection is skipped
     drain_timeout_s: float = 30.0  # SIGTERM: how long open streams may take to finish
     tokenizer_threads: int = 4
+    # Token ids kept of sessions' previous turns, so a later turn tokenizes and hashes only
+    # what is new (`prompt_pieces`); 0: every turn whole.
+    session_prompt_tokens: int = 1 << 23
     # Overload bounds (see `overload`): beyond each a request gets 429 + Retry-After at once.
     max_in_flight: int = 2048  # completions open at once
     max_placing: int = 256  # requests waiting for the Conductor's placement
@@ -102,6 +105,8 @@ class RouterSettings:
                 "--chat-template-content-format must be auto, string or openai, got "
                 f"{self.chat_template_content_format!r}"
             )
+        if self.session_prompt_tokens < 0:
+            raise ValueError("--session-prompt-tokens must be 0 (none kept) or positive")
         if self.max_connections < 0:
             raise ValueError("--max-connections must be 0 (unlimited) or positive")
         if self.max_body_bytes < 0:
@@ -148,6 +153,12 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "backlog", d.backlog, "listen backlog of the HTTP socket")
     _flag(p, "drain-timeout", d.drain_timeout_s, "on SIGTERM, seconds open streams may take")
     _flag(p, "tokenizer-threads", d.tokenizer_threads, "threads that tokenize and hash")
+    _flag(
+        p,
+        "session-prompt-tokens",
+        d.session_prompt_tokens,
+        "ids of sessions' last turns kept to tokenize only what is new (0: none)",
+    )
     _flag(p, "max-session-id-bytes", d.max_session_id_bytes, "longest session id, UTF-8 bytes")
     _flag(p, "max-in-flight", d.max_in_flight, "completions open at once; more get 429")
     _flag(p, "max-placing", d.max_placing, "requests waiting for a placement; more get 429")
@@ -191,6 +202,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             backlog=a.backlog,
             drain_timeout_s=a.drain_timeout,
             tokenizer_threads=a.tokenizer_threads,
+            session_prompt_tokens=a.session_prompt_tokens,
             max_session_id_bytes=a.max_session_id_bytes,
             max_in_flight=a.max_in_flight,
             max_placing=a.max_placing,

@@ -7,13 +7,15 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from clients.python import ConductorClient, unpack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.openai_api import PromptTokenizer
+from services.common.openai_api import PromptTokenizer, parse_request
+from services.router.placement import Placement, PlacementQuery
 from tests.conftest import REPO
 from tests.fixtures.poll import wait_for
 from tests.router.conftest import MODEL, Stack, chat, completion
@@ -429,3 +431,35 @@ async def test_messages_and_responses_are_placed_by_the_prompt_vllm_would_render
         Authorization=f"Bearer {key}",
     )
     assert status == 400 and json.loads(data)["error"]["param"] == "previous_response_id"
+
+
+async def test_a_sessions_later_turns_tokenize_what_is_new_with_the_same_ids(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, router = await stack.up(1)
+    queries: list[PlacementQuery] = []
+    place = router.placer.place
+
+    async def recorded(query: PlacementQuery, **kw: Any) -> Placement:
+        queries.append(query)
+        return await place(query, **kw)
+
+    monkeypatch.setattr(router.placer, "place", recorded)
+    hasher = VllmBlockHasher(router.settings.block_size)
+    tokenizer = PromptTokenizer()
+    messages: list[dict[str, str]] = [{"role": "system", "content": "Be brief. " * 200}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"turn {turn}: " + "words " * 100})
+        body = chat(messages=list(messages))
+        status, _, data = await stack.post(
+            router.url + "/v1/chat/completions", body, **{"x-session-id": "long"}
+        )
+        assert status == 200, data
+        ids = tokenizer.prompt_ids(parse_request("chat", body))
+        assert unpack_hashes(queries[-1].packed_hashes) == hasher.hash_prompt(ids)
+        assert queries[-1].prompt_tokens == len(ids)
+        messages.append(
+            {"role": "assistant", "content": json.loads(data)["choices"][0]["message"]["content"]}
+        )
+    stats = router.preparer.session_prompts[MODEL].stats()
+    assert stats.reused_tokens > stats.tokenized_tokens > 0  # most of each later turn reused
