@@ -16,8 +16,9 @@ turn's incremental ids and hashes are checked equal to the whole path's.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import statistics
+import time
 from typing import Any
 
 from bench.common import median_s
@@ -77,6 +78,7 @@ def family_rows(
     pieces = PieceTokenizer(tok.model)
     prompts = SessionPrompts(pieces, max_tokens=1 << 30)
     rows = []
+    previous: str | None = None
     for turn, body in enumerate(session(tok, args.turns, args.tokens, args.follow_up), 1):
         req = parse_request("chat", body)
         chat = req.chat
@@ -87,17 +89,8 @@ def family_rows(
         ids = tok.encode(text, flag)
         hashes = hasher.hash_prompt(ids, SALT)
         whole = median_s(lambda: hasher.hash_prompt(tok.encode(text, flag), SALT), args.repeats)  # noqa: B023
-        # Each timed call starts from the previous turn's record, shared under a key of its
-        # own (records are never changed once made), so that no call sees another's.
-        aliases = [f"alias-{turn}-{i}" for i in range(args.repeats + 1)]
-        previous = prompts._turns.get("session")
-        if previous is not None:
-            for alias in aliases:
-                prompts._turns[alias] = previous
-        keys = itertools.cycle(aliases)
-        incremental = median_s(
-            lambda: prompts.ids_and_hashes(next(keys), text, flag, hasher, SALT),  # noqa: B023
-            args.repeats,
+        incremental = _from_previous(
+            prompts, previous, text, flag, hasher=hasher, repeats=args.repeats
         )
         cold = median_s(
             lambda: prompts.ids_and_hashes(None, text, flag, hasher, SALT),  # noqa: B023
@@ -107,10 +100,33 @@ def family_rows(
         got = prompts.ids_and_hashes("session", text, flag, hasher, SALT)
         assert got == (ids, hashes), f"turn {turn}: incremental ids or hashes differ"
         fresh = prompts.stats().tokenized_tokens - before
-        for alias in aliases:
-            prompts.discard(alias)
+        previous = text
         rows.append((turn, len(ids), fresh, render, whole, incremental, cold))
     return rows
+
+
+def _from_previous(
+    prompts: SessionPrompts,
+    previous: str | None,
+    text: str,
+    flag: bool,
+    *,
+    hasher: VllmBlockHasher,
+    repeats: int,
+) -> float:
+    """The median time of `text`'s ids and hashes from a record of the `previous` turn's
+    prompt: each timed call gets a session of its own, whose record an untimed call made,
+    so that no call sees another's (the first one warms up)."""
+    times = []
+    for i in range(repeats + 1):
+        key = f"timed-{i}"
+        if previous is not None:
+            prompts.ids_and_hashes(key, previous, flag, hasher, SALT)
+        started = time.perf_counter()
+        prompts.ids_and_hashes(key, text, flag, hasher, SALT)
+        times.append(time.perf_counter() - started)
+        prompts.discard(key)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
