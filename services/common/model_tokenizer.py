@@ -29,10 +29,10 @@ from tokenizers import Tokenizer
 
 from kvsched.data_files import data_path
 
-# transformers logs that it found no PyTorch at import: tokenizers need none.
+# transformers logs that it found no PyTorch at import: tokenizers need none. It is imported
+# where a tokenizer is first loaded, not with this module: a process that only parses
+# requests (the Router's body worker) does without it (1.3 s of CPU and 40 MB here).
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-from transformers import AutoTokenizer
-from transformers.utils.chat_template_utils import _compile_jinja_template
 
 
 class ModelTokenizer:
@@ -47,6 +47,8 @@ class ModelTokenizer:
             where = where.parent
         if not where.is_dir():
             raise ValueError(f"{where}: no such tokenizer directory")
+        from transformers import AutoTokenizer  # noqa: PLC0415  (see the import note above)
+
         try:
             self.hf: Any = AutoTokenizer.from_pretrained(
                 str(where), local_files_only=True, trust_remote_code=False
@@ -97,4 +99,6 @@ def jinja_template(source: str) -> jinja2.Template:
     """The chat template `source` compiled as transformers compiles it (its sandbox and
     extensions; cached there), as vLLM reads a template's syntax tree; raises
     `jinja2.TemplateSyntaxError`."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: PLC0415
+
     return _compile_jinja_template(source)  # type: ignore[no-any-return]
