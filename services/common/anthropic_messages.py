@@ -192,7 +192,7 @@ class _Request:
             _number(body, key)
         _int(body, "top_k")
         _stop_sequences(body.get("stop_sequences"))
-        _cache_salt(body.get("cache_salt"))
+        check_cache_salt(body.get("cache_salt"))
         _vllm_xargs(body.get("vllm_xargs"))
         if body.get("mm_payload", "tensors") not in ("tensors", "none"):
             raise bad_request("'mm_payload' must be 'tensors' or 'none'", "mm_payload")
@@ -434,9 +434,10 @@ def _stop_sequences(value: object) -> None:
         )
 
 
-def _cache_salt(value: object) -> None:
-    # The Messages model takes 1 to 1024 characters; the chat request vLLM makes of it, 128
-    # without '@', '/', '\' or NUL.
+def check_cache_salt(value: object) -> None:
+    """Raise vLLM's 400 for a `cache_salt` the chat request it makes of a Messages or a
+    Responses body would refuse: at most 128 characters, none of '@', '/', '\\' or NUL
+    (the Messages model alone takes 1 to 1024); None passes."""
     if value is None:
         return
     if (

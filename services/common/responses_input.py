@@ -59,6 +59,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from services.common.anthropic_messages import check_cache_salt
 from services.common.api_errors import bad_request
 from services.common.openai_api import PromptTokenizer
 
@@ -89,8 +90,6 @@ _INCLUDES: Final = (
 _SERVICE_TIERS: Final = ("auto", "default", "flex", "scale", "priority")
 _TEXT_FORMATS: Final = ("text", "json_schema", "json_object")
 _MAX_STOP: Final = 4  # vLLM's VLLM_MAX_STOP_STRINGS default
-_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
-_MAX_CACHE_SALT: Final = 128
 _INT64: Final = 2**63
 
 
@@ -584,23 +583,7 @@ def _check_fields(body: Mapping[str, Any]) -> None:
             "Only one of `previous_input_messages` and `previous_response_id` can be set.",
             "previous_response_id",
         )
-    _cache_salt(body.get("cache_salt"))
-
-
-def _cache_salt(value: object) -> None:
-    if value is None:
-        return
-    if (
-        not isinstance(value, str)
-        or not value
-        or len(value) > _MAX_CACHE_SALT
-        or any(c in _CACHE_SALT_FORBIDDEN for c in value)
-    ):
-        raise bad_request(
-            "Parameter 'cache_salt' must be a non-empty string of at most 128 characters "
-            "without '@', '/', '\\' or NUL.",
-            "cache_salt",
-        )
+    check_cache_salt(body.get("cache_salt"))
 
 
 _ABSENT: Final = object()
