@@ -11,6 +11,7 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core.adapters import AdapterSlots
 from kvsched.core.cost_model import CostModel, default_pool_link
 from kvsched.core.index import PrefixIndex
 from kvsched.core.latency import DEFAULT_LATENCY, load_latency
@@ -82,6 +83,7 @@ class ClusterState:
     load: LoadTracker
     sessions: SessionTable
     alive: npt.NDArray[np.bool_]  # per slot
+    adapters: AdapterSlots  # the LoRA adapters each slot holds and may hold
     # The served model of each slot's instance ("": not said, taken to serve any).
     models: list[str] = field(default_factory=list)
     _role_masks: dict[frozenset[Role], npt.NDArray[np.bool_]] = field(
@@ -136,6 +138,7 @@ class ClusterState:
             self._model_masks.clear()
         self.index.clear_instance(slot)
         self.load.reset(slot, self.capacity_blocks)
+        self.adapters.reset(slot)
         self.alive[slot] = True
 
     def remove_instance(self, slot: int) -> None:
@@ -143,6 +146,7 @@ class ClusterState:
         self.alive[slot] = False
         self.index.clear_instance(slot)
         self.load.reset(slot, self.capacity_blocks)
+        self.adapters.reset(slot)
         self.sessions.unbind_host(slot)
 
 
@@ -166,4 +170,5 @@ def build_cluster(config: ClusterConfig) -> ClusterState:
         load=LoadTracker(config.n_instances, capacity_blocks),
         sessions=SessionTable(),
         alive=np.ones(config.n_instances, dtype=bool),
+        adapters=AdapterSlots(config.n_instances),
     )

@@ -36,7 +36,8 @@ def ttft_terms(
     """Estimated TTFT per slot, term by term: queue + prefill of the uncached tokens (with the
     decode passes it shares) + KV transfer on the critical path (`transfer_s`, none when
     omitted) + the part of the load from the node's pool that the prefill does not hide
-    (`pool_load`: the slot's pool-only tokens, `view.pool_tokens`; none without any). Computed
+    (`pool_load`: the slot's pool-only tokens, `view.pool_tokens`; none without any) + the
+    load of the request's LoRA adapter where it is not held (`adapter_load_s`). Computed
     for every slot; the view's `eligible` mask says which were candidates. The numpy below is
     the reference; the compiled kernels compute the same floats."""
     queue = load.pending_prefill_s
@@ -74,7 +75,12 @@ def ttft_terms(
     else:
         load_s, wait_s = pool_load(cost, pool, prefill)
         ttft = ttft + wait_s
+    terms: dict[str, FloatVec] = {}
+    if view.adapter_s is not None:  # the request's adapter is loaded before its prefill
+        ttft = ttft + view.adapter_s
+        terms["adapter_load_s"] = view.adapter_s
     return {
+        **terms,
         "hit_tokens": view.hit_tokens,
         "cached_tokens": cached,
         "queue_s": queue,

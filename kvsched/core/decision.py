@@ -11,7 +11,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core.adapters import AdapterChange
+
 RequestId = int | str
+NO_CHANGE = AdapterChange()
 
 
 class TransferKind(Enum):
@@ -42,6 +45,11 @@ class RequestInfo:
     # The served model it asks for: only instances serving it are candidates, and only their
     # KV counts (two models' blocks of the same tokens hash alike). "": any instance.
     model: str = ""
+    # The LoRA adapter of `model` it runs with ("": none): only instances that hold it or
+    # can load it are candidates, its load is priced on the others (`adapter_bytes` of
+    # weights over the host link), and its blocks hash apart from the base model's.
+    adapter: str = ""
+    adapter_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,9 @@ class Decision:
     rebound: bool = False
     # A parallel call of a session placed off its host: the session stays bound where it was.
     keeps_binding: bool = False
+    # What the instance (and the decode instance) does before it serves an adapter request.
+    adapter_change: AdapterChange = NO_CHANGE
+    decode_adapter_change: AdapterChange = NO_CHANGE
 
     def explain(self) -> list[dict[str, Any]]:
         """All candidates with their named terms, best estimated TTFT first."""

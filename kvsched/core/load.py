@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvsched.core.adapters import AdapterReport
+
 FloatVec = npt.NDArray[np.float64]
 
 _FIELDS = (
@@ -37,6 +39,8 @@ class LoadReport:
     running: int
     decode_tokens: int
     free_blocks: int
+    # The engine's LoRA adapters, where it said (None: it did not, and what it held stands).
+    adapters: AdapterReport | None = None
 
 
 class LoadTracker:

@@ -9,10 +9,18 @@ returns transfers to start, `after_transfer` updates what the policy alone keeps
 
 from __future__ import annotations
 
+from dataclasses import replace
 from random import Random
 
 from kvsched.core.cluster import ClusterState
-from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.decision import (
+    NO_CHANGE,
+    Completion,
+    Decision,
+    RequestInfo,
+    TransferKind,
+    TransferPlan,
+)
 from kvsched.core.policies.base import Policy
 from kvsched.core.request_view import request_view
 
@@ -24,10 +32,20 @@ def place(
     records nothing but the session's arrival)."""
     cluster.index.expire(now)
     if req.session_id is not None:
-        cluster.sessions.arrive(req.session_id, now, req.request_id)
-    decision = policy.decide(request_view(cluster, req), now, rng)
-    if not decision.rejected:
-        record_placement(cluster, req, decision, now)
+        cluster.sessions.arrive(req.session_id, now, req.request_id).adapter = req.adapter
+    decision = policy.decide(request_view(cluster, req, now), now, rng)
+    if decision.rejected:
+        return decision
+    record_placement(cluster, req, decision, now)
+    if req.adapter:
+        adapters, decode = cluster.adapters, decision.decode_instance
+        change = adapters.place(decision.instance, req.adapter, now)
+        decode_change = (
+            NO_CHANGE
+            if decode in (-1, decision.instance)
+            else adapters.place(decode, req.adapter, now)
+        )
+        decision = replace(decision, adapter_change=change, decode_adapter_change=decode_change)
     return decision
 
 

@@ -28,6 +28,16 @@ class RequestView:
     # Of `hit_tokens`, those beyond the GPU hit that only the node's pool holds: loaded over
     # the host link before they are used (`cost.pool_load`). None when no slot has any.
     pool_tokens: FloatVec | None = None
+    # Seconds loading the request's LoRA adapter adds on each slot (0 where it is held), and
+    # the slots that can hold it now. None for a request without one.
+    adapter_s: FloatVec | None = None
+    adapter_able: BoolVec | None = None
+
+    def decode_pool(self, cluster: ClusterState) -> BoolVec:
+        """The live decode instances that can take this request: of its model, and able to
+        hold its adapter (a decode runs with the adapter its prefill ran with)."""
+        pool = cluster.slots_with(Role.DECODE, model=self.req.model)
+        return pool if self.adapter_able is None else pool & self.adapter_able
 
     @property
     def best_slot(self) -> int:
@@ -42,9 +52,11 @@ class RequestView:
         return best if hits[best] > 0 else -1
 
 
-def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
+def request_view(cluster: ClusterState, req: RequestInfo, now: float) -> RequestView:
     """The request's hits on every instance; the candidates are the live instances that take
-    prompt work and serve the request's model (another model's instances hold no hit). A hit
+    prompt work and serve the request's model (another model's instances hold no hit) and,
+    for a LoRA adapter's request, hold the adapter or can load it now (`AdapterSlots.costs`;
+    the load's seconds are `adapter_s`: its weights over the host link). A hit
     is the longer of what an instance holds in its own memory (GPU tier, speculative
     placements included) and in its node's KV pool (CPU tier); the blocks the pool adds
     beyond the GPU hit are the pool-only ones, which the engine loads over the host link
@@ -67,9 +79,19 @@ def request_view(cluster: ClusterState, req: RequestInfo) -> RequestView:
         # What another model's instances hold is no hit: a policy must not copy KV from them.
         blocks, tokens = np.where(serving, blocks, 0.0), np.where(serving, tokens, 0.0)
         pool = None if pool is None else np.where(serving, pool, 0.0)
+    adapter_s = able = None
+    if req.adapter:
+        load_s = cluster.cost.pool_link.seconds(req.adapter_bytes)
+        able, adapter_s = cluster.adapters.costs(req.adapter, load_s, now)
+        eligible &= able
+        if not eligible.any():
+            raise ValueError(
+                f"no instance can take adapter {req.adapter!r} now: none holds it, and every "
+                "one that serves adapters has its adapter slots in use"
+            )
     # No pool-only tokens (every trace without a node pool): None, which keeps those
     # decisions' floats exactly what they were before the tier was priced.
-    return RequestView(req, eligible, blocks, tokens, max_blocks, pool)
+    return RequestView(req, eligible, blocks, tokens, max_blocks, pool, adapter_s, able)
 
 
 def tier_terms(cluster: ClusterState, view: RequestView) -> dict[str, FloatVec]:

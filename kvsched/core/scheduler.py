@@ -155,10 +155,10 @@ class Scheduler:
         if len(events) == 1:  # what every engine step sends: its load alone, unchecked
             event = events[0]
             if type(event) is LoadReport:
-                self.cluster.load.report(slot, event)
+                self._report_load(slot, event)
                 return
         self.limits.check_events(events)
-        index, load = self.cluster.index, self.cluster.load
+        index = self.cluster.index
         observer = self.observer if observe else None
         for event in events:
             if isinstance(event, BlocksStored):
@@ -177,7 +177,12 @@ class Scheduler:
                         observer.removed(slot, tier, index.blocks_of(slot, tier))
                 index.clear_instance(slot)
             else:
-                load.report(slot, event)
+                self._report_load(slot, event)
+
+    def _report_load(self, slot: int, report: LoadReport) -> None:
+        self.cluster.load.report(slot, report)
+        if report.adapters is not None:
+            self.cluster.adapters.report(slot, report.adapters)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -237,7 +242,7 @@ class Scheduler:
         shared[id(self.cluster)] = self.cluster
         policy = copy.deepcopy(self.policy, shared)
         self.cluster.index.expire(now)
-        view = request_view(self.cluster, req)
+        view = request_view(self.cluster, req, now)
         try:
             decision = policy.decide(view, now, rng)
         except ValueError as exc:

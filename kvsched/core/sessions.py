@@ -52,6 +52,7 @@ class Session:
     pending_on_path: bool = False  # the copy is on a turn's critical path (the turn runs there)
     # The last turn arrived while an earlier one was still running (an agent's parallel calls).
     parallel_arrival: bool = False
+    adapter: str = ""  # the LoRA adapter its last turn ran with ("": the base model)
 
     def in_cooldown(self, now: float, cooldown_s: float) -> bool:
         return now - self.last_migration_at < cooldown_s

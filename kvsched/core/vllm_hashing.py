@@ -7,8 +7,10 @@ from each event's token ids as Dynamo does, needs every block's parent to have b
 
 vLLM (`vllm/v1/core/kv_cache_utils.py`, 0.11 and later) hashes block i of a request as
 ``H((parent, tuple(token_ids), extra_keys))`` where `parent` is block i-1's full digest (the
-first block's is `NONE_HASH = H(seed)`), `extra_keys` is None or a tuple (a cache salt on the
-first block: ``(("cache_salt", salt),)``), and H is one of its `--prefix-caching-hash-algo`s:
+first block's is `NONE_HASH = H(seed)`), `extra_keys` is None or a tuple: a LoRA adapter's
+``("lora", name, path)`` on every block of its requests (0.32: the path as the engine loaded
+the adapter), then a cache salt on the first block, ``("cache_salt", salt)``; and H is one of
+its `--prefix-caching-hash-algo`s:
 SHA-256 or XXH3-128 over the object's pickle (protocol 5) or canonical CBOR. The seed is
 `PYTHONHASHSEED` when set, else a fixed string for SHA-256 (every process agrees) and a random
 one for XXH3 (none do: such engines need `PYTHONHASHSEED` set to share anything with us).
@@ -31,6 +33,8 @@ MASK64 = (1 << 64) - 1
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_HASH_ALGO = "sha256"  # vLLM's default
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for SHA-256 without PYTHONHASHSEED
+# A LoRA adapter as its blocks' hashes name it: (name, path), as the engine loaded it.
+AdapterKey = tuple[str, str]
 
 
 def _pickled(obj: Any) -> bytes:
@@ -94,26 +98,42 @@ class VllmBlockHasher:
         return digest(encode(obj))
 
     def next_digest(
-        self, parent: bytes | None, tokens: Sequence[int], cache_salt: str | None = None
+        self,
+        parent: bytes | None,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        adapter: AdapterKey | None = None,
     ) -> bytes:
         """The digest of the block `tokens` following the prefix whose digest is `parent`
-        (None: the first block, the one that carries a request's `cache_salt`)."""
+        (None: the first block, the one that carries a request's `cache_salt`), of a request
+        for LoRA `adapter` (None: the base model)."""
+        lora = (("lora", *adapter),) if adapter else ()
         if parent is None:
-            extra = (("cache_salt", cache_salt),) if cache_salt else None
-            return self.digest((self._none_hash, tuple(tokens), extra))
-        return self.digest((parent, tuple(tokens), None))
+            extra = (*lora, ("cache_salt", cache_salt)) if cache_salt else lora
+            return self.digest((self._none_hash, tuple(tokens), extra or None))
+        return self.digest((parent, tuple(tokens), lora or None))
 
-    def digests(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+    def digests(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        adapter: AdapterKey | None = None,
+    ) -> list[bytes]:
         """The full digests of every full block of `tokens` (a trailing partial block is
-        skipped), for a request carrying `cache_salt`."""
+        skipped), for a request carrying `cache_salt`, for `adapter`."""
         out: list[bytes] = []
         parent: bytes | None = None
         bs = self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
-            parent = self.next_digest(parent, tokens[start : start + bs], cache_salt)
+            parent = self.next_digest(parent, tokens[start : start + bs], cache_salt, adapter)
             out.append(parent)
         return out
 
-    def hash_prompt(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[int]:
+    def hash_prompt(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        adapter: AdapterKey | None = None,
+    ) -> list[int]:
         """The 64-bit hashes (as KV events name them) of every full block of `tokens`."""
-        return [event_hash(d) for d in self.digests(tokens, cache_salt)]
+        return [event_hash(d) for d in self.digests(tokens, cache_salt, adapter)]

@@ -44,4 +44,4 @@ def test_a_tiny_pooled_run_decides_alike_in_every_build(
         assert len(re.findall(r"\d+\.\d+", row)) == 8, row
     cluster, _, chains = bench.placement.build("elastic", random.Random(0), False, True)
     req = bench.placement.requests(chains, 1, random.Random(1))[0]
-    assert request_view(cluster, req).pool_tokens is not None  # the tier is really in play
+    assert request_view(cluster, req, 0.0).pool_tokens is not None  # the tier is really in play

@@ -26,7 +26,7 @@ def test_ttft_terms_add_up_term_by_term() -> None:
     hashes = chain(1, 100)
     cluster.index.store(1, hashes[:60], None)
     set_load(cluster, 2, pending=50_000)
-    view = request_view(cluster, request(1, hashes))
+    view = request_view(cluster, request(1, hashes), 0.0)
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     assert list(terms["transfer_s"]) == [0.0, 0.0, 0.0]  # no transfer unless given one
     assert list(terms["cached_tokens"]) == [0.0, 60 * 16, 0.0]
@@ -43,7 +43,7 @@ def test_a_long_prefix_is_fetched_and_a_short_one_recomputed() -> None:
     cluster = make_cluster(3)
     system = chain(9, 300)  # 4.8K tokens: copying beats recomputing
     cluster.index.store(0, system, None)
-    view = request_view(cluster, request(1, system + chain(5, 10)))
+    view = request_view(cluster, request(1, system + chain(5, 10)), 0.0)
     long = fetch_when_cheaper(
         cluster.cost, 0, view.req.prompt_tokens, view.hit_tokens, view.eligible
     )
@@ -52,7 +52,7 @@ def test_a_long_prefix_is_fetched_and_a_short_one_recomputed() -> None:
     assert long.transfer_s[0] == 0 and long.transfer_s[1] > 0
     small = make_cluster(3)
     small.index.store(0, system[:2], None)  # 32 tokens: the link's setup costs more
-    view = request_view(small, request(2, system[:2] + chain(5, 10)))
+    view = request_view(small, request(2, system[:2] + chain(5, 10)), 0.0)
     short = fetch_when_cheaper(
         small.cost, 0, view.req.prompt_tokens, view.hit_tokens, view.eligible
     )
@@ -65,7 +65,7 @@ def test_fetch_from_prices_the_missing_part_only_where_asked() -> None:
     hashes = chain(1, 100)
     cluster.index.store(0, hashes, None)
     cluster.index.store(1, hashes[:40], None)
-    view = request_view(cluster, request(1, hashes + chain(2, 5)))
+    view = request_view(cluster, request(1, hashes + chain(2, 5)), 0.0)
     prefix = fetch_from(cluster.cost, 0, view.hit_tokens, np.array([False, True, False]))
     assert list(prefix.cached) == [1600.0, 1600.0, 0.0]
     assert prefix.transfer_s[1] == cluster.cost.transfer_s(0, 1, 60 * 16)
@@ -86,7 +86,7 @@ def test_a_pool_only_prefix_costs_more_than_a_gpu_hit_and_less_than_a_cold_start
     cluster.index.store(0, hashes, None)  # in slot 0's GPU memory
     cluster.index.store(1, hashes, None, Tier.CPU)  # only in slot 1's node pool
     cluster.index.store(1, hashes[:30], None)  # of which its GPU memory keeps the first 30
-    view = request_view(cluster, request(1, hashes + chain(2, 10)))
+    view = request_view(cluster, request(1, hashes + chain(2, 10)), 0.0)
     assert view.pool_tokens is not None
     assert list(view.pool_tokens) == [0.0, 70 * 16, 0.0]
     assert list(view.hit_tokens) == [1600.0, 1600.0, 0.0]  # any tier's hit is a hit
@@ -128,7 +128,7 @@ def test_a_gpu_only_index_prices_no_load() -> None:
     cluster.index.store(0, hashes, None)
     cluster.index.store(1, hashes[:4], None, Tier.CPU)  # the pool holds less than the GPU
     cluster.index.store(1, hashes, None)
-    view = request_view(cluster, request(1, hashes))
+    view = request_view(cluster, request(1, hashes), 0.0)
     assert view.pool_tokens is None
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     for name in ("pool_tokens", "load_s", "load_wait_s"):
@@ -151,7 +151,7 @@ def test_the_isolated_floor_counts_the_load_it_cannot_hide() -> None:
     cluster = make_cluster(3)
     hashes = chain(1, 6000)  # 96K tokens: their load outlasts the 80 new tokens' prefill
     cluster.index.store(1, hashes, None, Tier.CPU)
-    view = request_view(cluster, request(1, hashes + chain(2, 5)))
+    view = request_view(cluster, request(1, hashes + chain(2, 5)), 0.0)
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     wait = terms["load_wait_s"][1]
     assert wait > terms["prefill_s"][1]  # load-bound

@@ -42,7 +42,7 @@ def planner(cluster: ClusterState, *, by_ttft: bool, min_gain_s: float = 0.0) ->
 
 
 def arrive(cluster: ClusterState, *, by_ttft: bool, min_gain_s: float = 0.0) -> Decision:
-    view = request_view(cluster, request(1, PROMPT, session="s"))
+    view = request_view(cluster, request(1, PROMPT, session="s"), 0.0)
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     return planner(cluster, by_ttft=by_ttft, min_gain_s=min_gain_s).on_arrival(view, HOST, terms)
 
@@ -188,7 +188,7 @@ def test_by_ttft_a_turn_moves_only_when_that_beats_staying_by_the_gain_asked(
     decision = arrive(cluster, by_ttft=True, min_gain_s=min_gain_s)
     assert (decision.rule, decision.instance) == (rule, runs_on)
     if runs_on != HOST:
-        view = request_view(cluster, request(1, PROMPT, session="s"))
+        view = request_view(cluster, request(1, PROMPT, session="s"), 0.0)
         stay = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)["ttft_s"][HOST]
         assert decision.estimated_ttft_s + min_gain_s < stay
 
@@ -197,7 +197,7 @@ def test_by_ttft_a_turn_moves_only_when_that_beats_staying_by_the_gain_asked(
 
 
 def moved_to(cluster: ClusterState, target: int) -> tuple[RequestView, Decision]:
-    view = request_view(cluster, request(1, PROMPT, session="s"))
+    view = request_view(cluster, request(1, PROMPT, session="s"), 0.0)
     return view, planner(cluster, by_ttft=False).move_now(view, HOST, target, "moved")
 
 
@@ -248,7 +248,7 @@ def test_moving_to_a_target_that_holds_the_hosts_part_copies_nothing() -> None:
 
 def test_moving_a_prompt_of_whole_blocks_leaves_its_last_token_to_compute() -> None:
     cluster = hosted({HOST: 20_000})
-    view = request_view(cluster, request(1, CONTEXT, prompt=len(CONTEXT) * 16, session="s"))
+    view = request_view(cluster, request(1, CONTEXT, prompt=len(CONTEXT) * 16, session="s"), 0.0)
     decision = planner(cluster, by_ttft=False).move_now(view, HOST, 1, "moved")
     (plan,) = decision.transfers
     assert (plan.n_blocks, decision.fetched_tokens) == (39, 39 * 16)  # not the last block
@@ -282,7 +282,7 @@ def test_a_refused_move_is_priced_as_the_move_and_comes_back_as_the_refusal() ->
 @pytest.mark.parametrize("pending", [20_000, 0], ids=["moves", "stays"])
 def test_a_placement_admission_lets_stand_is_the_one_without_admission(pending: int) -> None:
     cluster = hosted({HOST: pending})
-    view = request_view(cluster, request(1, PROMPT, session="s"))
+    view = request_view(cluster, request(1, PROMPT, session="s"), 0.0)
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     asked: list[float] = []
 
@@ -310,7 +310,7 @@ def test_a_placement_admission_lets_stand_is_the_one_without_admission(pending: 
 
 def test_a_move_by_ttft_hands_admission_the_moving_terms_it_chose_the_target_by() -> None:
     cluster = hosted({HOST: 20_000})
-    view = request_view(cluster, request(1, PROMPT, session="s"))
+    view = request_view(cluster, request(1, PROMPT, session="s"), 0.0)
     terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
     handed: list[dict[str, FloatVec] | None] = []
 

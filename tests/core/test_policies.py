@@ -87,7 +87,7 @@ def test_a_prefix_in_an_instances_node_pool_counts_as_its_hit() -> None:
     cluster.index.store(2, hashes, None, Tier.CPU)  # only in its node's KV pool
     cluster.index.store(2, hashes[:2], None)
     policy = make_policy("cache_aware", cluster)
-    view = request_view(cluster, request(1, hashes))
+    view = request_view(cluster, request(1, hashes), 0.0)
     assert list(view.hit_blocks) == [4, 0, 10]  # slot 2: its CPU tier's longer match
     assert place(policy, request(1, hashes), 0.0).instance == 2
 

@@ -37,7 +37,7 @@ def test_deciding_changes_no_shared_state_and_recording_does(spec: str) -> None:
     set_load(cluster, first.instance, pending=20_000)
     req = request(2, hashes, session="s")
     before = snapshot(cluster)
-    policy.decide(request_view(cluster, req), 1.0, Random(0))
+    policy.decide(request_view(cluster, req, 0.0), 1.0, Random(0))
     assert snapshot(cluster) == before
     decision = recording.place(cluster, policy, req, 1.0, Random(0))
     assert not decision.rejected

@@ -218,7 +218,7 @@ def test_request_views_are_identical(n: int, data: st.DataObject) -> None:
         cluster.index.speculate(data.draw(slots), base[: data.draw(st.integers(1, 40))], 1.0)
     prompt = data.draw(st.integers(1, 50 * 16))
     req = RequestInfo(1, prompt, 16, (*base, 99, 98), None)
-    ref, got = both(lambda: request_view(cluster, req))
+    ref, got = both(lambda: request_view(cluster, req, 0.0))
     for name in ("eligible", "hit_blocks", "hit_tokens", "max_blocks", "pool_tokens"):
         assert_identical(getattr(ref, name), getattr(got, name), name)
 
@@ -263,7 +263,7 @@ def test_the_kernels_take_the_vectors_policies_hand_them() -> None:
     # Else the tests above would pass on the reference twice.
     cluster = cluster_of(5, 8192)
     cluster.index.store(2, [1, 2, 3], None)
-    view = request_view(cluster, RequestInfo(1, 100, 16, (1, 2, 3, 4), None))
+    view = request_view(cluster, RequestInfo(1, 100, 16, (1, 2, 3, 4), None), 0.0)
     cost, load, hits = cluster.cost, cluster.load, view.hit_tokens
     consts = cost.kernel_constants
     queue = load.pending_prefill_s

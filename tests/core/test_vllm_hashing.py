@@ -17,17 +17,28 @@ VECTORS = json.loads((DATA / "block_hashes.json").read_text(encoding="utf-8"))
 
 
 @pytest.mark.parametrize(
-    "v", VECTORS, ids=lambda v: f"{v['algo']}-{v['seed']}-{bool(v['cache_salt'])}"
+    "v",
+    VECTORS,
+    ids=lambda v: f"{v['algo']}-{v['seed']}-{bool(v['cache_salt'])}-{bool(v['adapter'])}",
 )
-def test_hashes_equal_vllms_for_every_algorithm_seed_and_salt(v: dict[str, Any]) -> None:
+def test_hashes_equal_vllms_for_every_algorithm_seed_salt_and_adapter(v: dict[str, Any]) -> None:
     hasher = VllmBlockHasher(v["block_size"], v["algo"], v["seed"] or DEFAULT_SEED)
     expected = [int(h) for h in v["hashes"]]
-    assert hasher.hash_prompt(v["token_ids"], v["cache_salt"]) == expected
+    adapter = tuple(v["adapter"]) if v["adapter"] else None
+    assert hasher.hash_prompt(v["token_ids"], v["cache_salt"], adapter) == expected
 
 
-def test_vectors_cover_every_algorithm_with_and_without_salt() -> None:
-    seen = {(v["algo"], bool(v["cache_salt"])) for v in VECTORS}
-    assert len(seen) == 8
+def test_vectors_cover_every_algorithm_with_and_without_salt_and_an_adapter() -> None:
+    seen = {(v["algo"], bool(v["cache_salt"]), bool(v["adapter"])) for v in VECTORS}
+    assert len(seen) == 10
+
+
+def test_an_adapter_changes_every_block_and_its_path_counts() -> None:
+    tokens = list(range(96))
+    base = VllmBlockHasher(32).hash_prompt(tokens)
+    a = VllmBlockHasher(32).hash_prompt(tokens, None, ("a", "/x"))
+    moved = VllmBlockHasher(32).hash_prompt(tokens, None, ("a", "/y"))
+    assert len(a) == 3 and not set(base) & set(a) and not set(a) & set(moved)
 
 
 def _captured_events(folder: str) -> list[dict[str, Any]]:

@@ -68,7 +68,7 @@ class StaticPD(_Disaggregated):
     def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         cluster = self.cluster
         slot = least_pending(cluster, view.eligible)
-        decode, tbt = self.decode_terms(view, cluster.slots_with(Role.DECODE, model=view.req.model))
+        decode, tbt = self.decode_terms(view, view.decode_pool(cluster))
         terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
         terms["tbt_s"] = tbt
         return placement(
@@ -143,9 +143,7 @@ class Mooncake(_Disaggregated):
             decode = slot
             tbt = np.where(view.eligible, tbt_s(cluster.cost, cluster.load, view), np.nan)
         else:
-            decode, tbt = self.decode_terms(
-                view, cluster.slots_with(Role.DECODE, model=view.req.model)
-            )
+            decode, tbt = self.decode_terms(view, view.decode_pool(cluster))
         terms["tbt_s"] = tbt
         refusal = admission.check(
             float(terms["ttft_s"][slot]),

@@ -410,8 +410,11 @@ class Elastic(Policy):
         if crowded:
             overflow = 1.0 - self._capacity_tokens / resident[host]
             penalty = overflow * cluster.cost.prefill_one(session.prompt_tokens, 0)
-        # Only where the host's model is served: the next turn asks for the same model.
+        # Only where the host's model is served (and the session's adapter can be held): the
+        # next turn asks for the same.
         eligible = cluster.slots_with(Role.BOTH, Role.PREFILL, model=cluster.models[host])
+        if session.adapter:
+            eligible &= cluster.adapters.costs(session.adapter, 0.0, now)[0]
         return self.planner.during_gap(session, gap, eligible, room, penalty)
 
     def after_transfer(self, plan: TransferPlan, moved: bool, now: float) -> None:
