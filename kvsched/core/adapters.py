@@ -60,6 +60,10 @@ class AdapterSlots:
         self._busy[slot] = report.busy
         self.any = self.any or report.capacity > 0
 
+    def reported(self, slot: int) -> AdapterReport:
+        """What `slot`'s engine last said of its adapters."""
+        return AdapterReport(self.capacity[slot], self._held[slot], self._busy[slot])
+
     def reset(self, slot: int) -> None:
         """Forget `slot` (its instance left, or came back as a new process)."""
         self.capacity[slot] = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from clients.python.packed_hashes import pack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.adapters import AdapterReport
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from services.common.durations import duration
@@ -42,4 +43,13 @@ def event_message(event: KvEvent) -> pb.KvEvent:
         decode_tokens=event.decode_tokens,
         free_blocks=max(event.free_blocks, 0),
     )
+    if event.adapters is not None:
+        load.adapters.CopyFrom(adapter_message(event.adapters))
     return pb.KvEvent(load=load)
+
+
+def adapter_message(report: AdapterReport) -> common.AdapterReport:
+    """An engine's adapters as a message (names sorted: equal reports, equal bytes)."""
+    return common.AdapterReport(
+        capacity=report.capacity, held=sorted(report.held), busy=sorted(report.busy)
+    )

@@ -3,7 +3,8 @@
 Blocks are keyed by vLLM's own block hashes (`kvsched.core.vllm_hashing`, the low 64 bits of
 each digest), exactly as a vLLM engine with the same `--prefix-caching-hash-algo` and
 `PYTHONHASHSEED` names them; events carry those hashes, each stored chain's parent and its
-token ids, and the cache salt in the first block's extra keys, as vLLM's do.
+token ids, and each block's extra keys (a LoRA adapter's name on every block of its
+requests, then the cache salt on the first), as vLLM's do.
 
 A block's token ids and full digest (a child's hash needs its parent's whole digest) are
 known from the requests that name it: `hold` when a request joins, `release` when it leaves.
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvsched.core.vllm_hashing import AdapterKey
 from services.common.kv_events import BlockRemoved, BlockStored
 
 
@@ -28,6 +30,7 @@ class _Block:
     digest: bytes  # vLLM's full hash of the block (its prefix's fingerprint)
     salt: str | None  # the cache salt, on the first block of a salted chain only
     session: str | None  # session of the first request that named it
+    adapter: AdapterKey | None = None  # the LoRA adapter its hash was computed for
     refs: int = 0  # requests in flight naming it
     cached: bool = False
     parent: int | None = None  # its parent's hash while cached (None: the root)
@@ -48,15 +51,18 @@ class EngineNames:
         token_ids: Sequence[int],
         salt: str | None,
         session: str | None = None,
+        *,
+        adapter: AdapterKey | None = None,
     ) -> None:
         """A request naming `hashes` (blocks of its prompt with these `digests` and tokens;
-        `salt` applies to the first one) joined the engine."""
+        `salt` applies to the first one, `adapter` to all) joined the engine."""
         bs, blocks = self.block_size, self.blocks
         for i, h in enumerate(hashes):
             block = blocks.get(h)
             if block is None:
                 tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-                block = blocks[h] = _Block(tokens, digests[i], salt if i == 0 else None, session)
+                salted = salt if i == 0 else None
+                block = blocks[h] = _Block(tokens, digests[i], salted, session, adapter)
             block.refs += 1
 
     def release(self, hashes: Sequence[int]) -> None:
@@ -80,15 +86,19 @@ class EngineNames:
             block = blocks[h]
             block.cached, block.parent, prev = True, prev, h
             tokens.extend(block.tokens)
+        adapter = first.adapter
         extra_keys: Any = None
-        if salt:  # vLLM puts the cache salt among the first block's extra hash keys
-            extra_keys = [[salt], *([None] * (len(hashes) - 1))]
+        if salt or adapter:
+            extra_keys = [
+                _extra_keys(adapter, salt if i == 0 else None) for i in range(len(hashes))
+            ]
         return BlockStored(
             block_hashes=tuple(hashes),
             parent_block_hash=parent,
             token_ids=tuple(tokens),
             block_size=self.block_size,
             medium=self.medium,
+            lora_name=adapter[0] if adapter else None,
             extra_keys=extra_keys,
             session_id=first.session,
         )
@@ -109,7 +119,7 @@ class EngineNames:
 
     def snapshot(self, cached: Iterable[int]) -> list[dict[str, Any]]:
         """The `cached` blocks (parents first) as JSON objects;
-        `extra_keys` is the block's own extra keys (`[salt]` on a salted chain's first block)."""
+        `extra_keys` is the block's own extra keys (`_extra_keys`)."""
         blocks = self.blocks
         out: list[dict[str, Any]] = []
         for h in cached:
@@ -120,8 +130,15 @@ class EngineNames:
                     "block_hash": h,
                     "parent_block_hash": block.parent,
                     "token_ids": list(block.tokens),
-                    "extra_keys": [salt] if salt else None,
+                    "extra_keys": _extra_keys(block.adapter, salt),
                     "medium": self.medium,
                 }
             )
         return out
+
+
+def _extra_keys(adapter: AdapterKey | None, salt: str | None) -> list[str] | None:
+    """A block's extra keys as vLLM's events publish them (untagged): the adapter's name,
+    then the cache salt (the first block's); None for none."""
+    keys = ([adapter[0]] if adapter else []) + ([salt] if salt else [])
+    return keys or None

@@ -10,8 +10,16 @@ from collections.abc import Sequence
 from clients.python.packed_hashes import hash_count, unpack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.adapters import AdapterReport
 from kvsched.core.cluster import Role
-from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.decision import (
+    NO_CHANGE,
+    Completion,
+    Decision,
+    RequestInfo,
+    TransferKind,
+    TransferPlan,
+)
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
@@ -20,7 +28,7 @@ from kvsched.core.requests import RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.durations import duration, seconds
-from services.common.kv_event_messages import TIER_VALUES
+from services.common.kv_event_messages import TIER_VALUES, adapter_message
 from services.conductor.keys import InstanceSpec
 from services.conductor.state import ConductorState
 
@@ -35,6 +43,9 @@ ROLE_VALUES: dict[Role, common.Role.ValueType] = {
     Role.DECODE: common.ROLE_DECODE,
 }
 TIERS: dict[int, Tier] = {value: tier for tier, value in TIER_VALUES.items()}
+MAX_ADAPTERS = 1024  # adapters one engine reports (vLLM's --max-loras is far below)
+MAX_ADAPTER_NAME = 256
+
 KINDS = {
     TransferKind.FETCH_PREFIX: common.TRANSFER_KIND_FETCH_PREFIX,
     TransferKind.MIGRATE_SESSION: common.TRANSFER_KIND_MIGRATE_SESSION,
@@ -75,6 +86,14 @@ def instance_spec(msg: pb.InstanceSpec) -> InstanceSpec:
 
 
 def load_report(msg: common.LoadReport) -> LoadReport:
+    adapters = None
+    if msg.HasField("adapters"):
+        a = msg.adapters
+        if len(a.held) > MAX_ADAPTERS or len(a.busy) > MAX_ADAPTERS:
+            raise RequestError("invalid", f"an engine holds at most {MAX_ADAPTERS} adapters")
+        for name in (*a.held, *a.busy):
+            _check_adapter(name, "adapters")
+        adapters = AdapterReport(a.capacity, frozenset(a.held), frozenset(a.busy))
     return LoadReport(
         pending_prefill_tokens=msg.pending_prefill_tokens,
         pending_prefill_s=seconds(msg.pending_prefill),
@@ -82,12 +101,20 @@ def load_report(msg: common.LoadReport) -> LoadReport:
         running=msg.running,
         decode_tokens=msg.decode_tokens,
         free_blocks=msg.free_blocks,
+        adapters=adapters,
     )
+
+
+def _check_adapter(name: str, where: str) -> None:
+    if not name or len(name) > MAX_ADAPTER_NAME:
+        raise RequestError(
+            "invalid", f"{where}: an adapter name has 1 to {MAX_ADAPTER_NAME} characters"
+        )
 
 
 def load_message(state: ConductorState, slot: int) -> common.LoadReport:
     load = state.cluster.load
-    return common.LoadReport(
+    msg = common.LoadReport(
         pending_prefill_tokens=int(load.pending_prefill_tokens[slot]),
         pending_prefill=duration(float(load.pending_prefill_s[slot])),
         waiting=int(load.waiting[slot]),
@@ -95,6 +122,10 @@ def load_message(state: ConductorState, slot: int) -> common.LoadReport:
         decode_tokens=int(load.decode_tokens[slot]),
         free_blocks=max(int(load.free_blocks[slot]), 0),
     )
+    adapters = state.cluster.adapters.reported(slot)
+    if adapters.capacity:
+        msg.adapters.CopyFrom(adapter_message(adapters))
+    return msg
 
 
 def block_hashes(
@@ -209,6 +240,12 @@ def decision_message(
         transfers=[transfer_message(state, t) for t in decision.transfers],
         landing=[transfer_message(state, t) for t in landing],
     )
+    if decision.adapter_change != NO_CHANGE:
+        change = decision.adapter_change
+        msg.adapter_change.CopyFrom(pb.AdapterChange(load=change.load, unload=change.unload))
+    if decision.decode_adapter_change != NO_CHANGE:
+        change = decision.decode_adapter_change
+        msg.decode_adapter_change.CopyFrom(pb.AdapterChange(load=change.load, unload=change.unload))
     if explain:
         for row in decision.explain():
             slot = int(row.pop("instance"))
@@ -273,9 +310,13 @@ def _request_info(
     *,
     waited_s: float = 0.0,
     model: str = "",
+    adapter: str = "",
+    adapter_bytes: int = 0,
 ) -> RequestInfo:
     if not request_id:
         raise RequestError("invalid", "request_id is required (it is the idempotency key)")
+    if adapter:
+        _check_adapter(adapter, "adapter")
     return RequestInfo(
         request_id,
         prompt_tokens,
@@ -284,6 +325,8 @@ def _request_info(
         session_id or None,
         waited_s,
         model,
+        adapter,
+        adapter_bytes,
     )
 
 
@@ -307,6 +350,8 @@ def request_info(
         request.session_id,
         waited_s=waited_s / time_scale,
         model=request.model,
+        adapter=request.adapter,
+        adapter_bytes=request.adapter_bytes,
     )
 
 
@@ -321,12 +366,21 @@ def explain_request(
     limit = state.scheduler.limits.max_blocks
     hashes = block_hashes(request.block_hashes, request.packed_block_hashes, limit)
     if request.token_ids:
+        if request.adapter:  # its hashes name the adapter's path, which only Routers know
+            raise RequestError("invalid", "an adapter's prompt takes block_hashes, not token_ids")
         hashes = hasher.hash_prompt(request.token_ids)
     prompt = request.prompt_tokens or len(request.token_ids) or len(hashes) * bs + 1
     if not hashes:
         raise RequestError("invalid", "give block_hashes or token_ids (at least one block)")
     return _request_info(
-        "explain", prompt, request.output_tokens, hashes, request.session_id, model=request.model
+        "explain",
+        prompt,
+        request.output_tokens,
+        hashes,
+        request.session_id,
+        model=request.model,
+        adapter=request.adapter,
+        adapter_bytes=request.adapter_bytes,
     )
 
 

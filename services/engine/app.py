@@ -22,6 +22,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvsched.core.models import model_config
+from kvsched.core.vllm_hashing import AdapterKey
 from services.common.api_errors import unavailable_headers
 from services.common.kv_layout import KvLayout
 from services.common.kv_memory import KvMemory
@@ -37,6 +38,7 @@ from services.common.openai_api import (
     unavailable,
 )
 from services.engine.kv_publisher import KvEventPublisher
+from services.engine.lora import Adapters, runtime_updates_allowed
 from services.engine.metrics import EngineMetrics
 from services.engine.model import build_model
 from services.engine.openai_stream import DONE, Shape, error_chunk
@@ -90,6 +92,18 @@ class EngineApp:
                 web.get("/kvsched/stats", self.stats),
             ]
         )
+        self.adapters: Adapters | None = None
+        if settings.enable_lora:
+            self.adapters = Adapters(
+                settings.model, settings.max_loras, dict(settings.lora_modules)
+            )
+            if runtime_updates_allowed():
+                self.app.add_routes(
+                    [
+                        web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                        web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
+                    ]
+                )
 
     async def start(self) -> None:
         """Start the replay socket and the step loop (on the running event loop)."""
@@ -123,14 +137,15 @@ class EngineApp:
                     "the simulated engine serves n=1 and one prompt a request",
                     "n" if req.n != 1 else "prompt",
                 )
-            self._check_model(req.model)
+            adapter = self._check_model(req.model)
             ids = await self._prompt_ids(req)
             output = self.live.model.output_tokens(len(ids), req.max_tokens)
             session = request.headers.get(SESSION_HEADER) or None
-            live_req = await self.live.admit(ids, output, req.cache_salt, session)
+            live_req = await self.live.admit(ids, output, req.cache_salt, session, adapter)
             span.set_attribute("gen_ai.usage.prompt_tokens", len(ids))
             span.set_attribute("gen_ai.request.max_tokens", output)
-            shape = Shape.new(kind, self.settings.model, req.include_usage)
+            served = self.settings.model if adapter is None else adapter[0]
+            shape = Shape.new(kind, served, req.include_usage)
             try:
                 if req.stream:
                     return await self._stream(request, live_req, shape)
@@ -144,10 +159,15 @@ class EngineApp:
                 span.set_attribute("gen_ai.usage.cached_tokens", live_req.job.cached_tokens)
                 span.set_attribute("gen_ai.usage.completion_tokens", live_req.generated)
 
-    def _check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None) -> AdapterKey | None:
+        """The LoRA adapter `model` names (None: the base model, or no model); raises
+        vLLM's 404 for a model the engine does not serve."""
+        if self.adapters is not None and model is not None:
+            return self.adapters.key(model)
         if model is not None and model != self.settings.model:
             raise ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError",
                            param="model")  # fmt: skip
+        return None
 
     async def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         text = req.prompt_text
@@ -195,10 +215,26 @@ class EngineApp:
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.settings.model
-        card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+        now = int(time.time())
+        card = {"id": model, "object": "model", "created": now, "owned_by": "vllm",
                 "root": model, "parent": None, "max_model_len": self.live.model.max_model_len,
                 "permission": []}  # fmt: skip
-        return web.json_response({"object": "list", "data": [card]})
+        cards = [card]
+        for name, path in (self.adapters.paths if self.adapters else {}).items():
+            cards.append({"id": name, "object": "model", "created": now, "owned_by": "vllm",
+                          "root": path, "parent": model, "max_model_len": None,
+                          "permission": []})  # fmt: skip
+        return web.json_response({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime `POST /v1/load_lora_adapter` (plain-text success)."""
+        assert self.adapters is not None  # (the route exists only then)
+        return web.Response(text=self.adapters.load(await read_json(request)))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime `POST /v1/unload_lora_adapter`."""
+        assert self.adapters is not None
+        return web.Response(text=self.adapters.unload(await read_json(request)))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/tokenize`: a `prompt` (text or ids) or chat `messages`."""
@@ -305,17 +341,21 @@ class EngineApp:
         """`Engine.report()`: the load a scheduler reads (seconds are model seconds), and the
         part of the pending prefill still queued, not admitted (for the hotspot index)."""
         r = self.live.engine.report()
-        return web.json_response(
-            {
-                "pending_prefill_tokens": r.pending_prefill_tokens,
-                "pending_prefill_s": r.pending_prefill_s,
-                "queued_prefill_s": self.live.engine.queued_s,
-                "waiting": r.waiting,
-                "running": r.running,
-                "decode_tokens": r.decode_tokens,
-                "free_blocks": r.free_blocks,
-            }
-        )
+        body: dict[str, object] = {
+            "pending_prefill_tokens": r.pending_prefill_tokens,
+            "pending_prefill_s": r.pending_prefill_s,
+            "queued_prefill_s": self.live.engine.queued_s,
+            "waiting": r.waiting,
+            "running": r.running,
+            "decode_tokens": r.decode_tokens,
+            "free_blocks": r.free_blocks,
+        }
+        if self.adapters is not None:  # the adapters held, and those its requests run with
+            busy = {r.adapter[0] for r in self.live.requests.values() if r.adapter}
+            held = sorted(self.adapters.paths)
+            body["adapters"] = {"capacity": self.adapters.capacity, "held": held,
+                                "busy": sorted(busy)}  # fmt: skip
+        return web.json_response(body)
 
     async def snapshot(self, request: web.Request) -> web.Response:
         """Every cached block; events from `next_seq` on apply on top of it."""

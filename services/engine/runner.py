@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsched.core.events import BlocksRemoved
-from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
+from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
 from kvsched.sim.cache import PrefixCache
 from kvsched.sim.engine import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
@@ -49,6 +49,7 @@ class Request:
     job: Job
     prompt_ids: Sequence[int]
     salt: str | None = None
+    adapter: AdapterKey | None = None  # the LoRA adapter it runs with
     loaded_tokens: int = 0  # loaded from the node's pool just before it was queued
     generated: int = 0
     done: bool = False
@@ -152,18 +153,22 @@ class LiveEngine:
         output: int,
         salt: str | None = None,
         session: str | None = None,
+        adapter: AdapterKey | None = None,
     ) -> Request:
         """`submit`, once the prompt's blocks beyond the engine's own cache hit that the
-        node's KV pool holds are loaded from it (when the engine uses a pool)."""
+        node's KV pool holds are loaded from it (when the engine uses a pool; not for a LoRA
+        `adapter`'s request, whose blocks the pool does not take)."""
         if self.failed is not None:
             raise unavailable(self.failed)
-        digests = self.hasher.digests(prompt_ids, salt)
+        digests = self.hasher.digests(prompt_ids, salt, adapter)
         loaded = 0
-        if self.pool is not None:
+        if self.pool is not None and adapter is None:
             loaded = await self.pool.load([event_hash(d) for d in digests], prompt_ids, salt)
         tokens = loaded * self.model.block_size
         load_s = self.model.pool_load_s(tokens)
-        request = self.submit(prompt_ids, output, salt, session, digests=digests, load_s=load_s)
+        request = self.submit(
+            prompt_ids, output, salt, session, digests=digests, load_s=load_s, adapter=adapter
+        )
         request.loaded_tokens = tokens
         return request
 
@@ -176,6 +181,7 @@ class LiveEngine:
         *,
         digests: Sequence[bytes] | None = None,
         load_s: float = 0.0,
+        adapter: AdapterKey | None = None,
     ) -> Request:
         """Queue a request for `output` tokens (checked by `EngineModel.output_tokens`);
         `Request.wait` reports its tokens as steps produce them. `digests`: the prompt's
@@ -187,15 +193,15 @@ class LiveEngine:
         if self.failed is not None:
             raise unavailable(self.failed)
         if digests is None:
-            digests = self.hasher.digests(prompt_ids, salt)
+            digests = self.hasher.digests(prompt_ids, salt, adapter)
         hashes = [event_hash(d) for d in digests]
         now = self.now()
         job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), now)
         if load_s > 0:
             job.ready_at = now + load_s / self.model.spec.layers
             job.kv_done_at = now + load_s
-        request = Request(job, prompt_ids, salt)
-        self.names.hold(hashes, digests, prompt_ids, salt, session)
+        request = Request(job, prompt_ids, salt, adapter)
+        self.names.hold(hashes, digests, prompt_ids, salt, session, adapter=adapter)
         self.requests[job.rid] = request
         self.engine.submit(job)
         self._arrived = True
@@ -300,7 +306,7 @@ class LiveEngine:
             request = requests.get(job.rid)
             if request is None:
                 continue
-            if self.pool is not None and self.pool.attached and job.hashes:
+            if self.pool is not None and self.pool.attached and job.hashes and not request.adapter:
                 self._saves.put_nowait(request)  # (none queue up while there is no pool)
             m.ttft.observe(max(end - job.arrival, 0.0))
             m.queries.inc(job.prompt)

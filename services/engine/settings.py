@@ -73,12 +73,18 @@ class EngineSettings:
     pool_bandwidth_bytes_per_s: float = _POOL_LINK.bandwidth_bytes_per_s
     pool_setup_s: float = _POOL_LINK.setup_s
     role: Role = Role.BOTH  # what the Conductor may place here (reported, not enforced)
+    # LoRA adapters, as vLLM's flags: served at all, how many at once, registered at start.
+    enable_lora: bool = False
+    max_loras: int = 1
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ValueError("--time-scale must be positive")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be at least 1")
         if self.event_shape not in get_args(Shape):
             raise ValueError(f"--event-shape must be one of {get_args(Shape)}")
         if self.capacity_blocks < 0 or self.max_model_len < 0:
@@ -161,6 +167,9 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "pool-bandwidth", d.pool_bandwidth_bytes_per_s, "host link bytes/s of pool loads")
     _flag(p, "pool-setup", d.pool_setup_s, "seconds each pool load adds to its bytes' time")
     _flag(p, "role", d.role.value, "what this engine serves: both, prefill or decode")
+    _flag(p, "enable-lora", d.enable_lora, "serve LoRA adapters (as vLLM's flag)")
+    _flag(p, "max-loras", d.max_loras, "adapters held at once (as vLLM's flag)")
+    _flag(p, "lora-modules", "", "NAME=PATH[,...]: adapters registered at start")
     a = p.parse_args(argv)
     roles = [r.value for r in Role]
     if a.role not in roles:
@@ -202,6 +211,19 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             pool_bandwidth_bytes_per_s=a.pool_bandwidth,
             pool_setup_s=a.pool_setup,
             role=Role(a.role),
+            enable_lora=a.enable_lora,
+            max_loras=a.max_loras,
+            lora_modules=_lora_modules(a.lora_modules),
         )
     except ValueError as exc:
         p.error(str(exc))
+
+
+def _lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, path = part.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules: {part!r} is not NAME=PATH")
+        out.append((name, path))
+    return tuple(out)

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the first model's name in the API (default: "
                    "its directory's name, or the simulated engines' model); the others are "
                    "named by their directories")  # fmt: skip
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="a LoRA adapter of the first model (a peft directory), requested as "
+                   "model NAME; loaded at run time where its requests are placed")  # fmt: skip
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters each engine holds at once (vLLM's --max-loras)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument("--vllm-python", type=Path, default=d.vllm_python, help="vLLM's Python")
     p.add_argument("--tool-call-parser", default=d.tool_call_parser,
@@ -129,6 +134,8 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         model_dir=args.model[0] if args.model else None,
         model=args.served_model_name or (args.model[0].name if args.model else DEFAULT_MODEL),
         more_models=tuple((path.name, path) for path in args.model[1:]),
+        lora_modules=tuple(map(_lora, args.lora)),
+        max_loras=args.max_loras,
         vllm_python=args.vllm_python,
         max_model_len=args.max_model_len,
         tool_call_parser=args.tool_call_parser,
@@ -138,6 +145,18 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         block_hashes=BlockHashes(args.prefix_caching_hash_algo, args.prefix_hash_seed),
         insecure=args.insecure,
     )
+
+
+def _lora(value: str) -> tuple[str, Path]:
+    """`NAME=DIR` as a name and the absolute directory: engines load the adapter from that
+    path and its blocks' hashes name it, so the Routers must be given the same string."""
+    name, sep, directory = value.partition("=")
+    if not (sep and name and directory):
+        raise ValueError(f"--lora takes NAME=DIR, not {value!r}")
+    path = Path(directory).resolve()
+    if not (path / "adapter_config.json").is_file():
+        raise ValueError(f"--lora {name}: {directory} has no adapter_config.json")
+    return name, path
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from services.launcher.credentials import ETCD, ClusterCredentials
 from services.launcher.etcd_local import etcd_argv, etcd_env
 from services.launcher.ports import Ports
 from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
-from services.launcher.vllm import VllmServer, core_share
+from services.launcher.vllm import VllmServer, core_share, lora_rank
 
 ENGINES = ("sim", "vllm")
 # Tokens per KV block when none is given, by engine: the simulated engines model vLLM's GPU
@@ -59,6 +59,10 @@ class ClusterOptions:
     # More served models (name, directory): `engines_per_node` engines of each on every node,
     # like the first; the Routers pick the tokenizer by a request's model.
     more_models: tuple[tuple[str, Path], ...] = ()
+    # LoRA adapters of the first model (name, directory): its engines hold `max_loras` at
+    # once, loaded where the Conductor places their requests.
+    lora_modules: tuple[tuple[str, Path], ...] = ()
+    max_loras: int = 2
     vllm_python: Path = DEFAULT_VLLM_PYTHON  # the Python of vLLM's own environment
     max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
     tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
@@ -93,6 +97,11 @@ class ClusterOptions:
             raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32")
         if self.kv_pool_bytes < 0:
             raise ValueError("--kv-pool-bytes must not be negative")
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be at least 1")
+        adapters = [name for name, _ in self.lora_modules]
+        if len(set(adapters)) != len(adapters) or set(adapters) & set(names):
+            raise ValueError(f"each --lora needs a name of its own: {adapters}")
         if not self.kv_pool_bytes and any(r != "both" for r in engine_roles(self.policy, 2)):
             raise ValueError(
                 f"policy {self.policy} hands KV from prefill to decode engines: engines move "
@@ -242,6 +251,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
                     role=roles[index],
                     core=(m * per_model + index, len(models) * per_model),
                     pool_socket=socket,
+                    lora=m == 0 and bool(opts.lora_modules),
                 )
                 children.append(child)
                 engines.append(engine)
@@ -276,6 +286,9 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         if opts.more_models:
             more = ",".join(f"{name}={path}" for name, path in opts.more_models)
             argv += ["--model-tokenizer", more]
+        if opts.lora_modules:  # the paths the engines load them from: their blocks' hashes
+            adapters = ",".join(f"{name}={path}" for name, path in opts.lora_modules)
+            argv += ["--lora-modules", adapters]
         if opts.chat_template is not None:
             argv += ["--chat-template", str(opts.chat_template)]
         if opts.max_model_len:
@@ -310,10 +323,11 @@ def _engine(
     role: str,
     core: tuple[int, int],
     pool_socket: str,
+    lora: bool = False,
 ) -> tuple[Child, str]:
-    """Engine `iid` serving `model` (its name and directory), the `core[0]`th of `core[1]`
-    on this machine (a simulated one, or a vLLM server: minutes to start on a CPU), and its
-    Messenger's `--engine` value."""
+    """Engine `iid` serving `model` (its name and directory; with `lora`, the cluster's
+    adapters too), the `core[0]`th of `core[1]` on this machine (a simulated one, or a vLLM
+    server: minutes to start on a CPU), and its Messenger's `--engine` value."""
     name_served, model_dir = model
     port, kv_port, replay_port = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
@@ -337,10 +351,13 @@ def _engine(
             dtype=opts.dtype,
             chat_template="" if opts.chat_template is None else str(opts.chat_template),
             pool_socket=pool_socket,
+            max_loras=opts.max_loras if lora else 0,
+            max_lora_rank=lora_rank([d for _, d in opts.lora_modules]) if lora else 0,
         )
         argv = (*server.argv(), *opts.engine_flags)
         child = Child(name, "engine", argv, ready, entry, server.env(), ready_timeout_s=900.0)
-        return child, f"{url},kind=vllm,id={iid},role={role}"
+        loras = f",max_loras={opts.max_loras}" if lora else ""
+        return child, f"{url},kind=vllm,id={iid},role={role}{loras}"
     sim = [sys.executable, "-m", "services.engine", "--listen", f"127.0.0.1:{port}"]
     sim += ["--instance-id", iid, "--kv-events", f"tcp://127.0.0.1:{kv_port}"]
     sim += ["--kv-replay", f"tcp://127.0.0.1:{replay_port}"]
@@ -354,7 +371,11 @@ def _engine(
         sim += ["--tokenizer", str(model_dir)]
     if opts.chat_template is not None:
         sim += ["--chat-template", str(opts.chat_template)]
-    return Child(name, "engine", tuple(sim), ready, entry), f"{url},kind=sim"
+    env = {}
+    if lora:  # runtime loads, as vLLM's (services.engine.lora)
+        sim += ["--enable-lora", "--max-loras", str(opts.max_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return Child(name, "engine", tuple(sim), ready, entry, env), f"{url},kind=sim"
 
 
 def engine_roles(policy: str, n: int) -> list[str]:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
+# The ranks vLLM's --max-lora-rank takes (vllm/config/lora.py).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 KV_TOPIC = "kv-events"
 CPU_KV_GIB = 1  # KV memory of a CPU engine: a few thousand blocks of the tiny model
@@ -46,6 +49,10 @@ class VllmServer:
     # Where the OpenAI server listens; its KV-event sockets stay on loopback, where the node's
     # Messenger reads them (the same host, or the same host network in Kubernetes).
     host: str = "127.0.0.1"
+    # LoRA: the adapters held at once (0: none served); loaded at run time, where the
+    # Conductor places their requests, through vLLM's runtime LoRA API.
+    max_loras: int = 0
+    max_lora_rank: int = 0  # 0: vLLM's default (16)
 
     def argv(self) -> list[str]:
         events = {
@@ -74,6 +81,10 @@ class VllmServer:
             argv += ["--chat-template", self.chat_template]
         if self.pool_socket:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if self.max_loras:
+            argv += ["--enable-lora", "--max-loras", str(self.max_loras)]
+            if self.max_lora_rank:
+                argv += ["--max-lora-rank", str(self.max_lora_rank)]
         return argv
 
     def kv_transfer_config(self) -> dict[str, object]:
@@ -95,6 +106,8 @@ class VllmServer:
             env["PYTHONHASHSEED"] = self.hash_seed
         if self.pool_socket:  # vLLM imports the connector from this repository
             env["PYTHONPATH"] = str(REPO)
+        if self.max_loras:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
 
 
@@ -108,3 +121,13 @@ def core_share(index: int, engines: int, cores: int | None = None) -> str:
     per = n // engines
     first = index * per
     return f"{first}-{first + per - 1}"
+
+
+def lora_rank(adapter_dirs: Sequence[Path]) -> int:
+    """The --max-lora-rank the adapters need: the least of vLLM's ranks that is at least every
+    adapter's `r` (peft's adapter_config.json); 0 where vLLM's default, 16, is enough."""
+    ranks = [int(json.loads((d / "adapter_config.json").read_text())["r"]) for d in adapter_dirs]
+    need = max(ranks, default=0)
+    if need <= 16:
+        return 0
+    return next((r for r in LORA_RANKS if r >= need), LORA_RANKS[-1])

@@ -11,6 +11,11 @@ Conductor flags:
     kvsched vllm-flags --model DIR [--served-model-name NAME] [--block-size 32]
         [--prefix-caching-hash-algo sha256] [--port 8000] [--kv-events-port 5557]
         [--kv-replay-port 5558] [--kv-pool-socket PATH] [--host 0.0.0.0]
+        [--lora NAME=PATH ...] [--max-loras 2]
+
+With `--lora`, the servers serve LoRA adapters loaded at run time (`--enable-lora`, and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`): the Routers take the adapters' names and paths (PATH as
+the servers see it: it is part of each block's hash).
 """
 
 from __future__ import annotations
@@ -39,14 +44,19 @@ def server_of(args: argparse.Namespace) -> VllmServer:
         pool_socket=args.kv_pool_socket,
         host=args.host,
         eager=False,  # (kvsched up's engines run eager only to start faster on a CPU)
+        max_loras=args.max_loras if args.lora else 0,
     )
 
 
-def render(server: VllmServer) -> str:
-    """What the command prints for `server`."""
+def render(server: VllmServer, loras: Sequence[str] = ()) -> str:
+    """What the command prints for `server`, whose engines serve the adapters `loras`
+    (NAME=PATH each)."""
     argv = ["vllm", "serve", str(server.model_dir), *server.argv()[5:]]  # (not --model DIR)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(server.env().items()))
     engine = f"http://HOST:{server.port},kind=vllm"
+    if server.max_loras:
+        engine += f",max_loras={server.max_loras}"
+    adapters = f" --lora-modules {shlex.quote(','.join(loras))}" if loras else ""
     lines = [
         "# each vLLM server of the fleet (one per GPU or engine):",
         shlex.join(argv),
@@ -59,7 +69,7 @@ def render(server: VllmServer) -> str:
         "# the Routers and Conductors:",
         f"kvsched router --tokenizer {shlex.quote(str(server.model_dir))} "
         f"--model {shlex.quote(server.served_name)} --block-size {server.block_size} "
-        f"--prefix-caching-hash-algo {server.hash_algo}",
+        f"--prefix-caching-hash-algo {server.hash_algo}{adapters}",
         f"kvsched conductor --block-size {server.block_size} "
         f"--prefix-caching-hash-algo {server.hash_algo}",
     ]
@@ -78,7 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-events-port", type=int, default=5557)
     p.add_argument("--kv-replay-port", type=int, default=5558)
     p.add_argument("--kv-pool-socket", default="", help="the node's KV pool ('': no connector)")
-    print(render(server_of(p.parse_args(argv))), end="")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter the servers load (PATH as they see it)")  # fmt: skip
+    p.add_argument("--max-loras", type=int, default=2, help="adapters held at once")
+    args = p.parse_args(argv)
+    if any("=" not in a for a in args.lora):
+        p.error("--lora takes NAME=PATH")
+    print(render(server_of(args), args.lora), end="")
     return 0
 
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import aiohttp
 
+from kvsched.core.adapters import AdapterReport
 from kvsched.core.load import LoadReport
 from services.common.kv_events import BlockStored, Limits
 
 ROLES = frozenset({"both", "prefill", "decode"})
+MAX_ADAPTERS = 1024  # adapters an engine may report (as the Conductor takes them)
 
 
 class EngineError(Exception):
@@ -217,7 +219,25 @@ def parse_load(raw: Any) -> LoadReport:
         running=_int(load, "running", high=u32),
         decode_tokens=_int(load, "decode_tokens"),
         free_blocks=_int(load, "free_blocks"),
+        adapters=None if load.get("adapters") is None else _adapters(load["adapters"]),
     )
+
+
+def _adapters(raw: Any) -> AdapterReport:
+    """The `adapters` of `/kvsched/load`: {"capacity", "held", "busy"}."""
+    adapters = _object(raw, "adapters")
+    names: dict[str, frozenset[str]] = {}
+    for key in ("held", "busy"):
+        value = adapters.get(key, [])
+        if not (
+            isinstance(value, list)
+            and len(value) <= MAX_ADAPTERS
+            and all(isinstance(n, str) and 0 < len(n) <= 256 for n in value)
+        ):
+            raise EngineMalformed(f"adapters.{key} must list at most {MAX_ADAPTERS} names")
+        names[key] = frozenset(value)
+    capacity = _int(adapters, "capacity", high=MAX_ADAPTERS)
+    return AdapterReport(capacity, names["held"], names["busy"])
 
 
 def _hash(value: Any) -> int:

@@ -8,7 +8,8 @@ and load from their node's KV pool, which transfers read and write.
 the default, asks for the simulated engine's `/kvsched/info` and takes a 404 for vLLM; `sim`;
 `vllm`), and for vLLM `id` (the instance id; default NODE-PORT), `role` (both, prefill or
 decode), `events`, `replay` and `topic` (the KV-event endpoints, when the engine does not
-publish them at `/kv_event_sources`)."""
+publish them at `/kv_event_sources`), and `max_loras` (its `--max-loras`, until its `/metrics`
+says: an idle vLLM does not; default vLLM's, 1)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kvsched.core.load import LoadReport
 from services.messenger.engine_api import ROLES, EngineInfo, Snapshot
 
 KINDS = ("auto", "sim", "vllm")
-_KEYS = frozenset({"kind", "id", "role", "events", "replay", "topic"})
+_KEYS = frozenset({"kind", "id", "role", "events", "replay", "topic", "max_loras"})
 
 
 class EnginePort(Protocol):
@@ -49,6 +50,7 @@ class EngineTarget:
     events: str = ""
     replay: str = ""
     topic: str = ""
+    max_loras: int = 0  # 0: not said
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -88,8 +90,17 @@ def parse_engines(values: Sequence[str]) -> tuple[EngineTarget, ...]:
             if not sep or key not in _KEYS or not found:
                 raise ValueError(f"--engine: {part!r} is neither a URL nor an option of one")
             field = "instance_id" if key == "id" else key
-            found[-1] = replace(found[-1], **{field: option.strip()})
+            options: dict[str, object] = {field: option.strip()}
+            if field == "max_loras":
+                options[field] = _max_loras(option.strip())
+            found[-1] = replace(found[-1], **options)  # type: ignore[arg-type]  # str or int
     urls = [t.url for t in found]
     if len(set(urls)) != len(urls):
         raise ValueError("--engine names the same URL twice")
     return tuple(found)
+
+
+def _max_loras(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--engine max_loras must be a positive integer, got {value!r}")
+    return int(value)

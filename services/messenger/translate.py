@@ -84,8 +84,8 @@ class EventTranslator:
 
     def _named_as_ours(self, event: vllm.BlockStored) -> bool:
         """Whether the first block of a chain from the root has the hash we would give it."""
-        if self.hasher is None or not event.block_hashes:
-            return True
+        if self.hasher is None or not event.block_hashes or event.lora_name:
+            return True  # (an adapter's blocks hash its path too, which events do not say)
         first = event.extra_keys[0] if isinstance(event.extra_keys, list | tuple) else None
         salt = first[-1] if isinstance(first, list | tuple) and first else None
         tokens = event.token_ids[: self.block_size]

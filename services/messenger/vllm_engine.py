@@ -9,6 +9,11 @@
   `metrics_interval_s`; between two reads `/load` (requests in flight, served with
   `--enable-server-load-tracking`) or else `/health` says that it answers. The Conductor adds
   its own count of what it placed since the last report;
+- LoRA adapters, on an engine started with `--enable-lora` (its `/metrics` then has the
+  `vllm:lora_requests_info` gauge): the adapters it holds from `/v1/models` (the cards with a
+  `parent`), the ones its requests use and its `--max-loras` from the gauge's newest sample.
+  An engine that has run nothing has no sample yet: its capacity is then the `--engine`
+  option `max_loras`, else vLLM's default, 1;
 - no snapshot: the relay rebuilds the index from the replay buffer instead.
 """
 
@@ -23,6 +28,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsched.core.adapters import AdapterReport
 from kvsched.core.load import LoadReport
 from services.common.block_hashes import BlockHashes
 from services.messenger.engine_api import (
@@ -36,6 +42,8 @@ from services.messenger.engine_api import (
 from services.messenger.engines import EngineTarget
 
 MAX_ANSWER_BYTES = 4 << 20  # /metrics of a busy engine stays far below this
+DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default
+MAX_ADAPTERS = 1024  # cards of /v1/models read (the Conductor takes no more)
 _BIND_ANY = ("*", "0.0.0.0", "[::]", "::")
 
 
@@ -46,6 +54,15 @@ class _Usage:
     running: int
     waiting: int
     kv_usage: float  # share of the KV cache in use, 0..1
+    lora: _LoraUsage | None = None  # None: the engine serves no adapter
+
+
+@dataclass(frozen=True, slots=True)
+class _LoraUsage:
+    """What `vllm:lora_requests_info` said last."""
+
+    max_loras: int  # 0: no sample yet
+    busy: frozenset[str]  # adapters of running or waiting requests
 
 
 class VllmEngine:
@@ -74,6 +91,8 @@ class VllmEngine:
         self._block_size = 0
         self._usage: _Usage | None = None
         self._usage_at = -float("inf")
+        self._adapters_held: frozenset[str] = frozenset()
+        self._max_loras = target.max_loras or DEFAULT_MAX_LORAS
         self._has_load = True  # until the engine answers /load with a 404
 
     async def _get(self, path: str) -> tuple[int, bytes]:
@@ -170,8 +189,14 @@ class VllmEngine:
         in_flight = await self._in_flight()
         if self._usage is None or loop.time() - self._usage_at >= self.metrics_interval_s:
             self._usage = usage(await self._metrics_text())
+            if self._usage.lora is not None:
+                self._adapters_held = await self._adapters()
+                self._max_loras = self._usage.lora.max_loras or self._max_loras
             self._usage_at = loop.time()
         u = self._usage
+        adapters = None
+        if u.lora is not None:
+            adapters = AdapterReport(self._max_loras, self._adapters_held, u.lora.busy)
         used = round(u.kv_usage * self._capacity_blocks)
         # /load is fresh, /metrics up to a second old: the requests the server holds now,
         # split as /metrics last split them.
@@ -186,6 +211,19 @@ class VllmEngine:
             running=running,
             decode_tokens=used * self._block_size,
             free_blocks=max(self._capacity_blocks - used, 0),
+            adapters=adapters,
+        )
+
+    async def _adapters(self) -> frozenset[str]:
+        """The adapters the server lists in `/v1/models` (cards with a `parent`)."""
+        models = await self._json("/v1/models")
+        data = models.get("data") if isinstance(models, Mapping) else None
+        if not isinstance(data, list):
+            raise EngineMalformed("/v1/models lists no model")
+        return frozenset(
+            card["id"]
+            for card in data[:MAX_ADAPTERS]
+            if isinstance(card, Mapping) and card.get("parent") and isinstance(card.get("id"), str)
         )
 
     async def _in_flight(self) -> int | None:
@@ -229,7 +267,11 @@ def usage(metrics: str) -> _Usage:
     """Running and waiting requests and KV usage, summed over the engine's ranks."""
     values = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
     kv: list[float] = []
+    lora: _LoraUsage | None = None
     for family in _families(metrics):
+        if family.name == "vllm:lora_requests_info":
+            lora = _lora_usage(family.samples)
+            continue
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name] += sample.value
@@ -240,7 +282,25 @@ def usage(metrics: str) -> _Usage:
         running=int(values["vllm:num_requests_running"]),
         waiting=int(values["vllm:num_requests_waiting"]),
         kv_usage=min(max(share, 0.0), 1.0),
+        lora=lora,
     )
+
+
+def _lora_usage(samples: Any) -> _LoraUsage:
+    """The newest sample of `vllm:lora_requests_info` (each label set is one the engine saw;
+    its value is when it last saw it)."""
+    newest = max(samples, key=lambda s: s.value, default=None)
+    if newest is None:
+        return _LoraUsage(0, frozenset())
+    labels = newest.labels
+    busy = {
+        name
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in labels.get(key, "").split(",")
+        if name
+    }
+    cap = labels.get("max_lora", "")
+    return _LoraUsage(int(cap) if cap.isdigit() else 0, frozenset(busy))
 
 
 def _families(metrics: str) -> Any:

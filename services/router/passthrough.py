@@ -18,6 +18,7 @@ from aiohttp import web
 
 from services.common.openai_api import ApiError, read_json
 from services.router.auth import Tenant
+from services.router.lora import AdapterLoader
 from services.router.pipeline import bad_gateway
 from services.router.placement import Placer
 from services.router.prepare import Preparer, client_request_id
@@ -29,7 +30,10 @@ ROUTES: Final = ("/tokenize", "/detokenize", "/v1/embeddings")
 class PassThrough:
     """Serves `ROUTES` (see the module docstring)."""
 
-    def __init__(self, preparer: Preparer, placer: Placer, upstream: Upstream) -> None:
+    def __init__(
+        self, preparer: Preparer, placer: Placer, upstream: Upstream, adapters: AdapterLoader
+    ) -> None:
+        self._adapters = adapters
         self._preparer = preparer
         self._placer = placer
         self._upstream = upstream
@@ -53,8 +57,10 @@ class PassThrough:
             headers["x-request-id"] = reply["x-request-id"] = rid
         tried: list[str] = []
         for _ in (1, 2):
-            instance = self._placer.any_instance(model, exclude=tried)
+            instance = self._placer.any_instance(self._preparer.base_model(model), exclude=tried)
             reply["x-kvsched-instance"] = instance.instance_id
+            if model in self._adapters.modules:  # an adapter's engine must hold it
+                await self._adapters.change(self._upstream.session, instance.url, model)
             self._placer.begin(instance.instance_id)
             try:
                 response, _ = await self._upstream.relay(

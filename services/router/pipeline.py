@@ -28,6 +28,7 @@ from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.finish import RequestOutcome, finish_report
 from services.router.kv_moves import Forward, KvMoves
+from services.router.lora import AdapterLoader
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement, PlacementQuery, Placer
 from services.router.prepare import Api, Call, Preparer
@@ -53,9 +54,11 @@ class Pipeline:
         kv_moves: KvMoves,
         upstream: Upstream,
         *,
+        adapters: AdapterLoader,
         metrics: RouterMetrics,
         tracer: Tracer,
     ) -> None:
+        self._adapters = adapters
         self._preparer = preparer
         self._placer = placer
         self._kv_moves = kv_moves
@@ -76,6 +79,7 @@ class Pipeline:
         gets as one."""
         call = await self._preparer.prepare(request, api, tenant, arrived, reply)
         placement = await self.place(call.query, call.arrived)
+        await self.adapt(call, placement)
         headers = engine_headers(call.query, call.client_request_id)
         forward = await self.settle(request.path, call, placement, headers)
         return await self.relay(request, call, forward, headers)
@@ -90,6 +94,23 @@ class Pipeline:
             if span.is_recording():
                 _annotate(span, placement)
         return placement
+
+    async def adapt(self, call: Call, placement: Placement) -> None:
+        """Load (after unloading what makes room) the LoRA adapter the placement needs on its
+        instance and decode instance. One that cannot be loaded fails the request (503),
+        reported to the Conductor as such."""
+        for url, (load, unload) in (
+            (placement.url, placement.adapter_change),
+            (placement.decode_url, placement.decode_adapter_change),
+        ):
+            if url and (load or unload):
+                try:
+                    with child_span(self._tracer, "adapter_load") as span:
+                        span.set_attribute("kvsched.adapter", load)
+                        await self._adapters.change(self._upstream.session, url, load, unload)
+                except ApiError:
+                    self.report(call, placement, None)
+                    raise
 
     async def settle(
         self, path: str, call: Call, placement: Placement, headers: dict[str, str]
@@ -147,6 +168,7 @@ class Pipeline:
                         raise bad_gateway(
                             "The inference engine refused the connection and no other is up."
                         ) from None
+                    await self.adapt(call, attempt)
                     continue
                 except EngineFailed as exc:
                     self.report(call, attempt, None, forward.prefill_instance_id)

@@ -88,6 +88,8 @@ class PlacementQuery:
     packed_hashes: bytes  # the prompt's block hashes, packed (`clients.python.pack_hashes`)
     session_id: str  # tenant-scoped ("tenant/session"); empty for none
     model: str = ""  # the served model asked for ("": any instance)
+    adapter: str = ""  # its LoRA adapter ("": the base model)
+    adapter_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,9 @@ class Placement:
     transfers: tuple[PlannedTransfer, ...] = ()
     # Transfers under way for earlier requests that bring KV this one counts on.
     landing: tuple[PlannedTransfer, ...] = ()
+    # The LoRA adapters to (load, unload) first on the instance and on the decode instance.
+    adapter_change: tuple[str, str] = ("", "")
+    decode_adapter_change: tuple[str, str] = ("", "")
 
     @property
     def by_conductor(self) -> bool:
@@ -290,6 +295,8 @@ class Placer:
             packed_block_hashes=query.packed_hashes,
             session_id=query.session_id,
             model=query.model,
+            adapter=query.adapter,
+            adapter_bytes=query.adapter_bytes,
         )
         if arrived is not None:
             message.queued.FromNanoseconds(max(0, round((time.perf_counter() - arrived) * 1e9)))
@@ -337,6 +344,11 @@ class Placer:
             else "",
             transfers=tuple(map(planned, decision.transfers)),
             landing=tuple(map(planned, decision.landing)),
+            adapter_change=(decision.adapter_change.load, decision.adapter_change.unload),
+            decode_adapter_change=(
+                decision.decode_adapter_change.load,
+                decision.decode_adapter_change.unload,
+            ),
         )
 
     def fallback(
@@ -380,6 +392,8 @@ class Placer:
             rule=rule,
             expected_cached_tokens=0,
             fallback=reason,
+            # Nobody knows what the instance holds: load the adapter (a no-op where held).
+            adapter_change=(query.adapter, ""),
         )
 
     def any_instance(self, model: str, exclude: Collection[str] = ()) -> KnownInstance:

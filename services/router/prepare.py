@@ -126,6 +126,13 @@ class Preparer:
         self.bodies = BodyReader(self.max_body_bytes, worker, settings.body_worker_bytes)
         self.hasher = settings.block_hashes.hasher(settings.block_size)
         self.aliases = dict(settings.model_aliases)
+        self.adapters = {m.name: m for m in settings.lora_modules}
+        for module in settings.lora_modules:
+            if module.base_model not in self.tokenizers:
+                raise ValueError(f"LoRA adapter {module.name}: no tokenizer for its base model "
+                                 f"{module.base_model!r} (--model, --model-tokenizer)")  # fmt: skip
+            if module.name in self.tokenizers:
+                raise ValueError(f"LoRA adapter {module.name}: a base model has that name")
         self._chat_template = settings.chat_template
         # What each model's chat template shows the Messages and Responses conversions.
         self._messages_traits: dict[str, anthropic_messages.TemplateTraits] = {}
@@ -146,7 +153,7 @@ class Preparer:
         if kind is not None:
             return parse_request(kind, body)
         asked = body.get("model")
-        model = self.served_model(asked if isinstance(asked, str) else None)
+        model = self.base_model(self.served_model(asked if isinstance(asked, str) else None))
         tokenizer = self.tokenizers[model]
         if api == "messages":
             traits = self._messages_traits.get(model)
@@ -162,14 +169,20 @@ class Preparer:
 
     def served_model(self, model: str | None) -> str:
         """The served name a request's `model` stands for (the default one where it names
-        none, an alias's model); raises the 404 vLLM answers for a model it does not serve."""
+        none, an alias's model; an adapter is a served name); raises the 404 vLLM answers for
+        a model it does not serve."""
         if not model:
             return self.default_model
         served = self.aliases.get(model, model)
-        if served not in self.tokenizers:
+        if served not in self.tokenizers and served not in self.adapters:
             raise ApiError(404, f"The model `{model}` does not exist.", type_="NotFoundError",
                            param="model")  # fmt: skip
         return served
+
+    def base_model(self, served: str) -> str:
+        """The model a served name runs on: an adapter's base, else itself."""
+        module = self.adapters.get(served)
+        return served if module is None else module.base_model
 
     async def start(self) -> None:
         """Start the body worker process, if there is one (one that cannot start is tried
@@ -201,7 +214,7 @@ class Preparer:
         raw, body = read.raw, read.fields
         req = self._parse(api, body)
         model = self.served_model(req.model)
-        tokenizer = self.tokenizers[model]
+        tokenizer = self.tokenizers[self.base_model(model)]
         header, named = session_header(request)
         session = named or req.session_id
         if session:
@@ -225,13 +238,16 @@ class Preparer:
         client_rid = client_request_id(request)
         if client_rid is not None:
             reply["x-request-id"] = client_rid
+        adapter = self.adapters.get(model)
         query = PlacementQuery(
             rid,
             tokenized.prompt_tokens,
             tokenized.output_tokens,
             tokenized.packed_hashes,
             scoped,
-            model,
+            model if adapter is None else adapter.base_model,
+            "" if adapter is None else adapter.name,
+            0 if adapter is None else adapter.weight_bytes,
         )
         return Call(req, query, tokenized.body, arrived, reply, client_rid)
 
@@ -259,14 +275,22 @@ class Preparer:
         if req.model is not None and req.model != model:  # the engines know the served name
             body = {**body, "model": model}
             raw = json.dumps(body).encode()
-        tokenizer = self.tokenizers[model]
-        prompts = self.session_prompts.get(model)
+        base = self.base_model(model)
+        tokenizer = self.tokenizers[base]
+        prompts = self.session_prompts.get(base)
+        module = self.adapters.get(model)
+        adapter = None if module is None else module.key  # vLLM hashes its blocks apart
         chat = req.chat
         if session and prompts is not None and chat is not None and chat.forwarded_ids is None:
             text = tokenizer.render_chat(chat)
             try:
                 ids, block_hashes = prompts.ids_and_hashes(
-                    session, text, req.add_special_tokens, self.hasher, salt or None
+                    session,
+                    text,
+                    req.add_special_tokens,
+                    self.hasher,
+                    salt or None,
+                    adapter=adapter,
                 )
             except TypeError:  # a lone surrogate, as `prompt_ids` refuses it
                 raise bad_request(
@@ -275,7 +299,7 @@ class Preparer:
             batch = [ids]
         else:
             batch = tokenizer.batch_ids(req)
-            block_hashes = self.hasher.hash_prompt(batch[0], salt or None)
+            block_hashes = self.hasher.hash_prompt(batch[0], salt or None, adapter)
         # Each prompt of a batch is checked as vLLM checks it; the engine computes them all
         # (and `n` choices of each) where the first one is placed.
         output = sum(output_budget(req, len(ids), self.max_model_len) for ids in batch) * req.n

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, TypeVar
 
-from kvsched.core.vllm_hashing import VllmBlockHasher
+from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher
 from services.common.model_tokenizer import ModelTokenizer
 
 # Components whose output depends on a split's text alone (tokenizers 0.23). Metaspace also
@@ -179,7 +179,9 @@ class SessionPromptStats:
 class _Turn:
     """A session's previous turn: what the next one can reuse. Never changed once made."""
 
-    __slots__ = ("digests", "ends", "flag", "hasher", "hashes", "head", "ids", "keys", "salt")
+    __slots__ = (
+        "adapter", "digests", "ends", "flag", "hasher", "hashes", "head", "ids", "keys", "salt"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -191,6 +193,7 @@ class _Turn:
         flag: bool,
         hasher: VllmBlockHasher,
         salt: str | None,
+        adapter: AdapterKey | None,
         digests: bytes,
         hashes: array[int],
     ) -> None:
@@ -203,6 +206,7 @@ class _Turn:
         self.flag = flag  # add_special_tokens
         self.hasher = hasher
         self.salt = salt
+        self.adapter = adapter  # the LoRA adapter its blocks were hashed for
         self.digests = digests  # every `_CHECKPOINT`-th block's digest, one after the other
         self.hashes = hashes  # array('Q'): each full block's 64-bit hash
 
@@ -237,9 +241,11 @@ class SessionPrompts:
         add_special_tokens: bool,
         hasher: VllmBlockHasher,
         cache_salt: str | None = None,
+        *,
+        adapter: AdapterKey | None = None,
     ) -> tuple[list[int], list[int]]:
         """`text`'s ids, equal to `tokenizer.model.encode(text, add_special_tokens)`, and
-        their block hashes, equal to `hasher.hash_prompt(ids, cache_salt)`: the leading
+        their block hashes, equal to `hasher.hash_prompt(ids, cache_salt, adapter)`: the leading
         pieces equal to session `key`'s previous turn taken from it, the rest tokenized, and
         the blocks whose ids are all the previous turn's leading ids taken from it, the rest
         hashed. Keeps this turn as `key`'s (last writer wins), evicting the least recently
@@ -272,15 +278,15 @@ class SessionPrompts:
         out = ids.tolist()
 
         kept = 0  # leading blocks whose hashes are the previous turn's
-        if old is not None and old.hasher == hasher and old.salt == salt:
+        if old is not None and (old.hasher, old.salt, old.adapter) == (hasher, salt, adapter):
             known = len(head) + reused if same and old.flag == add_special_tokens else 0
             kept = _common_prefix(old.ids, ids, known) // hasher.block_size
             kept -= kept % _CHECKPOINT  # the chain resumes after a kept digest
-        digests, hashes = _hash_blocks(hasher, out, salt, old, kept)
+        digests, hashes = _hash_blocks(hasher, out, salt, adapter, old=old, kept=kept)
 
         turn = _Turn(
             keys=keys, ends=ends, ids=ids, head=len(head), flag=add_special_tokens,
-            hasher=hasher, salt=salt, digests=digests, hashes=hashes,
+            hasher=hasher, salt=salt, adapter=adapter, digests=digests, hashes=hashes,
         )  # fmt: skip
         self._put(key, turn, (1, reused, count - reused, kept, len(hashes) - kept))
         return out, hashes.tolist()
@@ -503,7 +509,13 @@ def _common_prefix(a: _Items, b: _Items, known: int) -> int:
 
 
 def _hash_blocks(
-    hasher: VllmBlockHasher, ids: list[int], salt: str | None, old: _Turn | None, kept: int
+    hasher: VllmBlockHasher,
+    ids: list[int],
+    salt: str | None,
+    adapter: AdapterKey | None,
+    *,
+    old: _Turn | None,
+    kept: int,
 ) -> tuple[bytes, array[int]]:
     """Every `_CHECKPOINT`-th block's digest (joined) and every full block's 64-bit hash for
     `ids`: the first `kept` blocks' (a multiple of `_CHECKPOINT`) taken from `old`, the
@@ -518,7 +530,7 @@ def _hash_blocks(
         hashes = old.hashes[:kept]
         parent = bytes(digests[-width:])
     for n, start in enumerate(range(kept * bs, len(ids) - bs + 1, bs), kept + 1):
-        parent = hasher.next_digest(parent, ids[start : start + bs], salt)
+        parent = hasher.next_digest(parent, ids[start : start + bs], salt, adapter)
         if n % every == 0:
             digests += parent
         # A KV event's hash: the digest's low 64 bits, big-endian (`event_hash`).

@@ -67,6 +67,7 @@ from services.common.tls import channel_credentials
 from services.router.auth import Authenticator, Tenant
 from services.router.grpc_service import SERVICE_NAME, RouterServicer
 from services.router.kv_moves import KvMoves
+from services.router.lora import AdapterLoader
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, shed
 from services.router.passthrough import ROUTES as PASS_THROUGH
@@ -144,15 +145,17 @@ class Router:
         kv_moves = KvMoves(
             self.client, self.upstream, self.metrics, self.tracer, wait_s=s.transfer_wait_s
         )
+        adapters = AdapterLoader(s.lora_modules)
         self.pipeline = Pipeline(
             self.preparer,
             self.placer,
             kv_moves,
             self.upstream,
+            adapters=adapters,
             metrics=self.metrics,
             tracer=self.tracer,
         )
-        self.passthrough = PassThrough(self.preparer, self.placer, self.upstream)
+        self.passthrough = PassThrough(self.preparer, self.placer, self.upstream, adapters)
         self.health = health_servicer()
         self.draining = False
         self.streams_open = 0
@@ -402,6 +405,9 @@ class Router:
                     asked.add(inst.model)
         for name in self.preparer.tokenizers:
             cards.setdefault(name, self._own_card(name))
+        for module in self.preparer.adapters.values():  # as vLLM lists a loaded one
+            card = {**self._own_card(module.name), "root": module.path}
+            cards.setdefault(module.name, card | {"parent": module.base_model})
         extra = {alias: {**cards[name], "id": alias, "root": name}
                  for alias, name in self.preparer.aliases.items() if name in cards}  # fmt: skip
         return [*cards.values(), *extra.values()]

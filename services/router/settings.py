@@ -20,6 +20,7 @@ from services.common.flags import env_flags, otlp_endpoint, process_id
 from services.common.openai_api import DEFAULT_MODEL
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
+from services.router.lora import LoraModule, parse_lora_modules
 
 ENV = "KVSCHED_ROUTER_"
 _flag = env_flags(ENV)
@@ -49,6 +50,7 @@ class RouterSettings:
     model_aliases: tuple[tuple[str, str], ...] = ()
     # The other served models, each with its tokenizer directory (`model` has `tokenizer`).
     model_tokenizers: tuple[tuple[str, str], ...] = ()
+    lora_modules: tuple[LoraModule, ...] = ()  # the LoRA adapters the engines may load
     max_model_len: int = 131_072
     placement_timeout_s: float = 0.25
     transfer_wait_s: float = 60.0  # longest wait for a KV transfer a request needs
@@ -144,6 +146,13 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
     _flag(p, "model-alias", "", "ALIAS=NAME[,...]: names clients may use for a served model")
     _flag(p, "model-tokenizer", "", "NAME=DIR[,...]: other served models, their tokenizers")
+    _flag(
+        p,
+        "lora-modules",
+        "",
+        "LoRA adapters as vLLM's flag: NAME=PATH[,...] (of --model) or JSON "
+        '[{"name", "path", "base_model_name"}]; PATH as the engines load it',
+    )
     _flag(p, "max-model-len", d.max_model_len, "longest prompt plus output, tokens")
     _flag(p, "placement-timeout", d.placement_timeout_s, "seconds before a placement is shed")
     _flag(p, "transfer-wait", d.transfer_wait_s, "longest wait for KV a request needs, seconds")
@@ -193,6 +202,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             model=a.model,
             model_aliases=_pairs(a.model_alias, "--model-alias", "ALIAS=NAME"),
             model_tokenizers=_pairs(a.model_tokenizer, "--model-tokenizer", "NAME=DIR"),
+            lora_modules=parse_lora_modules(a.lora_modules, a.model),
             max_model_len=a.max_model_len,
             placement_timeout_s=a.placement_timeout,
             transfer_wait_s=a.transfer_wait,

@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvsched/common/v1/common.proto\x12\x11kvsched.common.v1\x1a\x1egoogle/protobuf/duration.proto\"\xcd\x02\n\x0cTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.kvsched.common.v1.TransferKind\x12\x1a\n\x12source_instance_id\x18\x03 \x01(\t\x12\x1a\n\x12target_instance_id\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x06\x12\x13\n\x0bskip_blocks\x18\x06 \x01(\r\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x35\n\x12\x65stimated_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10on_critical_path\x18\n \x01(\x08\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x12\n\nrequest_id\x18\x0c \x01(\t\"\xae\x01\n\nLoadReport\x12\x1e\n\x16pending_prefill_tokens\x18\x01 \x01(\x04\x12\x32\n\x0fpending_prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x15\n\rdecode_tokens\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x04*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_BOTH\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\xaf\x01\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aTRANSFER_KIND_FETCH_PREFIX\x10\x01\x12!\n\x1dTRANSFER_KIND_MIGRATE_SESSION\x10\x02\x12\"\n\x1eTRANSFER_KIND_REPLICATE_PREFIX\x10\x03\x12\x19\n\x15TRANSFER_KIND_HANDOFF\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvsched/common/v1/common.proto\x12\x11kvsched.common.v1\x1a\x1egoogle/protobuf/duration.proto\"\xcd\x02\n\x0cTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.kvsched.common.v1.TransferKind\x12\x1a\n\x12source_instance_id\x18\x03 \x01(\t\x12\x1a\n\x12target_instance_id\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x06\x12\x13\n\x0bskip_blocks\x18\x06 \x01(\r\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x35\n\x12\x65stimated_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10on_critical_path\x18\n \x01(\x08\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x12\n\nrequest_id\x18\x0c \x01(\t\"\xe2\x01\n\nLoadReport\x12\x1e\n\x16pending_prefill_tokens\x18\x01 \x01(\x04\x12\x32\n\x0fpending_prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x15\n\rdecode_tokens\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x04\x12\x32\n\x08\x61\x64\x61pters\x18\x07 \x01(\x0b\x32 .kvsched.common.v1.AdapterReport\"=\n\rAdapterReport\x12\x10\n\x08\x63\x61pacity\x18\x01 \x01(\r\x12\x0c\n\x04held\x18\x02 \x03(\t\x12\x0c\n\x04\x62usy\x18\x03 \x03(\t*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_BOTH\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\xaf\x01\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aTRANSFER_KIND_FETCH_PREFIX\x10\x01\x12!\n\x1dTRANSFER_KIND_MIGRATE_SESSION\x10\x02\x12\"\n\x1eTRANSFER_KIND_REPLICATE_PREFIX\x10\x03\x12\x19\n\x15TRANSFER_KIND_HANDOFF\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsched.api.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=598
-  _globals['_ROLE']._serialized_end=676
-  _globals['_TIER']._serialized_start=678
-  _globals['_TIER']._serialized_end=749
-  _globals['_TRANSFERKIND']._serialized_start=752
-  _globals['_TRANSFERKIND']._serialized_end=927
+  _globals['_ROLE']._serialized_start=713
+  _globals['_ROLE']._serialized_end=791
+  _globals['_TIER']._serialized_start=793
+  _globals['_TIER']._serialized_end=864
+  _globals['_TRANSFERKIND']._serialized_start=867
+  _globals['_TRANSFERKIND']._serialized_end=1042
   _globals['_TRANSFERPLAN']._serialized_start=86
   _globals['_TRANSFERPLAN']._serialized_end=419
   _globals['_LOADREPORT']._serialized_start=422
-  _globals['_LOADREPORT']._serialized_end=596
+  _globals['_LOADREPORT']._serialized_end=648
+  _globals['_ADAPTERREPORT']._serialized_start=650
+  _globals['_ADAPTERREPORT']._serialized_end=711
 # @@protoc_insertion_point(module_scope)

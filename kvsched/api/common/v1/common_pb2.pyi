@@ -190,6 +190,7 @@ class LoadReport(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     DECODE_TOKENS_FIELD_NUMBER: _builtins.int
     FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     pending_prefill_tokens: _builtins.int
     """Prompt tokens queued or being prefilled, not yet computed."""
     waiting: _builtins.int
@@ -204,6 +205,10 @@ class LoadReport(_message.Message):
     def pending_prefill(self) -> _duration_pb2.Duration:
         """Estimated time to compute them, decode passes included."""
 
+    @_builtins.property
+    def adapters(self) -> Global___AdapterReport:
+        """The engine's LoRA adapters; unset: not said (what it said last stands)."""
+
     def __init__(
         self,
         *,
@@ -213,11 +218,46 @@ class LoadReport(_message.Message):
         running: _builtins.int = ...,
         decode_tokens: _builtins.int = ...,
         free_blocks: _builtins.int = ...,
+        adapters: Global___AdapterReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pending_prefill", b"pending_prefill"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "pending_prefill", b"pending_prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens", b"decode_tokens", "free_blocks", b"free_blocks", "pending_prefill", b"pending_prefill", "pending_prefill_tokens", b"pending_prefill_tokens", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "decode_tokens", b"decode_tokens", "free_blocks", b"free_blocks", "pending_prefill", b"pending_prefill", "pending_prefill_tokens", b"pending_prefill_tokens", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class AdapterReport(_message.Message):
+    """The LoRA adapters an engine holds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
+    capacity: _builtins.int
+    """How many it may hold at once (vLLM's --max-loras); 0: it serves no adapter."""
+    @_builtins.property
+    def held(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The adapters loaded (names as requests give them in `model`)."""
+
+    @_builtins.property
+    def busy(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Of those, the ones its running or waiting requests use."""
+
+    def __init__(
+        self,
+        *,
+        capacity: _builtins.int = ...,
+        held: _abc.Iterable[_builtins.str] | None = ...,
+        busy: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "capacity", b"capacity", "held", b"held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterReport: _TypeAlias = AdapterReport  # noqa: Y015

@@ -726,6 +726,8 @@ class ScheduleRequest(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ADAPTER_BYTES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's identifier; also the idempotency key: a retry with the same id gets the same
     decision without a second placement.
@@ -747,6 +749,13 @@ class ScheduleRequest(_message.Message):
     """Served model name the request asks for (the engines' `InstanceSpec.model`): only
     instances serving it are candidates, and only their KV counts. Empty: any instance.
     """
+    adapter: _builtins.str
+    """The LoRA adapter of `model` the request runs with (its name as the engines load it);
+    empty: the base model. Only instances that hold it, or have an adapter slot they can
+    free, are candidates; the block hashes must carry it, as vLLM's do.
+    """
+    adapter_bytes: _builtins.int
+    """The adapter's weight bytes: what loading it costs on an instance that lacks it."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Chained hashes of the prompt's full blocks (tenant-salted by the Router)."""
@@ -770,14 +779,44 @@ class ScheduleRequest(_message.Message):
         queued: _duration_pb2.Duration | None = ...,
         packed_block_hashes: _builtins.bytes = ...,
         model: _builtins.str = ...,
+        adapter: _builtins.str = ...,
+        adapter_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "explain", b"explain", "model", b"model", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_bytes", b"adapter_bytes", "block_hashes", b"block_hashes", "explain", b"explain", "model", b"model", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "queued", b"queued", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScheduleRequest: _TypeAlias = ScheduleRequest  # noqa: Y015
+
+@_typing.final
+class AdapterChange(_message.Message):
+    """What an instance does before it serves an adapter request: unload one adapter to free a
+    slot, then load the request's (the caller does both, through vLLM's runtime LoRA API).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_FIELD_NUMBER: _builtins.int
+    UNLOAD_FIELD_NUMBER: _builtins.int
+    load: _builtins.str
+    """The adapter to load; empty: it is held."""
+    unload: _builtins.str
+    """The adapter to unload first; empty: none."""
+    def __init__(
+        self,
+        *,
+        load: _builtins.str = ...,
+        unload: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "unload", b"unload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterChange: _TypeAlias = AdapterChange  # noqa: Y015
 
 @_typing.final
 class CandidateCost(_message.Message):
@@ -850,6 +889,8 @@ class Decision(_message.Message):
     TRANSFERS_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
     LANDING_FIELD_NUMBER: _builtins.int
+    ADAPTER_CHANGE_FIELD_NUMBER: _builtins.int
+    DECODE_ADAPTER_CHANGE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     instance_id: _builtins.str
@@ -887,6 +928,14 @@ class Decision(_message.Message):
         critical-path transfer (one that fails costs only a recompute).
         """
 
+    @_builtins.property
+    def adapter_change(self) -> Global___AdapterChange:
+        """For an adapter request: what the instance does first; unset where nothing."""
+
+    @_builtins.property
+    def decode_adapter_change(self) -> Global___AdapterChange:
+        """The same for the decode instance, when that is another instance."""
+
     def __init__(
         self,
         *,
@@ -903,10 +952,12 @@ class Decision(_message.Message):
         transfers: _abc.Iterable[_common_pb2.TransferPlan] | None = ...,
         candidates: _abc.Iterable[Global___CandidateCost] | None = ...,
         landing: _abc.Iterable[_common_pb2.TransferPlan] | None = ...,
+        adapter_change: Global___AdapterChange | None = ...,
+        decode_adapter_change: Global___AdapterChange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["estimated_ttft", b"estimated_ttft"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter_change", b"adapter_change", "decode_adapter_change", b"decode_adapter_change", "estimated_ttft", b"estimated_ttft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "candidates", b"candidates", "decode_instance_id", b"decode_instance_id", "decode_instance_url", b"decode_instance_url", "estimated_ttft", b"estimated_ttft", "fetched_tokens", b"fetched_tokens", "instance_id", b"instance_id", "instance_url", b"instance_url", "landing", b"landing", "policy", b"policy", "request_id", b"request_id", "rule", b"rule", "transfers", b"transfers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_change", b"adapter_change", "cached_tokens", b"cached_tokens", "candidates", b"candidates", "decode_adapter_change", b"decode_adapter_change", "decode_instance_id", b"decode_instance_id", "decode_instance_url", b"decode_instance_url", "estimated_ttft", b"estimated_ttft", "fetched_tokens", b"fetched_tokens", "instance_id", b"instance_id", "instance_url", b"instance_url", "landing", b"landing", "policy", b"policy", "request_id", b"request_id", "rule", b"rule", "transfers", b"transfers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1601,6 +1652,8 @@ class ExplainRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ADAPTER_BYTES_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Prompt length in tokens; 0 takes the length the hashes or tokens imply."""
     output_tokens: _builtins.int
@@ -1613,6 +1666,10 @@ class ExplainRequest(_message.Message):
     """
     model: _builtins.str
     """Served model name, as `ScheduleRequest.model`."""
+    adapter: _builtins.str
+    """LoRA adapter, as `ScheduleRequest.adapter`."""
+    adapter_bytes: _builtins.int
+    """Its weight bytes, as `ScheduleRequest.adapter_bytes`."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Chained block hashes of the prompt; or"""
@@ -1631,10 +1688,12 @@ class ExplainRequest(_message.Message):
         session_id: _builtins.str = ...,
         packed_block_hashes: _builtins.bytes = ...,
         model: _builtins.str = ...,
+        adapter: _builtins.str = ...,
+        adapter_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "model", b"model", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_bytes", b"adapter_bytes", "block_hashes", b"block_hashes", "model", b"model", "output_tokens", b"output_tokens", "packed_block_hashes", b"packed_block_hashes", "prompt_tokens", b"prompt_tokens", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

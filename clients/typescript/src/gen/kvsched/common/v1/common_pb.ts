@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvsched/common/v1/common.proto.
  */
 export const file_kvsched_common_v1_common: GenFile = /*@__PURE__*/
-  fileDesc("Ch5rdnNjaGVkL2NvbW1vbi92MS9jb21tb24ucHJvdG8SEWt2c2NoZWQuY29tbW9uLnYxIs0CCgxUcmFuc2ZlclBsYW4SEwoLdHJhbnNmZXJfaWQYASABKAkSLQoEa2luZBgCIAEoDjIfLmt2c2NoZWQuY29tbW9uLnYxLlRyYW5zZmVyS2luZBIaChJzb3VyY2VfaW5zdGFuY2VfaWQYAyABKAkSGgoSdGFyZ2V0X2luc3RhbmNlX2lkGAQgASgJEhQKDGJsb2NrX2hhc2hlcxgFIAMoBhITCgtza2lwX2Jsb2NrcxgGIAEoDRIOCgZ0b2tlbnMYByABKAQSDQoFYnl0ZXMYCCABKAQSNQoSZXN0aW1hdGVkX2R1cmF0aW9uGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhgKEG9uX2NyaXRpY2FsX3BhdGgYCiABKAgSEgoKc2Vzc2lvbl9pZBgLIAEoCRISCgpyZXF1ZXN0X2lkGAwgASgJIq4BCgpMb2FkUmVwb3J0Eh4KFnBlbmRpbmdfcHJlZmlsbF90b2tlbnMYASABKAQSMgoPcGVuZGluZ19wcmVmaWxsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg8KB3dhaXRpbmcYAyABKA0SDwoHcnVubmluZxgEIAEoDRIVCg1kZWNvZGVfdG9rZW5zGAUgASgEEhMKC2ZyZWVfYmxvY2tzGAYgASgEKk4KBFJvbGUSFAoQUk9MRV9VTlNQRUNJRklFRBAAEg0KCVJPTEVfQk9USBABEhAKDFJPTEVfUFJFRklMTBACEg8KC1JPTEVfREVDT0RFEAMqRwoEVGllchIUChBUSUVSX1VOU1BFQ0lGSUVEEAASDAoIVElFUl9HUFUQARIMCghUSUVSX0NQVRACEg0KCVRJRVJfRElTSxADKq8BCgxUcmFuc2ZlcktpbmQSHQoZVFJBTlNGRVJfS0lORF9VTlNQRUNJRklFRBAAEh4KGlRSQU5TRkVSX0tJTkRfRkVUQ0hfUFJFRklYEAESIQodVFJBTlNGRVJfS0lORF9NSUdSQVRFX1NFU1NJT04QAhIiCh5UUkFOU0ZFUl9LSU5EX1JFUExJQ0FURV9QUkVGSVgQAxIZChVUUkFOU0ZFUl9LSU5EX0hBTkRPRkYQBGIGcHJvdG8z", [file_google_protobuf_duration]);
+  fileDesc("Ch5rdnNjaGVkL2NvbW1vbi92MS9jb21tb24ucHJvdG8SEWt2c2NoZWQuY29tbW9uLnYxIs0CCgxUcmFuc2ZlclBsYW4SEwoLdHJhbnNmZXJfaWQYASABKAkSLQoEa2luZBgCIAEoDjIfLmt2c2NoZWQuY29tbW9uLnYxLlRyYW5zZmVyS2luZBIaChJzb3VyY2VfaW5zdGFuY2VfaWQYAyABKAkSGgoSdGFyZ2V0X2luc3RhbmNlX2lkGAQgASgJEhQKDGJsb2NrX2hhc2hlcxgFIAMoBhITCgtza2lwX2Jsb2NrcxgGIAEoDRIOCgZ0b2tlbnMYByABKAQSDQoFYnl0ZXMYCCABKAQSNQoSZXN0aW1hdGVkX2R1cmF0aW9uGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhgKEG9uX2NyaXRpY2FsX3BhdGgYCiABKAgSEgoKc2Vzc2lvbl9pZBgLIAEoCRISCgpyZXF1ZXN0X2lkGAwgASgJIuIBCgpMb2FkUmVwb3J0Eh4KFnBlbmRpbmdfcHJlZmlsbF90b2tlbnMYASABKAQSMgoPcGVuZGluZ19wcmVmaWxsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg8KB3dhaXRpbmcYAyABKA0SDwoHcnVubmluZxgEIAEoDRIVCg1kZWNvZGVfdG9rZW5zGAUgASgEEhMKC2ZyZWVfYmxvY2tzGAYgASgEEjIKCGFkYXB0ZXJzGAcgASgLMiAua3ZzY2hlZC5jb21tb24udjEuQWRhcHRlclJlcG9ydCI9Cg1BZGFwdGVyUmVwb3J0EhAKCGNhcGFjaXR5GAEgASgNEgwKBGhlbGQYAiADKAkSDAoEYnVzeRgDIAMoCSpOCgRSb2xlEhQKEFJPTEVfVU5TUEVDSUZJRUQQABINCglST0xFX0JPVEgQARIQCgxST0xFX1BSRUZJTEwQAhIPCgtST0xFX0RFQ09ERRADKkcKBFRpZXISFAoQVElFUl9VTlNQRUNJRklFRBAAEgwKCFRJRVJfR1BVEAESDAoIVElFUl9DUFUQAhINCglUSUVSX0RJU0sQAyqvAQoMVHJhbnNmZXJLaW5kEh0KGVRSQU5TRkVSX0tJTkRfVU5TUEVDSUZJRUQQABIeChpUUkFOU0ZFUl9LSU5EX0ZFVENIX1BSRUZJWBABEiEKHVRSQU5TRkVSX0tJTkRfTUlHUkFURV9TRVNTSU9OEAISIgoeVFJBTlNGRVJfS0lORF9SRVBMSUNBVEVfUFJFRklYEAMSGQoVVFJBTlNGRVJfS0lORF9IQU5ET0ZGEARiBnByb3RvMw", [file_google_protobuf_duration]);
 
 /**
  * An order to copy the KV of `block_hashes[skip_blocks:]` from one instance to another.
@@ -161,6 +161,13 @@ export type LoadReport = Message<"kvsched.common.v1.LoadReport"> & {
    * @generated from field: uint64 free_blocks = 6;
    */
   freeBlocks: bigint;
+
+  /**
+   * The engine's LoRA adapters; unset: not said (what it said last stands).
+   *
+   * @generated from field: kvsched.common.v1.AdapterReport adapters = 7;
+   */
+  adapters?: AdapterReport | undefined;
 };
 
 /**
@@ -169,6 +176,41 @@ export type LoadReport = Message<"kvsched.common.v1.LoadReport"> & {
  */
 export const LoadReportSchema: GenMessage<LoadReport> = /*@__PURE__*/
   messageDesc(file_kvsched_common_v1_common, 1);
+
+/**
+ * The LoRA adapters an engine holds.
+ *
+ * @generated from message kvsched.common.v1.AdapterReport
+ */
+export type AdapterReport = Message<"kvsched.common.v1.AdapterReport"> & {
+  /**
+   * How many it may hold at once (vLLM's --max-loras); 0: it serves no adapter.
+   *
+   * @generated from field: uint32 capacity = 1;
+   */
+  capacity: number;
+
+  /**
+   * The adapters loaded (names as requests give them in `model`).
+   *
+   * @generated from field: repeated string held = 2;
+   */
+  held: string[];
+
+  /**
+   * Of those, the ones its running or waiting requests use.
+   *
+   * @generated from field: repeated string busy = 3;
+   */
+  busy: string[];
+};
+
+/**
+ * Describes the message kvsched.common.v1.AdapterReport.
+ * Use `create(AdapterReportSchema)` to create a new message.
+ */
+export const AdapterReportSchema: GenMessage<AdapterReport> = /*@__PURE__*/
+  messageDesc(file_kvsched_common_v1_common, 2);
 
 /**
  * What an engine instance serves.

@@ -16,7 +16,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvsched/conductor/v1/conductor_service.proto.
  */
 export const file_kvsched_conductor_v1_conductor_service: GenFile = /*@__PURE__*/
-  fileDesc("CixrdnNjaGVkL2NvbmR1Y3Rvci92MS9jb25kdWN0b3Jfc2VydmljZS5wcm90bxIUa3ZzY2hlZC5jb25kdWN0b3IudjEiiwEKDEluc3RhbmNlU3BlYxITCgtpbnN0YW5jZV9pZBgBIAEoCRILCgN1cmwYAiABKAkSDAoEbm9kZRgDIAEoCRIlCgRyb2xlGAQgASgOMhcua3ZzY2hlZC5jb21tb24udjEuUm9sZRINCgVtb2RlbBgFIAEoCRIVCg1tZXNzZW5nZXJfdXJsGAYgASgJIusBCg5JbnN0YW5jZVN0YXR1cxIwCgRzcGVjGAEgASgLMiIua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTcGVjEgwKBHNsb3QYAiABKA0SEAoIbGVhc2VfaWQYAyABKAMSKwoEbG9hZBgEIAEoCzIdLmt2c2NoZWQuY29tbW9uLnYxLkxvYWRSZXBvcnQSEQoJaW5fZmxpZ2h0GAUgASgNEhIKCmdwdV9ibG9ja3MYBiABKAQSGwoTbmV4dF9ldmVudF9zZXF1ZW5jZRgHIAEoBBIWCg5zZXNzaW9uc19ib3VuZBgIIAEoDSJ5ChdSZWdpc3Rlckluc3RhbmNlUmVxdWVzdBIwCgRzcGVjGAEgASgLMiIua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTcGVjEiwKCWxlYXNlX3R0bBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKAAQoYUmVnaXN0ZXJJbnN0YW5jZVJlc3BvbnNlEjYKCGluc3RhbmNlGAEgASgLMiQua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTdGF0dXMSLAoJbGVhc2VfdHRsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIi8KGEtlZXBBbGl2ZUluc3RhbmNlUmVxdWVzdBITCgtpbnN0YW5jZV9pZBgBIAEoCSJmChlLZWVwQWxpdmVJbnN0YW5jZVJlc3BvbnNlEiwKCWxlYXNlX3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIbChNuZXh0X2V2ZW50X3NlcXVlbmNlGAIgASgEIjAKGURlcmVnaXN0ZXJJbnN0YW5jZVJlcXVlc3QSEwoLaW5zdGFuY2VfaWQYASABKAkiNgoaRGVyZWdpc3Rlckluc3RhbmNlUmVzcG9uc2USGAoQc2Vzc2lvbnNfdW5ib3VuZBgBIAEoDSIWChRMaXN0SW5zdGFuY2VzUmVxdWVzdCJQChVMaXN0SW5zdGFuY2VzUmVzcG9uc2USNwoJaW5zdGFuY2VzGAEgAygLMiQua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTdGF0dXMigwIKB0t2RXZlbnQSOwoNYmxvY2tzX3N0b3JlZBgBIAEoCzIiLmt2c2NoZWQuY29uZHVjdG9yLnYxLkJsb2Nrc1N0b3JlZEgAEj0KDmJsb2Nrc19yZW1vdmVkGAIgASgLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuQmxvY2tzUmVtb3ZlZEgAEkQKEmFsbF9ibG9ja3NfY2xlYXJlZBgDIAEoCzImLmt2c2NoZWQuY29uZHVjdG9yLnYxLkFsbEJsb2Nrc0NsZWFyZWRIABItCgRsb2FkGAQgASgLMh0ua3ZzY2hlZC5jb21tb24udjEuTG9hZFJlcG9ydEgAQgcKBWV2ZW50IrIBCgxCbG9ja3NTdG9yZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygGEh4KEXBhcmVudF9ibG9ja19oYXNoGAIgASgGSACIAQESJQoEdGllchgDIAEoDjIXLmt2c2NoZWQuY29tbW9uLnYxLlRpZXISEgoKc2Vzc2lvbl9pZBgEIAEoCRIbChNwYWNrZWRfYmxvY2tfaGFzaGVzGAUgASgMQhQKEl9wYXJlbnRfYmxvY2tfaGFzaCJpCg1CbG9ja3NSZW1vdmVkEhQKDGJsb2NrX2hhc2hlcxgBIAMoBhIlCgR0aWVyGAIgASgOMhcua3ZzY2hlZC5jb21tb24udjEuVGllchIbChNwYWNrZWRfYmxvY2tfaGFzaGVzGAMgASgMIhIKEEFsbEJsb2Nrc0NsZWFyZWQiswEKDEt2RXZlbnRCYXRjaBITCgtpbnN0YW5jZV9pZBgBIAEoCRIQCghzZXF1ZW5jZRgCIAEoBBIOCgZyZXN5bmMYAyABKAgSLQoGZXZlbnRzGAQgAygLMh0ua3ZzY2hlZC5jb25kdWN0b3IudjEuS3ZFdmVudBIuCgpjcmVhdGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBINCgVtZXJnZRgGIAEoCCJKChVTdHJlYW1LdkV2ZW50c1JlcXVlc3QSMQoFYmF0Y2gYASABKAsyIi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5LdkV2ZW50QmF0Y2giZAoWU3RyZWFtS3ZFdmVudHNSZXNwb25zZRIXCg9iYXRjaGVzX2FwcGxpZWQYASABKAQSMQoGcmVzdW1lGAIgASgLMiEua3ZzY2hlZC5jb25kdWN0b3IudjEuUmVzdW1lUG9pbnQiSQoLUmVzdW1lUG9pbnQSEwoLaW5zdGFuY2VfaWQYASABKAkSFQoNbmV4dF9zZXF1ZW5jZRgCIAEoBBIOCgZyZWFzb24YAyABKAkiTAoVTWlycm9yS3ZFdmVudHNSZXF1ZXN0EjMKB2JhdGNoZXMYASADKAsyIi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5LdkV2ZW50QmF0Y2giLgoWTWlycm9yS3ZFdmVudHNSZXNwb25zZRIUCgxiYXRjaGVzX2tlcHQYASABKAQiSwoWUHVibGlzaEt2RXZlbnRzUmVxdWVzdBIxCgViYXRjaBgBIAEoCzIiLmt2c2NoZWQuY29uZHVjdG9yLnYxLkt2RXZlbnRCYXRjaCIwChdQdWJsaXNoS3ZFdmVudHNSZXNwb25zZRIVCg1uZXh0X3NlcXVlbmNlGAEgASgEIuUBCg9TY2hlZHVsZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIVCg1wcm9tcHRfdG9rZW5zGAIgASgNEhUKDW91dHB1dF90b2tlbnMYAyABKA0SFAoMYmxvY2tfaGFzaGVzGAQgAygGEhIKCnNlc3Npb25faWQYBSABKAkSDwoHZXhwbGFpbhgGIAEoCBIpCgZxdWV1ZWQYByABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SGwoTcGFja2VkX2Jsb2NrX2hhc2hlcxgIIAEoDBINCgVtb2RlbBgJIAEoCSKhAQoNQ2FuZGlkYXRlQ29zdBITCgtpbnN0YW5jZV9pZBgBIAEoCRI9CgV0ZXJtcxgCIAMoCzIuLmt2c2NoZWQuY29uZHVjdG9yLnYxLkNhbmRpZGF0ZUNvc3QuVGVybXNFbnRyeRIOCgZjaG9zZW4YAyABKAgaLAoKVGVybXNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBIqEDCghEZWNpc2lvbhISCgpyZXF1ZXN0X2lkGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJEhQKDGluc3RhbmNlX3VybBgDIAEoCRIaChJkZWNvZGVfaW5zdGFuY2VfaWQYBCABKAkSGwoTZGVjb2RlX2luc3RhbmNlX3VybBgFIAEoCRIVCg1jYWNoZWRfdG9rZW5zGAYgASgNEhYKDmZldGNoZWRfdG9rZW5zGAcgASgNEjEKDmVzdGltYXRlZF90dGZ0GAggASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEgwKBHJ1bGUYCSABKAkSDgoGcG9saWN5GAogASgJEjIKCXRyYW5zZmVycxgLIAMoCzIfLmt2c2NoZWQuY29tbW9uLnYxLlRyYW5zZmVyUGxhbhI3CgpjYW5kaWRhdGVzGAwgAygLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuQ2FuZGlkYXRlQ29zdBIwCgdsYW5kaW5nGA0gAygLMh8ua3ZzY2hlZC5jb21tb24udjEuVHJhbnNmZXJQbGFuIpABCglSZWplY3Rpb24SEgoKcmVxdWVzdF9pZBgBIAEoCRIMCgRydWxlGAIgASgJEi4KC3JldHJ5X2FmdGVyGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDmVzdGltYXRlZF90dGZ0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIkQKEFNjaGVkdWxlUmVzcG9uc2USMAoIZGVjaXNpb24YASABKAsyHi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5EZWNpc2lvbiLNAQoVU2NoZWR1bGVTdHJlYW1SZXF1ZXN0EjkKCHNjaGVkdWxlGAEgASgLMiUua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVSZXF1ZXN0SAASNQoGZmluaXNoGAIgASgLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuRmluaXNoUmVxdWVzdEgAEjoKBWJhdGNoGAMgASgLMikua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVTdHJlYW1CYXRjaEgAQgYKBGtpbmQiUQoTU2NoZWR1bGVTdHJlYW1CYXRjaBI6CgVpdGVtcxgBIAMoCzIrLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNjaGVkdWxlU3RyZWFtUmVxdWVzdCJaChtTY2hlZHVsZVN0cmVhbVJlc3BvbnNlQmF0Y2gSOwoFaXRlbXMYASADKAsyLC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TY2hlZHVsZVN0cmVhbVJlc3BvbnNlIiwKC1N0cmVhbUVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCSLTAgoWU2NoZWR1bGVTdHJlYW1SZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEjIKCGRlY2lzaW9uGAIgASgLMh4ua3ZzY2hlZC5jb25kdWN0b3IudjEuRGVjaXNpb25IABI0CglyZWplY3Rpb24YAyABKAsyHy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5SZWplY3Rpb25IABIyCgVlcnJvchgEIAEoCzIhLmt2c2NoZWQuY29uZHVjdG9yLnYxLlN0cmVhbUVycm9ySAASOAoIZmluaXNoZWQYBSABKAsyJC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5GaW5pc2hSZXNwb25zZUgAEkIKBWJhdGNoGAYgASgLMjEua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVTdHJlYW1SZXNwb25zZUJhdGNoSABCCQoHb3V0Y29tZSLTAgoNRmluaXNoUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEhIKCnNlc3Npb25faWQYAiABKAkSEwoLaW5zdGFuY2VfaWQYAyABKAkSGgoSZGVjb2RlX2luc3RhbmNlX2lkGAQgASgJEhUKDXByb21wdF90b2tlbnMYBSABKA0SFQoNb3V0cHV0X3Rva2VucxgGIAEoDRIVCg1jYWNoZWRfdG9rZW5zGAcgASgNEhQKDGJsb2NrX2hhc2hlcxgIIAMoBhI2ChN0aW1lX3RvX2ZpcnN0X3Rva2VuGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEi0KCmVuZF90b19lbmQYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SCgoCb2sYCyABKAgSGwoTcGFja2VkX2Jsb2NrX2hhc2hlcxgMIAEoDCJECg5GaW5pc2hSZXNwb25zZRIyCgl0cmFuc2ZlcnMYASADKAsyHy5rdnNjaGVkLmNvbW1vbi52MS5UcmFuc2ZlclBsYW4idAoVUmVwb3J0VHJhbnNmZXJSZXF1ZXN0EhMKC3RyYW5zZmVyX2lkGAEgASgJEgoKAm9rGAIgASgIEisKCGR1cmF0aW9uGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg0KBWJ5dGVzGAQgASgEIi8KFlJlcG9ydFRyYW5zZmVyUmVzcG9uc2USFQoNc2Vzc2lvbl9tb3ZlZBgBIAEoCCJXChRBd2FpdFRyYW5zZmVyUmVxdWVzdBITCgt0cmFuc2Zlcl9pZBgBIAEoCRIqCgd0aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIsQBChVBd2FpdFRyYW5zZmVyUmVzcG9uc2USEwoLdHJhbnNmZXJfaWQYASABKAkSNAoGc3RhdHVzGAIgASgOMiQua3ZzY2hlZC5jb25kdWN0b3IudjEuVHJhbnNmZXJTdGF0dXMSDQoFYnl0ZXMYAyABKAQSKwoIZHVyYXRpb24YBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZXJyb3IYBSABKAkSFQoNc2Vzc2lvbl9tb3ZlZBgGIAEoCCInChFHZXRTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJIpEBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSGAoQaG9zdF9pbnN0YW5jZV9pZBgCIAEoCRINCgV0dXJucxgDIAEoDRISCgptaWdyYXRpb25zGAQgASgNEhYKDmNvbnRleHRfdG9rZW5zGAUgASgEEh0KFW1vdmluZ190b19pbnN0YW5jZV9pZBgGIAEoCSJEChJHZXRTZXNzaW9uUmVzcG9uc2USLgoHc2Vzc2lvbhgBIAEoCzIdLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNlc3Npb24iEgoQR2V0UG9saWN5UmVxdWVzdCKoAQoRR2V0UG9saWN5UmVzcG9uc2USDAoEc3BlYxgBIAEoCRJDCgZwYXJhbXMYAiADKAsyMy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5HZXRQb2xpY3lSZXNwb25zZS5QYXJhbXNFbnRyeRIRCglhdmFpbGFibGUYAyADKAkaLQoLUGFyYW1zRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASIgChBTZXRQb2xpY3lSZXF1ZXN0EgwKBHNwZWMYASABKAkiOAoRU2V0UG9saWN5UmVzcG9uc2USFQoNcHJldmlvdXNfc3BlYxgBIAEoCRIMCgRzcGVjGAIgASgJIqcBCg5FeHBsYWluUmVxdWVzdBIUCgxibG9ja19oYXNoZXMYASADKAYSEQoJdG9rZW5faWRzGAIgAygNEhUKDXByb21wdF90b2tlbnMYAyABKA0SFQoNb3V0cHV0X3Rva2VucxgEIAEoDRISCgpzZXNzaW9uX2lkGAUgASgJEhsKE3BhY2tlZF9ibG9ja19oYXNoZXMYBiABKAwSDQoFbW9kZWwYByABKAkiVQoPRXhwbGFpblJlc3BvbnNlEjAKCGRlY2lzaW9uGAEgASgLMh4ua3ZzY2hlZC5jb25kdWN0b3IudjEuRGVjaXNpb24SEAoIcmVqZWN0ZWQYAiABKAgiEgoQR2V0TGVhZGVyUmVxdWVzdCJ3ChFHZXRMZWFkZXJSZXNwb25zZRIPCgdzZWxmX2lkGAEgASgJEhEKCWlzX2xlYWRlchgCIAEoCBIRCglsZWFkZXJfaWQYAyABKAkSEgoKbGVhZGVyX3VybBgEIAEoCRIXCg9sZWFkZXJfaHR0cF91cmwYBSABKAkqhAEKDlRyYW5zZmVyU3RhdHVzEh8KG1RSQU5TRkVSX1NUQVRVU19VTlNQRUNJRklFRBAAEhsKF1RSQU5TRkVSX1NUQVRVU19SVU5OSU5HEAESGAoUVFJBTlNGRVJfU1RBVFVTX0RPTkUQAhIaChZUUkFOU0ZFUl9TVEFUVVNfRkFJTEVEEAMy9w0KEENvbmR1Y3RvclNlcnZpY2UScQoQUmVnaXN0ZXJJbnN0YW5jZRItLmt2c2NoZWQuY29uZHVjdG9yLnYxLlJlZ2lzdGVySW5zdGFuY2VSZXF1ZXN0Gi4ua3ZzY2hlZC5jb25kdWN0b3IudjEuUmVnaXN0ZXJJbnN0YW5jZVJlc3BvbnNlEnQKEUtlZXBBbGl2ZUluc3RhbmNlEi4ua3ZzY2hlZC5jb25kdWN0b3IudjEuS2VlcEFsaXZlSW5zdGFuY2VSZXF1ZXN0Gi8ua3ZzY2hlZC5jb25kdWN0b3IudjEuS2VlcEFsaXZlSW5zdGFuY2VSZXNwb25zZRJ3ChJEZXJlZ2lzdGVySW5zdGFuY2USLy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5EZXJlZ2lzdGVySW5zdGFuY2VSZXF1ZXN0GjAua3ZzY2hlZC5jb25kdWN0b3IudjEuRGVyZWdpc3Rlckluc3RhbmNlUmVzcG9uc2USaAoNTGlzdEluc3RhbmNlcxIqLmt2c2NoZWQuY29uZHVjdG9yLnYxLkxpc3RJbnN0YW5jZXNSZXF1ZXN0Gisua3ZzY2hlZC5jb25kdWN0b3IudjEuTGlzdEluc3RhbmNlc1Jlc3BvbnNlEm0KDlN0cmVhbUt2RXZlbnRzEisua3ZzY2hlZC5jb25kdWN0b3IudjEuU3RyZWFtS3ZFdmVudHNSZXF1ZXN0Giwua3ZzY2hlZC5jb25kdWN0b3IudjEuU3RyZWFtS3ZFdmVudHNSZXNwb25zZSgBEm4KD1B1Ymxpc2hLdkV2ZW50cxIsLmt2c2NoZWQuY29uZHVjdG9yLnYxLlB1Ymxpc2hLdkV2ZW50c1JlcXVlc3QaLS5rdnNjaGVkLmNvbmR1Y3Rvci52MS5QdWJsaXNoS3ZFdmVudHNSZXNwb25zZRJtCg5NaXJyb3JLdkV2ZW50cxIrLmt2c2NoZWQuY29uZHVjdG9yLnYxLk1pcnJvckt2RXZlbnRzUmVxdWVzdBosLmt2c2NoZWQuY29uZHVjdG9yLnYxLk1pcnJvckt2RXZlbnRzUmVzcG9uc2UoARJZCghTY2hlZHVsZRIlLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNjaGVkdWxlUmVxdWVzdBomLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNjaGVkdWxlUmVzcG9uc2USbwoOU2NoZWR1bGVTdHJlYW0SKy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TY2hlZHVsZVN0cmVhbVJlcXVlc3QaLC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TY2hlZHVsZVN0cmVhbVJlc3BvbnNlKAEwARJTCgZGaW5pc2gSIy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5GaW5pc2hSZXF1ZXN0GiQua3ZzY2hlZC5jb25kdWN0b3IudjEuRmluaXNoUmVzcG9uc2USawoOUmVwb3J0VHJhbnNmZXISKy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5SZXBvcnRUcmFuc2ZlclJlcXVlc3QaLC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5SZXBvcnRUcmFuc2ZlclJlc3BvbnNlEmgKDUF3YWl0VHJhbnNmZXISKi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5Bd2FpdFRyYW5zZmVyUmVxdWVzdBorLmt2c2NoZWQuY29uZHVjdG9yLnYxLkF3YWl0VHJhbnNmZXJSZXNwb25zZRJfCgpHZXRTZXNzaW9uEicua3ZzY2hlZC5jb25kdWN0b3IudjEuR2V0U2Vzc2lvblJlcXVlc3QaKC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5HZXRTZXNzaW9uUmVzcG9uc2USXAoJR2V0UG9saWN5EiYua3ZzY2hlZC5jb25kdWN0b3IudjEuR2V0UG9saWN5UmVxdWVzdBonLmt2c2NoZWQuY29uZHVjdG9yLnYxLkdldFBvbGljeVJlc3BvbnNlElwKCVNldFBvbGljeRImLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNldFBvbGljeVJlcXVlc3QaJy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TZXRQb2xpY3lSZXNwb25zZRJWCgdFeHBsYWluEiQua3ZzY2hlZC5jb25kdWN0b3IudjEuRXhwbGFpblJlcXVlc3QaJS5rdnNjaGVkLmNvbmR1Y3Rvci52MS5FeHBsYWluUmVzcG9uc2USXAoJR2V0TGVhZGVyEiYua3ZzY2hlZC5jb25kdWN0b3IudjEuR2V0TGVhZGVyUmVxdWVzdBonLmt2c2NoZWQuY29uZHVjdG9yLnYxLkdldExlYWRlclJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_kvsched_common_v1_common]);
+  fileDesc("CixrdnNjaGVkL2NvbmR1Y3Rvci92MS9jb25kdWN0b3Jfc2VydmljZS5wcm90bxIUa3ZzY2hlZC5jb25kdWN0b3IudjEiiwEKDEluc3RhbmNlU3BlYxITCgtpbnN0YW5jZV9pZBgBIAEoCRILCgN1cmwYAiABKAkSDAoEbm9kZRgDIAEoCRIlCgRyb2xlGAQgASgOMhcua3ZzY2hlZC5jb21tb24udjEuUm9sZRINCgVtb2RlbBgFIAEoCRIVCg1tZXNzZW5nZXJfdXJsGAYgASgJIusBCg5JbnN0YW5jZVN0YXR1cxIwCgRzcGVjGAEgASgLMiIua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTcGVjEgwKBHNsb3QYAiABKA0SEAoIbGVhc2VfaWQYAyABKAMSKwoEbG9hZBgEIAEoCzIdLmt2c2NoZWQuY29tbW9uLnYxLkxvYWRSZXBvcnQSEQoJaW5fZmxpZ2h0GAUgASgNEhIKCmdwdV9ibG9ja3MYBiABKAQSGwoTbmV4dF9ldmVudF9zZXF1ZW5jZRgHIAEoBBIWCg5zZXNzaW9uc19ib3VuZBgIIAEoDSJ5ChdSZWdpc3Rlckluc3RhbmNlUmVxdWVzdBIwCgRzcGVjGAEgASgLMiIua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTcGVjEiwKCWxlYXNlX3R0bBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKAAQoYUmVnaXN0ZXJJbnN0YW5jZVJlc3BvbnNlEjYKCGluc3RhbmNlGAEgASgLMiQua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTdGF0dXMSLAoJbGVhc2VfdHRsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIi8KGEtlZXBBbGl2ZUluc3RhbmNlUmVxdWVzdBITCgtpbnN0YW5jZV9pZBgBIAEoCSJmChlLZWVwQWxpdmVJbnN0YW5jZVJlc3BvbnNlEiwKCWxlYXNlX3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIbChNuZXh0X2V2ZW50X3NlcXVlbmNlGAIgASgEIjAKGURlcmVnaXN0ZXJJbnN0YW5jZVJlcXVlc3QSEwoLaW5zdGFuY2VfaWQYASABKAkiNgoaRGVyZWdpc3Rlckluc3RhbmNlUmVzcG9uc2USGAoQc2Vzc2lvbnNfdW5ib3VuZBgBIAEoDSIWChRMaXN0SW5zdGFuY2VzUmVxdWVzdCJQChVMaXN0SW5zdGFuY2VzUmVzcG9uc2USNwoJaW5zdGFuY2VzGAEgAygLMiQua3ZzY2hlZC5jb25kdWN0b3IudjEuSW5zdGFuY2VTdGF0dXMigwIKB0t2RXZlbnQSOwoNYmxvY2tzX3N0b3JlZBgBIAEoCzIiLmt2c2NoZWQuY29uZHVjdG9yLnYxLkJsb2Nrc1N0b3JlZEgAEj0KDmJsb2Nrc19yZW1vdmVkGAIgASgLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuQmxvY2tzUmVtb3ZlZEgAEkQKEmFsbF9ibG9ja3NfY2xlYXJlZBgDIAEoCzImLmt2c2NoZWQuY29uZHVjdG9yLnYxLkFsbEJsb2Nrc0NsZWFyZWRIABItCgRsb2FkGAQgASgLMh0ua3ZzY2hlZC5jb21tb24udjEuTG9hZFJlcG9ydEgAQgcKBWV2ZW50IrIBCgxCbG9ja3NTdG9yZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygGEh4KEXBhcmVudF9ibG9ja19oYXNoGAIgASgGSACIAQESJQoEdGllchgDIAEoDjIXLmt2c2NoZWQuY29tbW9uLnYxLlRpZXISEgoKc2Vzc2lvbl9pZBgEIAEoCRIbChNwYWNrZWRfYmxvY2tfaGFzaGVzGAUgASgMQhQKEl9wYXJlbnRfYmxvY2tfaGFzaCJpCg1CbG9ja3NSZW1vdmVkEhQKDGJsb2NrX2hhc2hlcxgBIAMoBhIlCgR0aWVyGAIgASgOMhcua3ZzY2hlZC5jb21tb24udjEuVGllchIbChNwYWNrZWRfYmxvY2tfaGFzaGVzGAMgASgMIhIKEEFsbEJsb2Nrc0NsZWFyZWQiswEKDEt2RXZlbnRCYXRjaBITCgtpbnN0YW5jZV9pZBgBIAEoCRIQCghzZXF1ZW5jZRgCIAEoBBIOCgZyZXN5bmMYAyABKAgSLQoGZXZlbnRzGAQgAygLMh0ua3ZzY2hlZC5jb25kdWN0b3IudjEuS3ZFdmVudBIuCgpjcmVhdGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBINCgVtZXJnZRgGIAEoCCJKChVTdHJlYW1LdkV2ZW50c1JlcXVlc3QSMQoFYmF0Y2gYASABKAsyIi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5LdkV2ZW50QmF0Y2giZAoWU3RyZWFtS3ZFdmVudHNSZXNwb25zZRIXCg9iYXRjaGVzX2FwcGxpZWQYASABKAQSMQoGcmVzdW1lGAIgASgLMiEua3ZzY2hlZC5jb25kdWN0b3IudjEuUmVzdW1lUG9pbnQiSQoLUmVzdW1lUG9pbnQSEwoLaW5zdGFuY2VfaWQYASABKAkSFQoNbmV4dF9zZXF1ZW5jZRgCIAEoBBIOCgZyZWFzb24YAyABKAkiTAoVTWlycm9yS3ZFdmVudHNSZXF1ZXN0EjMKB2JhdGNoZXMYASADKAsyIi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5LdkV2ZW50QmF0Y2giLgoWTWlycm9yS3ZFdmVudHNSZXNwb25zZRIUCgxiYXRjaGVzX2tlcHQYASABKAQiSwoWUHVibGlzaEt2RXZlbnRzUmVxdWVzdBIxCgViYXRjaBgBIAEoCzIiLmt2c2NoZWQuY29uZHVjdG9yLnYxLkt2RXZlbnRCYXRjaCIwChdQdWJsaXNoS3ZFdmVudHNSZXNwb25zZRIVCg1uZXh0X3NlcXVlbmNlGAEgASgEIo0CCg9TY2hlZHVsZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIVCg1wcm9tcHRfdG9rZW5zGAIgASgNEhUKDW91dHB1dF90b2tlbnMYAyABKA0SFAoMYmxvY2tfaGFzaGVzGAQgAygGEhIKCnNlc3Npb25faWQYBSABKAkSDwoHZXhwbGFpbhgGIAEoCBIpCgZxdWV1ZWQYByABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SGwoTcGFja2VkX2Jsb2NrX2hhc2hlcxgIIAEoDBINCgVtb2RlbBgJIAEoCRIPCgdhZGFwdGVyGAogASgJEhUKDWFkYXB0ZXJfYnl0ZXMYCyABKAQiLQoNQWRhcHRlckNoYW5nZRIMCgRsb2FkGAEgASgJEg4KBnVubG9hZBgCIAEoCSKhAQoNQ2FuZGlkYXRlQ29zdBITCgtpbnN0YW5jZV9pZBgBIAEoCRI9CgV0ZXJtcxgCIAMoCzIuLmt2c2NoZWQuY29uZHVjdG9yLnYxLkNhbmRpZGF0ZUNvc3QuVGVybXNFbnRyeRIOCgZjaG9zZW4YAyABKAgaLAoKVGVybXNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBIqIECghEZWNpc2lvbhISCgpyZXF1ZXN0X2lkGAEgASgJEhMKC2luc3RhbmNlX2lkGAIgASgJEhQKDGluc3RhbmNlX3VybBgDIAEoCRIaChJkZWNvZGVfaW5zdGFuY2VfaWQYBCABKAkSGwoTZGVjb2RlX2luc3RhbmNlX3VybBgFIAEoCRIVCg1jYWNoZWRfdG9rZW5zGAYgASgNEhYKDmZldGNoZWRfdG9rZW5zGAcgASgNEjEKDmVzdGltYXRlZF90dGZ0GAggASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEgwKBHJ1bGUYCSABKAkSDgoGcG9saWN5GAogASgJEjIKCXRyYW5zZmVycxgLIAMoCzIfLmt2c2NoZWQuY29tbW9uLnYxLlRyYW5zZmVyUGxhbhI3CgpjYW5kaWRhdGVzGAwgAygLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuQ2FuZGlkYXRlQ29zdBIwCgdsYW5kaW5nGA0gAygLMh8ua3ZzY2hlZC5jb21tb24udjEuVHJhbnNmZXJQbGFuEjsKDmFkYXB0ZXJfY2hhbmdlGA4gASgLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuQWRhcHRlckNoYW5nZRJCChVkZWNvZGVfYWRhcHRlcl9jaGFuZ2UYDyABKAsyIy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5BZGFwdGVyQ2hhbmdlIpABCglSZWplY3Rpb24SEgoKcmVxdWVzdF9pZBgBIAEoCRIMCgRydWxlGAIgASgJEi4KC3JldHJ5X2FmdGVyGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKDmVzdGltYXRlZF90dGZ0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIkQKEFNjaGVkdWxlUmVzcG9uc2USMAoIZGVjaXNpb24YASABKAsyHi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5EZWNpc2lvbiLNAQoVU2NoZWR1bGVTdHJlYW1SZXF1ZXN0EjkKCHNjaGVkdWxlGAEgASgLMiUua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVSZXF1ZXN0SAASNQoGZmluaXNoGAIgASgLMiMua3ZzY2hlZC5jb25kdWN0b3IudjEuRmluaXNoUmVxdWVzdEgAEjoKBWJhdGNoGAMgASgLMikua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVTdHJlYW1CYXRjaEgAQgYKBGtpbmQiUQoTU2NoZWR1bGVTdHJlYW1CYXRjaBI6CgVpdGVtcxgBIAMoCzIrLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNjaGVkdWxlU3RyZWFtUmVxdWVzdCJaChtTY2hlZHVsZVN0cmVhbVJlc3BvbnNlQmF0Y2gSOwoFaXRlbXMYASADKAsyLC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TY2hlZHVsZVN0cmVhbVJlc3BvbnNlIiwKC1N0cmVhbUVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCSLTAgoWU2NoZWR1bGVTdHJlYW1SZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEjIKCGRlY2lzaW9uGAIgASgLMh4ua3ZzY2hlZC5jb25kdWN0b3IudjEuRGVjaXNpb25IABI0CglyZWplY3Rpb24YAyABKAsyHy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5SZWplY3Rpb25IABIyCgVlcnJvchgEIAEoCzIhLmt2c2NoZWQuY29uZHVjdG9yLnYxLlN0cmVhbUVycm9ySAASOAoIZmluaXNoZWQYBSABKAsyJC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5GaW5pc2hSZXNwb25zZUgAEkIKBWJhdGNoGAYgASgLMjEua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVTdHJlYW1SZXNwb25zZUJhdGNoSABCCQoHb3V0Y29tZSLTAgoNRmluaXNoUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEhIKCnNlc3Npb25faWQYAiABKAkSEwoLaW5zdGFuY2VfaWQYAyABKAkSGgoSZGVjb2RlX2luc3RhbmNlX2lkGAQgASgJEhUKDXByb21wdF90b2tlbnMYBSABKA0SFQoNb3V0cHV0X3Rva2VucxgGIAEoDRIVCg1jYWNoZWRfdG9rZW5zGAcgASgNEhQKDGJsb2NrX2hhc2hlcxgIIAMoBhI2ChN0aW1lX3RvX2ZpcnN0X3Rva2VuGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEi0KCmVuZF90b19lbmQYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SCgoCb2sYCyABKAgSGwoTcGFja2VkX2Jsb2NrX2hhc2hlcxgMIAEoDCJECg5GaW5pc2hSZXNwb25zZRIyCgl0cmFuc2ZlcnMYASADKAsyHy5rdnNjaGVkLmNvbW1vbi52MS5UcmFuc2ZlclBsYW4idAoVUmVwb3J0VHJhbnNmZXJSZXF1ZXN0EhMKC3RyYW5zZmVyX2lkGAEgASgJEgoKAm9rGAIgASgIEisKCGR1cmF0aW9uGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg0KBWJ5dGVzGAQgASgEIi8KFlJlcG9ydFRyYW5zZmVyUmVzcG9uc2USFQoNc2Vzc2lvbl9tb3ZlZBgBIAEoCCJXChRBd2FpdFRyYW5zZmVyUmVxdWVzdBITCgt0cmFuc2Zlcl9pZBgBIAEoCRIqCgd0aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIsQBChVBd2FpdFRyYW5zZmVyUmVzcG9uc2USEwoLdHJhbnNmZXJfaWQYASABKAkSNAoGc3RhdHVzGAIgASgOMiQua3ZzY2hlZC5jb25kdWN0b3IudjEuVHJhbnNmZXJTdGF0dXMSDQoFYnl0ZXMYAyABKAQSKwoIZHVyYXRpb24YBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZXJyb3IYBSABKAkSFQoNc2Vzc2lvbl9tb3ZlZBgGIAEoCCInChFHZXRTZXNzaW9uUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJIpEBCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSGAoQaG9zdF9pbnN0YW5jZV9pZBgCIAEoCRINCgV0dXJucxgDIAEoDRISCgptaWdyYXRpb25zGAQgASgNEhYKDmNvbnRleHRfdG9rZW5zGAUgASgEEh0KFW1vdmluZ190b19pbnN0YW5jZV9pZBgGIAEoCSJEChJHZXRTZXNzaW9uUmVzcG9uc2USLgoHc2Vzc2lvbhgBIAEoCzIdLmt2c2NoZWQuY29uZHVjdG9yLnYxLlNlc3Npb24iEgoQR2V0UG9saWN5UmVxdWVzdCKoAQoRR2V0UG9saWN5UmVzcG9uc2USDAoEc3BlYxgBIAEoCRJDCgZwYXJhbXMYAiADKAsyMy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5HZXRQb2xpY3lSZXNwb25zZS5QYXJhbXNFbnRyeRIRCglhdmFpbGFibGUYAyADKAkaLQoLUGFyYW1zRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASIgChBTZXRQb2xpY3lSZXF1ZXN0EgwKBHNwZWMYASABKAkiOAoRU2V0UG9saWN5UmVzcG9uc2USFQoNcHJldmlvdXNfc3BlYxgBIAEoCRIMCgRzcGVjGAIgASgJIs8BCg5FeHBsYWluUmVxdWVzdBIUCgxibG9ja19oYXNoZXMYASADKAYSEQoJdG9rZW5faWRzGAIgAygNEhUKDXByb21wdF90b2tlbnMYAyABKA0SFQoNb3V0cHV0X3Rva2VucxgEIAEoDRISCgpzZXNzaW9uX2lkGAUgASgJEhsKE3BhY2tlZF9ibG9ja19oYXNoZXMYBiABKAwSDQoFbW9kZWwYByABKAkSDwoHYWRhcHRlchgIIAEoCRIVCg1hZGFwdGVyX2J5dGVzGAkgASgEIlUKD0V4cGxhaW5SZXNwb25zZRIwCghkZWNpc2lvbhgBIAEoCzIeLmt2c2NoZWQuY29uZHVjdG9yLnYxLkRlY2lzaW9uEhAKCHJlamVjdGVkGAIgASgIIhIKEEdldExlYWRlclJlcXVlc3QidwoRR2V0TGVhZGVyUmVzcG9uc2USDwoHc2VsZl9pZBgBIAEoCRIRCglpc19sZWFkZXIYAiABKAgSEQoJbGVhZGVyX2lkGAMgASgJEhIKCmxlYWRlcl91cmwYBCABKAkSFwoPbGVhZGVyX2h0dHBfdXJsGAUgASgJKoQBCg5UcmFuc2ZlclN0YXR1cxIfChtUUkFOU0ZFUl9TVEFUVVNfVU5TUEVDSUZJRUQQABIbChdUUkFOU0ZFUl9TVEFUVVNfUlVOTklORxABEhgKFFRSQU5TRkVSX1NUQVRVU19ET05FEAISGgoWVFJBTlNGRVJfU1RBVFVTX0ZBSUxFRBADMvcNChBDb25kdWN0b3JTZXJ2aWNlEnEKEFJlZ2lzdGVySW5zdGFuY2USLS5rdnNjaGVkLmNvbmR1Y3Rvci52MS5SZWdpc3Rlckluc3RhbmNlUmVxdWVzdBouLmt2c2NoZWQuY29uZHVjdG9yLnYxLlJlZ2lzdGVySW5zdGFuY2VSZXNwb25zZRJ0ChFLZWVwQWxpdmVJbnN0YW5jZRIuLmt2c2NoZWQuY29uZHVjdG9yLnYxLktlZXBBbGl2ZUluc3RhbmNlUmVxdWVzdBovLmt2c2NoZWQuY29uZHVjdG9yLnYxLktlZXBBbGl2ZUluc3RhbmNlUmVzcG9uc2USdwoSRGVyZWdpc3Rlckluc3RhbmNlEi8ua3ZzY2hlZC5jb25kdWN0b3IudjEuRGVyZWdpc3Rlckluc3RhbmNlUmVxdWVzdBowLmt2c2NoZWQuY29uZHVjdG9yLnYxLkRlcmVnaXN0ZXJJbnN0YW5jZVJlc3BvbnNlEmgKDUxpc3RJbnN0YW5jZXMSKi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5MaXN0SW5zdGFuY2VzUmVxdWVzdBorLmt2c2NoZWQuY29uZHVjdG9yLnYxLkxpc3RJbnN0YW5jZXNSZXNwb25zZRJtCg5TdHJlYW1LdkV2ZW50cxIrLmt2c2NoZWQuY29uZHVjdG9yLnYxLlN0cmVhbUt2RXZlbnRzUmVxdWVzdBosLmt2c2NoZWQuY29uZHVjdG9yLnYxLlN0cmVhbUt2RXZlbnRzUmVzcG9uc2UoARJuCg9QdWJsaXNoS3ZFdmVudHMSLC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5QdWJsaXNoS3ZFdmVudHNSZXF1ZXN0Gi0ua3ZzY2hlZC5jb25kdWN0b3IudjEuUHVibGlzaEt2RXZlbnRzUmVzcG9uc2USbQoOTWlycm9yS3ZFdmVudHMSKy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5NaXJyb3JLdkV2ZW50c1JlcXVlc3QaLC5rdnNjaGVkLmNvbmR1Y3Rvci52MS5NaXJyb3JLdkV2ZW50c1Jlc3BvbnNlKAESWQoIU2NoZWR1bGUSJS5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TY2hlZHVsZVJlcXVlc3QaJi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TY2hlZHVsZVJlc3BvbnNlEm8KDlNjaGVkdWxlU3RyZWFtEisua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVTdHJlYW1SZXF1ZXN0Giwua3ZzY2hlZC5jb25kdWN0b3IudjEuU2NoZWR1bGVTdHJlYW1SZXNwb25zZSgBMAESUwoGRmluaXNoEiMua3ZzY2hlZC5jb25kdWN0b3IudjEuRmluaXNoUmVxdWVzdBokLmt2c2NoZWQuY29uZHVjdG9yLnYxLkZpbmlzaFJlc3BvbnNlEmsKDlJlcG9ydFRyYW5zZmVyEisua3ZzY2hlZC5jb25kdWN0b3IudjEuUmVwb3J0VHJhbnNmZXJSZXF1ZXN0Giwua3ZzY2hlZC5jb25kdWN0b3IudjEuUmVwb3J0VHJhbnNmZXJSZXNwb25zZRJoCg1Bd2FpdFRyYW5zZmVyEioua3ZzY2hlZC5jb25kdWN0b3IudjEuQXdhaXRUcmFuc2ZlclJlcXVlc3QaKy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5Bd2FpdFRyYW5zZmVyUmVzcG9uc2USXwoKR2V0U2Vzc2lvbhInLmt2c2NoZWQuY29uZHVjdG9yLnYxLkdldFNlc3Npb25SZXF1ZXN0Gigua3ZzY2hlZC5jb25kdWN0b3IudjEuR2V0U2Vzc2lvblJlc3BvbnNlElwKCUdldFBvbGljeRImLmt2c2NoZWQuY29uZHVjdG9yLnYxLkdldFBvbGljeVJlcXVlc3QaJy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5HZXRQb2xpY3lSZXNwb25zZRJcCglTZXRQb2xpY3kSJi5rdnNjaGVkLmNvbmR1Y3Rvci52MS5TZXRQb2xpY3lSZXF1ZXN0Gicua3ZzY2hlZC5jb25kdWN0b3IudjEuU2V0UG9saWN5UmVzcG9uc2USVgoHRXhwbGFpbhIkLmt2c2NoZWQuY29uZHVjdG9yLnYxLkV4cGxhaW5SZXF1ZXN0GiUua3ZzY2hlZC5jb25kdWN0b3IudjEuRXhwbGFpblJlc3BvbnNlElwKCUdldExlYWRlchImLmt2c2NoZWQuY29uZHVjdG9yLnYxLkdldExlYWRlclJlcXVlc3QaJy5rdnNjaGVkLmNvbmR1Y3Rvci52MS5HZXRMZWFkZXJSZXNwb25zZWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_kvsched_common_v1_common]);
 
 /**
  * What an instance is, as it registers.
@@ -786,6 +786,22 @@ export type ScheduleRequest = Message<"kvsched.conductor.v1.ScheduleRequest"> & 
    * @generated from field: string model = 9;
    */
   model: string;
+
+  /**
+   * The LoRA adapter of `model` the request runs with (its name as the engines load it);
+   * empty: the base model. Only instances that hold it, or have an adapter slot they can
+   * free, are candidates; the block hashes must carry it, as vLLM's do.
+   *
+   * @generated from field: string adapter = 10;
+   */
+  adapter: string;
+
+  /**
+   * The adapter's weight bytes: what loading it costs on an instance that lacks it.
+   *
+   * @generated from field: uint64 adapter_bytes = 11;
+   */
+  adapterBytes: bigint;
 };
 
 /**
@@ -794,6 +810,35 @@ export type ScheduleRequest = Message<"kvsched.conductor.v1.ScheduleRequest"> & 
  */
 export const ScheduleRequestSchema: GenMessage<ScheduleRequest> = /*@__PURE__*/
   messageDesc(file_kvsched_conductor_v1_conductor_service, 22);
+
+/**
+ * What an instance does before it serves an adapter request: unload one adapter to free a
+ * slot, then load the request's (the caller does both, through vLLM's runtime LoRA API).
+ *
+ * @generated from message kvsched.conductor.v1.AdapterChange
+ */
+export type AdapterChange = Message<"kvsched.conductor.v1.AdapterChange"> & {
+  /**
+   * The adapter to load; empty: it is held.
+   *
+   * @generated from field: string load = 1;
+   */
+  load: string;
+
+  /**
+   * The adapter to unload first; empty: none.
+   *
+   * @generated from field: string unload = 2;
+   */
+  unload: string;
+};
+
+/**
+ * Describes the message kvsched.conductor.v1.AdapterChange.
+ * Use `create(AdapterChangeSchema)` to create a new message.
+ */
+export const AdapterChangeSchema: GenMessage<AdapterChange> = /*@__PURE__*/
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 23);
 
 /**
  * Why one candidate was or was not chosen.
@@ -828,7 +873,7 @@ export type CandidateCost = Message<"kvsched.conductor.v1.CandidateCost"> & {
  * Use `create(CandidateCostSchema)` to create a new message.
  */
 export const CandidateCostSchema: GenMessage<CandidateCost> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 23);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 24);
 
 /**
  * Where a request runs.
@@ -928,6 +973,20 @@ export type Decision = Message<"kvsched.conductor.v1.Decision"> & {
    * @generated from field: repeated kvsched.common.v1.TransferPlan landing = 13;
    */
   landing: TransferPlan[];
+
+  /**
+   * For an adapter request: what the instance does first; unset where nothing.
+   *
+   * @generated from field: kvsched.conductor.v1.AdapterChange adapter_change = 14;
+   */
+  adapterChange?: AdapterChange | undefined;
+
+  /**
+   * The same for the decode instance, when that is another instance.
+   *
+   * @generated from field: kvsched.conductor.v1.AdapterChange decode_adapter_change = 15;
+   */
+  decodeAdapterChange?: AdapterChange | undefined;
 };
 
 /**
@@ -935,7 +994,7 @@ export type Decision = Message<"kvsched.conductor.v1.Decision"> & {
  * Use `create(DecisionSchema)` to create a new message.
  */
 export const DecisionSchema: GenMessage<Decision> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 24);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 25);
 
 /**
  * The request was refused because no instance could meet the latency objectives.
@@ -977,7 +1036,7 @@ export type Rejection = Message<"kvsched.conductor.v1.Rejection"> & {
  * Use `create(RejectionSchema)` to create a new message.
  */
 export const RejectionSchema: GenMessage<Rejection> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 25);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 26);
 
 /**
  * The placement.
@@ -998,7 +1057,7 @@ export type ScheduleResponse = Message<"kvsched.conductor.v1.ScheduleResponse"> 
  * Use `create(ScheduleResponseSchema)` to create a new message.
  */
 export const ScheduleResponseSchema: GenMessage<ScheduleResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 26);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 27);
 
 /**
  * One message on a placement stream.
@@ -1043,7 +1102,7 @@ export type ScheduleStreamRequest = Message<"kvsched.conductor.v1.ScheduleStream
  * Use `create(ScheduleStreamRequestSchema)` to create a new message.
  */
 export const ScheduleStreamRequestSchema: GenMessage<ScheduleStreamRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 27);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 28);
 
 /**
  * Placements and completions coalesced into one stream message. The Conductor takes the
@@ -1071,7 +1130,7 @@ export type ScheduleStreamBatch = Message<"kvsched.conductor.v1.ScheduleStreamBa
  * Use `create(ScheduleStreamBatchSchema)` to create a new message.
  */
 export const ScheduleStreamBatchSchema: GenMessage<ScheduleStreamBatch> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 28);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 29);
 
 /**
  * Answers coalesced into one stream message (only on a stream that has sent a batch).
@@ -1093,7 +1152,7 @@ export type ScheduleStreamResponseBatch = Message<"kvsched.conductor.v1.Schedule
  * Use `create(ScheduleStreamResponseBatchSchema)` to create a new message.
  */
 export const ScheduleStreamResponseBatchSchema: GenMessage<ScheduleStreamResponseBatch> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 29);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 30);
 
 /**
  * A per-item failure on a stream (the stream itself goes on).
@@ -1121,7 +1180,7 @@ export type StreamError = Message<"kvsched.conductor.v1.StreamError"> & {
  * Use `create(StreamErrorSchema)` to create a new message.
  */
 export const StreamErrorSchema: GenMessage<StreamError> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 30);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 31);
 
 /**
  * One answer on a placement stream.
@@ -1190,7 +1249,7 @@ export type ScheduleStreamResponse = Message<"kvsched.conductor.v1.ScheduleStrea
  * Use `create(ScheduleStreamResponseSchema)` to create a new message.
  */
 export const ScheduleStreamResponseSchema: GenMessage<ScheduleStreamResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 31);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 32);
 
 /**
  * A request ended.
@@ -1290,7 +1349,7 @@ export type FinishRequest = Message<"kvsched.conductor.v1.FinishRequest"> & {
  * Use `create(FinishRequestSchema)` to create a new message.
  */
 export const FinishRequestSchema: GenMessage<FinishRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 32);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 33);
 
 /**
  * The completion was recorded.
@@ -1311,7 +1370,7 @@ export type FinishResponse = Message<"kvsched.conductor.v1.FinishResponse"> & {
  * Use `create(FinishResponseSchema)` to create a new message.
  */
 export const FinishResponseSchema: GenMessage<FinishResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 33);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 34);
 
 /**
  * A transfer ended.
@@ -1353,7 +1412,7 @@ export type ReportTransferRequest = Message<"kvsched.conductor.v1.ReportTransfer
  * Use `create(ReportTransferRequestSchema)` to create a new message.
  */
 export const ReportTransferRequestSchema: GenMessage<ReportTransferRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 34);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 35);
 
 /**
  * The outcome was recorded.
@@ -1374,7 +1433,7 @@ export type ReportTransferResponse = Message<"kvsched.conductor.v1.ReportTransfe
  * Use `create(ReportTransferResponseSchema)` to create a new message.
  */
 export const ReportTransferResponseSchema: GenMessage<ReportTransferResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 35);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 36);
 
 /**
  * Asks to wait for a transfer.
@@ -1402,7 +1461,7 @@ export type AwaitTransferRequest = Message<"kvsched.conductor.v1.AwaitTransferRe
  * Use `create(AwaitTransferRequestSchema)` to create a new message.
  */
 export const AwaitTransferRequestSchema: GenMessage<AwaitTransferRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 36);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 37);
 
 /**
  * How a transfer ended, or that it still runs.
@@ -1458,7 +1517,7 @@ export type AwaitTransferResponse = Message<"kvsched.conductor.v1.AwaitTransferR
  * Use `create(AwaitTransferResponseSchema)` to create a new message.
  */
 export const AwaitTransferResponseSchema: GenMessage<AwaitTransferResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 37);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 38);
 
 /**
  * Asks for one session.
@@ -1479,7 +1538,7 @@ export type GetSessionRequest = Message<"kvsched.conductor.v1.GetSessionRequest"
  * Use `create(GetSessionRequestSchema)` to create a new message.
  */
 export const GetSessionRequestSchema: GenMessage<GetSessionRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 38);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 39);
 
 /**
  * A session's binding and history.
@@ -1535,7 +1594,7 @@ export type Session = Message<"kvsched.conductor.v1.Session"> & {
  * Use `create(SessionSchema)` to create a new message.
  */
 export const SessionSchema: GenMessage<Session> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 39);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 40);
 
 /**
  * The session.
@@ -1556,7 +1615,7 @@ export type GetSessionResponse = Message<"kvsched.conductor.v1.GetSessionRespons
  * Use `create(GetSessionResponseSchema)` to create a new message.
  */
 export const GetSessionResponseSchema: GenMessage<GetSessionResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 40);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 41);
 
 /**
  * Asks for the policy in force.
@@ -1571,7 +1630,7 @@ export type GetPolicyRequest = Message<"kvsched.conductor.v1.GetPolicyRequest"> 
  * Use `create(GetPolicyRequestSchema)` to create a new message.
  */
 export const GetPolicyRequestSchema: GenMessage<GetPolicyRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 41);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 42);
 
 /**
  * The policy in force.
@@ -1606,7 +1665,7 @@ export type GetPolicyResponse = Message<"kvsched.conductor.v1.GetPolicyResponse"
  * Use `create(GetPolicyResponseSchema)` to create a new message.
  */
 export const GetPolicyResponseSchema: GenMessage<GetPolicyResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 42);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 43);
 
 /**
  * Changes the policy.
@@ -1627,7 +1686,7 @@ export type SetPolicyRequest = Message<"kvsched.conductor.v1.SetPolicyRequest"> 
  * Use `create(SetPolicyRequestSchema)` to create a new message.
  */
 export const SetPolicyRequestSchema: GenMessage<SetPolicyRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 43);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 44);
 
 /**
  * The change took effect.
@@ -1655,7 +1714,7 @@ export type SetPolicyResponse = Message<"kvsched.conductor.v1.SetPolicyResponse"
  * Use `create(SetPolicyResponseSchema)` to create a new message.
  */
 export const SetPolicyResponseSchema: GenMessage<SetPolicyResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 44);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 45);
 
 /**
  * Asks how a prompt would be placed.
@@ -1712,6 +1771,20 @@ export type ExplainRequest = Message<"kvsched.conductor.v1.ExplainRequest"> & {
    * @generated from field: string model = 7;
    */
   model: string;
+
+  /**
+   * LoRA adapter, as `ScheduleRequest.adapter`.
+   *
+   * @generated from field: string adapter = 8;
+   */
+  adapter: string;
+
+  /**
+   * Its weight bytes, as `ScheduleRequest.adapter_bytes`.
+   *
+   * @generated from field: uint64 adapter_bytes = 9;
+   */
+  adapterBytes: bigint;
 };
 
 /**
@@ -1719,7 +1792,7 @@ export type ExplainRequest = Message<"kvsched.conductor.v1.ExplainRequest"> & {
  * Use `create(ExplainRequestSchema)` to create a new message.
  */
 export const ExplainRequestSchema: GenMessage<ExplainRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 45);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 46);
 
 /**
  * How the prompt would be placed now.
@@ -1747,7 +1820,7 @@ export type ExplainResponse = Message<"kvsched.conductor.v1.ExplainResponse"> & 
  * Use `create(ExplainResponseSchema)` to create a new message.
  */
 export const ExplainResponseSchema: GenMessage<ExplainResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 46);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 47);
 
 /**
  * Asks who leads.
@@ -1762,7 +1835,7 @@ export type GetLeaderRequest = Message<"kvsched.conductor.v1.GetLeaderRequest"> 
  * Use `create(GetLeaderRequestSchema)` to create a new message.
  */
 export const GetLeaderRequestSchema: GenMessage<GetLeaderRequest> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 47);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 48);
 
 /**
  * The leadership as this Conductor knows it.
@@ -1811,7 +1884,7 @@ export type GetLeaderResponse = Message<"kvsched.conductor.v1.GetLeaderResponse"
  * Use `create(GetLeaderResponseSchema)` to create a new message.
  */
 export const GetLeaderResponseSchema: GenMessage<GetLeaderResponse> = /*@__PURE__*/
-  messageDesc(file_kvsched_conductor_v1_conductor_service, 48);
+  messageDesc(file_kvsched_conductor_v1_conductor_service, 49);
 
 /**
  * Where a transfer the Conductor ordered is.
