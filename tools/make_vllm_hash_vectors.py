@@ -33,9 +33,7 @@ def extra_keys(salt: str | None, adapter: tuple[str, str] | None, start: int) ->
     request = SimpleNamespace(
         lora_request=lora, cache_salt=salt, mm_features=[], prompt_embeds=None
     )
-    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(
-        request, start, start + BLOCK_SIZE, 0
-    )
+    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, start, start + BLOCK_SIZE, 0)
     return keys
 
 

@@ -36,8 +36,9 @@ class ConductorError(Exception):
 
 
 class Rejected(ConductorError):
-    """RESOURCE_EXHAUSTED: no instance can meet the latency objectives; retry after
-    `retry_after_s` (None when the server did not say)."""
+    """RESOURCE_EXHAUSTED: no instance can take the request now (none meets the latency
+    objectives, or none has a slot for its LoRA adapter); retry after `retry_after_s` (None
+    when the server did not say)."""
 
 
 class InvalidRequest(ConductorError):

@@ -86,9 +86,22 @@ class AdapterSlots:
         ]
         return min(idle)[1] if idle else ""
 
+    def retry_after_s(self, now: float) -> float:
+        """Seconds until the first adapter placed within the grace passes it (one an engine
+        runs may stay longer): when a slot may be freed."""
+        waits = [
+            self.grace_s - (now - t)
+            for placed in self._placed
+            for t in placed.values()
+            if now - t < self.grace_s
+        ]
+        return min(waits, default=self.grace_s)
+
     def costs(self, adapter: str, load_s: float, now: float) -> tuple[BoolVec, FloatVec]:
         """Per slot: whether it can serve `adapter` now (holds it, has a slot free, or can
-        unload an idle one), and the seconds its load adds (0 where held). Changes nothing."""
+        unload an idle one), and the seconds its load costs: 0 where held, `load_s` into a
+        free slot, twice that where another adapter must leave (its next request loads it
+        again). Changes nothing."""
         n = len(self.capacity)
         able = np.zeros(n, dtype=bool)
         seconds = np.zeros(n)
@@ -98,9 +111,12 @@ class AdapterSlots:
             held = self.holds(slot, now)
             if adapter in held:
                 able[slot] = True
-            elif len(held) < self.capacity[slot] or self._victim(slot, now):
+            elif len(held) < self.capacity[slot]:
                 able[slot] = True
                 seconds[slot] = load_s
+            elif self._victim(slot, now):
+                able[slot] = True
+                seconds[slot] = 2.0 * load_s
         return able, seconds
 
     def place(self, slot: int, adapter: str, now: float) -> AdapterChange:

@@ -21,8 +21,9 @@ from kvsched.core.decision import (
     TransferKind,
     TransferPlan,
 )
+from kvsched.core.decision_builders import rejection
 from kvsched.core.policies.base import Policy
-from kvsched.core.request_view import request_view
+from kvsched.core.request_view import RequestView, request_view
 
 
 def place(
@@ -33,7 +34,8 @@ def place(
     cluster.index.expire(now)
     if req.session_id is not None:
         cluster.sessions.arrive(req.session_id, now, req.request_id).adapter = req.adapter
-    decision = policy.decide(request_view(cluster, req, now), now, rng)
+    view = request_view(cluster, req, now)
+    decision = adapter_refusal(cluster, view, now) or policy.decide(view, now, rng)
     if decision.rejected:
         return decision
     record_placement(cluster, req, decision, now)
@@ -47,6 +49,17 @@ def place(
         )
         decision = replace(decision, adapter_change=change, decode_adapter_change=decode_change)
     return decision
+
+
+def adapter_refusal(cluster: ClusterState, view: RequestView, now: float) -> Decision | None:
+    """The rejection of an adapter's request that no instance can take now (none holds the
+    adapter, every adapter slot is in use), retried when the first of them may be freed;
+    None where some instance can. (vLLM would queue it behind its slots; a Router answers
+    429 with Retry-After.)"""
+    if view.adapter_able is None or view.eligible.any():
+        return None
+    retry = cluster.adapters.retry_after_s(now)
+    return rejection(view, "adapter_slots_full", retry, {})
 
 
 def record_placement(

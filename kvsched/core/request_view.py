@@ -84,11 +84,6 @@ def request_view(cluster: ClusterState, req: RequestInfo, now: float) -> Request
         load_s = cluster.cost.pool_link.seconds(req.adapter_bytes)
         able, adapter_s = cluster.adapters.costs(req.adapter, load_s, now)
         eligible &= able
-        if not eligible.any():
-            raise ValueError(
-                f"no instance can take adapter {req.adapter!r} now: none holds it, and every "
-                "one that serves adapters has its adapter slots in use"
-            )
     # No pool-only tokens (every trace without a node pool): None, which keeps those
     # decisions' floats exactly what they were before the tier was priced.
     return RequestView(req, eligible, blocks, tokens, max_blocks, pool, adapter_s, able)

@@ -244,7 +244,9 @@ class Scheduler:
         self.cluster.index.expire(now)
         view = request_view(self.cluster, req, now)
         try:
-            decision = policy.decide(view, now, rng)
+            decision = recording.adapter_refusal(self.cluster, view, now) or policy.decide(
+                view, now, rng
+            )
         except ValueError as exc:
             raise RequestError("unavailable", str(exc)) from exc
         if not decision.terms:  # (a rejection before any candidate was weighed)

@@ -27,7 +27,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
+from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
 from kvsched.sim.cache import PrefixCache
 from services.common.kv_memory import KvMemory
 from services.common.kv_names import EngineNames
@@ -62,6 +62,7 @@ class ExportGrant:
     pages: tuple[int, ...]  # the page of each exported block
     token_ids: tuple[int, ...]  # blocks × block_size
     cache_salt: str | None  # the chain's salt (on its first block), None for none
+    adapter: AdapterKey | None = None  # the LoRA adapter its blocks were computed with
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +192,9 @@ class KvTransfers:
     def _pin(self, hashes: tuple[int, ...], start: int, n: int, hold_s: float) -> ExportGrant:
         first = self.names.blocks.get(hashes[0]) if hashes else None
         salt = (first.salt or None) if first is not None else None
+        adapter = first.adapter if first is not None else None
         if n == 0:
-            return ExportGrant(None, 0, (), (), salt)
+            return ExportGrant(None, 0, (), (), salt, adapter)
         upto = start + n
         # Reading is not a use: the blocks keep their place in the LRU order.
         self.cache.lock_prefix(hashes, upto, self.clock(), touch=False)
@@ -203,7 +205,7 @@ class KvTransfers:
         page_of, blocks = self.memory.page_of, self.names.blocks
         pages = tuple(page_of[h] for h in chain)
         tokens = tuple(t for h in chain for t in blocks[h].tokens)
-        return ExportGrant(export_id, n, pages, tokens, salt)
+        return ExportGrant(export_id, n, pages, tokens, salt, adapter)
 
     async def _until_stored(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -246,11 +248,16 @@ class KvTransfers:
         return ImportGrant(import_id, have, tuple(pages))
 
     def import_commit(
-        self, import_id: str, token_ids: Sequence[int], cache_salt: str | None
+        self,
+        import_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        adapter: AdapterKey | None = None,
     ) -> ImportCommitted:
         """The Messenger wrote the import's pages: check `token_ids` are its blocks' (they
         chain from the held prefix, or from the root of `cache_salt` when none is held, to
-        each block's hash) and make the blocks cached, evictable and most recently used;
+        each block's hash, for LoRA `adapter`'s requests when one is named) and make the
+        blocks cached, evictable and most recently used;
         `sync` then names them as stored. `token_ids` may cover only the first blocks of the
         import (a source that held fewer): the pages of the rest go back. Blocks the engine
         cached meanwhile are shared and their staged pages freed. Raises `UnknownImport`, or
@@ -268,7 +275,7 @@ class KvTransfers:
                     f"expected the token ids of 1 to {reserved - have} whole blocks of {bs}, "
                     f"got {len(token_ids)}"
                 )
-            digests = self._check_tokens(hashes, have, upto, token_ids, salt)
+            digests = self._check_tokens(hashes, have, upto, token_ids, salt, adapter=adapter)
         except WrongBlocks:
             self.import_abort(import_id)
             raise
@@ -277,7 +284,7 @@ class KvTransfers:
         cache, memory, names = self.cache, self.memory, self.names
         new = [h not in cache.nodes for h in hashes[have:upto]]
         # Token ids must be known before the stored event is named, and are let go after.
-        names.hold(hashes[have:upto], digests, token_ids, salt)
+        names.hold(hashes[have:upto], digests, token_ids, salt, adapter=adapter)
         now = self.clock()
         cache.commit(hashes, have, upto, have, now)
         cache.unlock_prefix(hashes, upto, now)
@@ -321,6 +328,8 @@ class KvTransfers:
         upto: int,
         token_ids: Sequence[int],
         salt: str | None,
+        *,
+        adapter: AdapterKey | None,
     ) -> list[bytes]:
         """The digests of blocks `have..upto` from their `token_ids`; raises `WrongBlocks`
         unless they hash to `hashes`."""
@@ -331,7 +340,7 @@ class KvTransfers:
             block = token_ids[(i - have) * bs : (i - have + 1) * bs]
             if not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in block):
                 raise WrongBlocks(f"the token ids of block {i} are not all u32")
-            parent = self.hasher.next_digest(parent, block, salt)
+            parent = self.hasher.next_digest(parent, block, salt, adapter)
             if event_hash(parent) != hashes[i]:
                 raise WrongBlocks(f"the token ids of block {i} do not hash to its hash")
             digests.append(parent)

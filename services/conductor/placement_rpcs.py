@@ -159,8 +159,7 @@ class PlacementRpcs:
             context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"rejected by {decision.rule}: no instance meets the latency objectives; "
-                f"retry after {retry_ms} ms",
+                f"rejected by {decision.rule}; retry after {retry_ms} ms",
             )
         if rebound:
             await self.durable(context)

@@ -268,6 +268,8 @@ class EngineApp:
         m.running.set(engine.running)
         m.waiting.set(len(engine.waiting) + len(engine.handoffs))
         m.kv_usage.set(engine.cache.locked / engine.cache.total)
+        if self.adapters is not None:
+            m.lora_requests(self.adapters.capacity, self._busy_adapters(), [])
         body = generate_latest(m.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -351,11 +353,14 @@ class EngineApp:
             "free_blocks": r.free_blocks,
         }
         if self.adapters is not None:  # the adapters held, and those its requests run with
-            busy = {r.adapter[0] for r in self.live.requests.values() if r.adapter}
             held = sorted(self.adapters.paths)
             body["adapters"] = {"capacity": self.adapters.capacity, "held": held,
-                                "busy": sorted(busy)}  # fmt: skip
+                                "busy": self._busy_adapters()}  # fmt: skip
         return web.json_response(body)
+
+    def _busy_adapters(self) -> list[str]:
+        """The adapters of the requests in the engine."""
+        return sorted({r.adapter[0] for r in self.live.requests.values() if r.adapter})
 
     async def snapshot(self, request: web.Request) -> web.Response:
         """Every cached block; events from `next_seq` on apply on top of it."""

@@ -8,6 +8,7 @@ running request the same inter-token gap, so a step is one bucket update, not on
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
@@ -86,6 +87,7 @@ class EngineMetrics:
             return Counter(name, text, LABELS, registry=r).labels(*values)
 
         self._registry = r
+        self._lora: Gauge | None = None
         self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
@@ -119,6 +121,21 @@ class EngineMetrics:
             "vllm:e2e_request_latency_seconds", "End to end request latency.", E2E_BUCKETS, values
         )
         r.register(_Histograms((self.ttft, self.itl, self.e2e)))
+
+    def lora_requests(self, max_loras: int, running: Sequence[str], waiting: Sequence[str]) -> None:
+        """Publish `vllm:lora_requests_info` as vLLM does where it serves adapters: its
+        `--max-loras` and the adapters of the running and the waiting requests as labels, on
+        a gauge set to the time (vLLM keeps every label set it saw; a reader takes the newest:
+        here there is only the one)."""
+        if self._lora is None:
+            self._lora = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self._registry,
+            )
+        self._lora.clear()
+        self._lora.labels(str(max_loras), ",".join(waiting), ",".join(running)).set(time.time())
 
     def cache_config(self, config: dict[str, str]) -> None:
         """Publish `vllm:cache_config_info`: the engine's cache settings as labels (vLLM's

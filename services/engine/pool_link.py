@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.core.vllm_hashing import AdapterKey
 from services.common.kv_layout import SIM_FORMAT, Bytes, intact_prefix
 from services.common.kv_memory import KvMemory
 from services.common.kv_transfer import KvTransfers, TransferError
@@ -68,10 +69,16 @@ class PoolLink:
 
     # ---- the two operations ------------------------------------------------------------
 
-    async def save(self, hashes: Sequence[int], token_ids: Sequence[int], salt: str | None) -> int:
-        """Copy the cached blocks of the chain `hashes` (the prompt `token_ids`) the pool
-        lacks into it; returns how many it took. Blocks the engine no longer holds end the
-        save there."""
+    async def save(
+        self,
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        salt: str | None,
+        adapter: AdapterKey | None = None,
+    ) -> int:
+        """Copy the cached blocks of the chain `hashes` (the prompt `token_ids`, of LoRA
+        `adapter`'s request) the pool lacks into it; returns how many it took. Blocks the
+        engine no longer holds end the save there."""
         page_of = self.memory.page_of
         upto = next((i for i, h in enumerate(hashes) if h not in page_of), len(hashes))
         if upto == 0 or not await self._attach():
@@ -94,6 +101,7 @@ class PoolLink:
             import_id=import_id,
             token_ids=list(token_ids[have * bs : upto * bs]),
             cache_salt=salt if have == 0 else None,
+            lora=None if adapter is None else list(adapter),
             copied_bytes=copied,
             copy_s=time.perf_counter() - started,
         )
@@ -102,9 +110,16 @@ class PoolLink:
         self.saved_blocks += upto - have
         return upto - have
 
-    async def load(self, hashes: Sequence[int], token_ids: Sequence[int], salt: str | None) -> int:
+    async def load(
+        self,
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        salt: str | None,
+        adapter: AdapterKey | None = None,
+    ) -> int:
         """Import into the engine's cache the blocks of the chain `hashes` (the prompt
-        `token_ids`) beyond its own hit that the pool holds; returns how many."""
+        `token_ids`, of LoRA `adapter`'s request) beyond its own hit that the pool holds;
+        returns how many."""
         have = self.transfers.cache.chain_match(tuple(hashes), len(hashes))
         if have >= len(hashes) or not await self._attach():
             return 0
@@ -115,7 +130,9 @@ class PoolLink:
             return 0
         export_id, pages = answer["export_id"], answer["pages"]
         try:
-            return self._import(hashes, have, pages, token_ids, salt, path=answer["path"])
+            return self._import(
+                hashes, have, pages, token_ids, salt, adapter=adapter, path=answer["path"]
+            )
         finally:
             await self._call("release", export_id=export_id)
 
@@ -127,6 +144,7 @@ class PoolLink:
         token_ids: Sequence[int],
         salt: str | None,
         *,
+        adapter: AdapterKey | None,
         path: str,
     ) -> int:
         """Import the pool's pinned pages as blocks `have..` (no await: the cache cannot
@@ -165,6 +183,7 @@ class PoolLink:
                 grant.import_id,
                 token_ids[grant.have * bs : upto * bs],
                 salt if grant.have == 0 else None,
+                adapter,
             )
         except TransferError as exc:  # aborted: the pool's blocks are not this prompt's
             log.warning("blocks loaded from the pool were refused: %s", exc)

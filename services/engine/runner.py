@@ -156,14 +156,15 @@ class LiveEngine:
         adapter: AdapterKey | None = None,
     ) -> Request:
         """`submit`, once the prompt's blocks beyond the engine's own cache hit that the
-        node's KV pool holds are loaded from it (when the engine uses a pool; not for a LoRA
-        `adapter`'s request, whose blocks the pool does not take)."""
+        node's KV pool holds are loaded from it (when the engine uses a pool); for LoRA
+        `adapter`'s request when one is named."""
         if self.failed is not None:
             raise unavailable(self.failed)
         digests = self.hasher.digests(prompt_ids, salt, adapter)
         loaded = 0
-        if self.pool is not None and adapter is None:
-            loaded = await self.pool.load([event_hash(d) for d in digests], prompt_ids, salt)
+        if self.pool is not None:
+            hashes = [event_hash(d) for d in digests]
+            loaded = await self.pool.load(hashes, prompt_ids, salt, adapter)
         tokens = loaded * self.model.block_size
         load_s = self.model.pool_load_s(tokens)
         request = self.submit(
@@ -306,7 +307,7 @@ class LiveEngine:
             request = requests.get(job.rid)
             if request is None:
                 continue
-            if self.pool is not None and self.pool.attached and job.hashes and not request.adapter:
+            if self.pool is not None and self.pool.attached and job.hashes:
                 self._saves.put_nowait(request)  # (none queue up while there is no pool)
             m.ttft.observe(max(end - job.arrival, 0.0))
             m.queries.inc(job.prompt)
@@ -349,7 +350,9 @@ class LiveEngine:
         while True:
             request = await self._saves.get()
             try:
-                await pool.save(request.job.hashes, request.prompt_ids, request.salt)
+                await pool.save(
+                    request.job.hashes, request.prompt_ids, request.salt, request.adapter
+                )
             except Exception:  # a bug here must not stop the engine from saving again
                 log.exception("saving blocks into the KV pool failed")
 

@@ -105,6 +105,8 @@ class Exporter:
         answer.pages.extend(pages)
         answer.token_ids.extend(exported.token_ids)
         answer.cache_salt = exported.cache_salt or ""
+        if exported.adapter is not None:
+            answer.lora_name, answer.lora_path = exported.adapter
         answer.checksums.extend(sums)
         answer.endpoint = source.endpoint
         answer.base_address = source.base_address

@@ -47,7 +47,7 @@ from typing import TypeVar
 import numpy as np
 
 from kvsched.core.events import BlocksRemoved
-from kvsched.core.vllm_hashing import VllmBlockHasher
+from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher
 from kvsched.sim.cache import PrefixCache
 from services.common.files import write_private
 from services.common.kv_events import Event
@@ -97,6 +97,7 @@ class Exported:
     pages: tuple[int, ...]
     token_ids: tuple[int, ...]
     cache_salt: str | None
+    adapter: AdapterKey | None = None  # the LoRA adapter the blocks were computed with
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,12 @@ class KvPool:
         finally:
             store.publish()
         return Exported(
-            grant.export_id or "", grant.blocks, grant.pages, grant.token_ids, grant.cache_salt
+            grant.export_id or "",
+            grant.blocks,
+            grant.pages,
+            grant.token_ids,
+            grant.cache_salt,
+            grant.adapter,
         )
 
     async def _intact(
@@ -310,7 +316,7 @@ class KvPool:
             bad, len(hashes), hashes[bad], intact, len(dropped),
         )  # fmt: skip
         if not pinned or intact == 0:
-            return ExportGrant(None, 0, (), (), grant.cache_salt)
+            return ExportGrant(None, 0, (), (), grant.cache_salt, grant.adapter)
         # No await between the release and this: the blocks before the bad one are cached.
         return await store.transfers.export(hashes, start, bad, wait_s=0.0, hold_s=hold_s)
 
@@ -339,14 +345,19 @@ class KvPool:
         return ImportSlots(grant.import_id, grant.have, grant.pages)
 
     async def commit_import(
-        self, import_id: str, token_ids: Sequence[int], cache_salt: str | None
+        self,
+        import_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        adapter: AdapterKey | None = None,
     ) -> int:
-        """Make an import's written blocks visible once their token ids hash to them;
-        returns how many were new. Raises `EngineError` (the import is then aborted)."""
+        """Make an import's written blocks visible once their token ids hash to them (with
+        LoRA `adapter`'s keys, when one is named); returns how many were new. Raises
+        `EngineError` (the import is then aborted)."""
         store = self._live()
         await self._checksum(store, import_id, len(token_ids))
         try:
-            committed = store.transfers.import_commit(import_id, token_ids, cache_salt)
+            committed = store.transfers.import_commit(import_id, token_ids, cache_salt, adapter)
         except TransferError as exc:
             raise EngineError(str(exc)) from None
         finally:

@@ -184,9 +184,15 @@ async def _commit(pool: KvPool, m: dict[str, Any], held: _Held) -> dict[str, Any
     salt = m.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadCall("cache_salt must be a string or null")
+    lora = m.get("lora")
+    if lora is not None and not (
+        isinstance(lora, list) and len(lora) == 2 and all(isinstance(x, str) and x for x in lora)
+    ):
+        raise BadCall("lora must be [name, path] or null")
     copied = _copied(m)
     held.imports.discard(import_id)  # a commit that fails aborts the import
-    stored = await pool.commit_import(import_id, tokens, salt or None)
+    adapter = None if lora is None else (lora[0], lora[1])
+    stored = await pool.commit_import(import_id, tokens, salt or None, adapter)
     pool.copies.record("save", *copied)
     return {"stored": stored}
 

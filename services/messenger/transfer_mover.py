@@ -14,6 +14,7 @@ import grpc
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
+from kvsched.core.vllm_hashing import AdapterKey
 from services.common.durations import duration, seconds
 from services.messenger.engine_api import EngineError
 from services.messenger.kv_pool import KvPool, PoolFull
@@ -59,12 +60,12 @@ class TransferMover:
         transfer.touch()
         committed = False
         try:
-            tokens, salt = await self._segments(
+            tokens, salt, adapter = await self._segments(
                 transfer, source_url, region, slots.have, slots.pages
             )
             if tokens:
                 try:
-                    await api.commit_import(slots.import_id, tokens, salt)
+                    await api.commit_import(slots.import_id, tokens, salt, adapter)
                 except EngineError as exc:
                     raise TransferFailed(f"the target engine refused the blocks: {exc}") from None
                 committed = True
@@ -80,17 +81,18 @@ class TransferMover:
         region: KvRegion,
         have: int,
         pages: Sequence[int],
-    ) -> tuple[list[int], str | None]:
-        """Read blocks `have..` into `pages`, a segment per export; returns their token ids
-        and the chain's cache salt. A source holding fewer blocks of the chain ends the
-        reading where its prefix ends (the target then holds as much of it as the source);
-        a hand-off's source must produce them all, waiting for its prefill."""
+    ) -> tuple[list[int], str | None, AdapterKey | None]:
+        """Read blocks `have..` into `pages`, a segment per export; returns their token ids,
+        the chain's cache salt and its LoRA adapter. A source holding fewer blocks of the
+        chain ends the reading where its prefix ends (the target then holds as much of it as
+        the source); a hand-off's source must produce them all, waiting for its prefill."""
         plan = transfer.plan
         hashes = plan.block_hashes
         stub = self._stub(source_url)
         handoff = plan.kind == common.TRANSFER_KIND_HANDOFF
         tokens: list[int] = []
         salt: str | None = None
+        adapter: AdapterKey | None = None
         start = have
         while start < len(hashes):
             remaining = transfer.deadline_s - transfer.elapsed_s
@@ -128,13 +130,15 @@ class TransferMover:
             tokens.extend(export.token_ids)
             if start == 0:
                 salt = export.cache_salt or None
+            if export.lora_name:
+                adapter = (export.lora_name, export.lora_path)
             start += export.blocks
             transfer.blocks_done = start - have
             transfer.touch()
             if not handoff and start < len(hashes):
                 break  # the source's prefix ended: it holds no more of the chain
         transfer.blocks = start - have
-        return tokens, salt
+        return tokens, salt, adapter
 
 
 async def _quietly(api: KvPool, import_id: str) -> None:

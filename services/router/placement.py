@@ -315,8 +315,7 @@ class Placer:
             decision = task.result()
         except Rejected as exc:
             raise rate_limited(
-                f"No instance can serve this request within its latency objective now: "
-                f"{exc.message}",
+                f"No instance can serve this request now: {exc.message}",
                 exc.retry_after_s if exc.retry_after_s is not None else 1.0,
             ) from None
         except InvalidRequest as exc:

@@ -25,7 +25,8 @@ class LoadJob:
 class SaveJob:
     """Copy vLLM blocks `block_ids[i]` into the staged pages `pages[i]` of the pool's memory
     file `pool` (every layer), then commit the pool's import `import_id` with the blocks'
-    token ids (and the chain's cache salt, for a chain the pool holds nothing of)."""
+    token ids (and the chain's cache salt, for a chain the pool holds nothing of; the LoRA
+    adapter its blocks were computed with, for every block)."""
 
     request_id: str
     pool: str
@@ -34,6 +35,7 @@ class SaveJob:
     block_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     cache_salt: str | None
+    adapter: tuple[str, str] | None = None  # (name, path), as vLLM's hashes name it
 
 
 @dataclass

@@ -11,8 +11,9 @@ pool should keep.
   workers copy them after each layer and commit them at the end of the step.
 
 Asking the pool never fails a request: a pool that is down or refuses is a miss (no load)
-or a skipped save. Requests with LoRA adapters or multimodal inputs are left alone (their
-blocks' names carry extra keys the pool does not check)."""
+or a skipped save. A LoRA adapter's requests are saved with the adapter's name and path, which
+the pool hashes their blocks' tokens with to check them, as vLLM names them. Multimodal
+requests are left alone (their blocks' names carry extra keys the pool does not check)."""
 
 from __future__ import annotations
 
@@ -140,7 +141,9 @@ class SchedulerSide:
         tokens = tuple(request.all_token_ids[have * bs : upto * bs])
         salt = request.cache_salt or None
         pages = tuple(answer["pages"])
-        return SaveJob(rid, answer["path"], answer["import_id"], pages, ids, tokens, salt)
+        lora = request.lora_request
+        adapter = None if lora is None else (lora.lora_name, lora.lora_path)
+        return SaveJob(rid, answer["path"], answer["import_id"], pages, ids, tokens, salt, adapter)
 
     def _unpin(self, rid: str) -> None:
         pinned = self._pinned.pop(rid, None)
@@ -164,4 +167,4 @@ class SchedulerSide:
 
 
 def _eligible(request: Request) -> bool:
-    return request.lora_request is None and not request.mm_features
+    return not request.mm_features

@@ -16,9 +16,10 @@ A call is `{"op": OP, ...arguments}`; its answer `{"ok": true, ...results}` or `
 - `save` {block_hashes, upto, hold_s} → {import_id, have, pages, path}: stage pages for the
   blocks of `block_hashes[:upto]` after the `have` the pool holds (no import when it holds
   them all).
-- `commit` {import_id, token_ids, cache_salt[, copied_bytes, copy_s]} → {stored}: the staged
-  pages are written (that many bytes, in that time); the pool checks the token ids hash to
-  the blocks, then holds them.
+- `commit` {import_id, token_ids, cache_salt[, lora, copied_bytes, copy_s]} → {stored}: the
+  staged pages are written (that many bytes, in that time); the pool checks the token ids
+  hash to the blocks (with a LoRA adapter's [name, path] in every block's keys, when `lora`
+  names one), then holds them.
 - `abort` {import_id} → {aborted}.
 """
 

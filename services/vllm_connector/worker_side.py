@@ -336,6 +336,7 @@ class WorkerSide:
                 import_id=job.import_id,
                 token_ids=list(job.token_ids),
                 cache_salt=job.cache_salt,
+                lora=None if job.adapter is None else list(job.adapter),
                 copied_bytes=len(job.pages) * self.block_bytes,
                 copy_s=copy_s,
             )

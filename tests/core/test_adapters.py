@@ -15,7 +15,6 @@ from kvsched.core.decision import Completion, RequestInfo
 from kvsched.core.events import BlocksStored
 from kvsched.core.load import LoadReport
 from kvsched.core.policies import ALL_POLICIES, POLICIES
-from kvsched.core.requests import RequestError
 from kvsched.core.scheduler import Scheduler
 from tests.conftest import chain, request
 
@@ -45,13 +44,14 @@ def cluster(spec: str, capacities: tuple[int, ...] = (0, 2, 2, 1)) -> Scheduler:
 
 
 def test_a_held_adapter_costs_nothing_a_loadable_one_its_load_and_no_slot_rules_out() -> None:
-    slots = AdapterSlots(3)
+    slots = AdapterSlots(4)
     slots.report(0, AdapterReport(1, frozenset({"a"})))
     slots.report(1, AdapterReport(1, frozenset({"b"}), busy=frozenset({"b"})))
     slots.report(2, AdapterReport(2, frozenset({"b"})))
+    slots.report(3, AdapterReport(1, frozenset({"b"})))  # "b" idle: it may leave for "a"
     able, seconds = slots.costs("a", 0.5, now=100.0)
-    assert able.tolist() == [True, False, True]
-    assert seconds.tolist() == [0.0, 0.0, 0.5]
+    assert able.tolist() == [True, False, True, True]
+    assert seconds.tolist() == [0.0, 0.0, 0.5, 1.0]
 
 
 def test_a_load_takes_a_slot_at_once_and_is_said_until_a_report_shows_it() -> None:
@@ -118,12 +118,18 @@ def test_an_adapter_request_runs_only_where_the_adapter_fits_for_every_policy(sp
         core.finish(done, now + 0.5)
 
 
-def test_every_slot_full_of_busy_adapters_is_unavailable_not_overfilled() -> None:
-    core = cluster("cache_aware", capacities=(0, 1, 1, 1))
-    for slot, name in ((1, "a"), (2, "b"), (3, "c")):
+@pytest.mark.parametrize("spec", ALL_POLICIES)
+def test_every_slot_in_use_rejects_for_a_while_and_never_overfills(spec: str) -> None:
+    core = cluster(spec, capacities=(0, 1, 1, 1))
+    for slot, name in ((1, "a"), (2, "b")):  # busy: their engines run them
         core.apply(slot, [report(1, (name,), (name,))])
-    with pytest.raises(RequestError, match="adapter slots in use"):
-        core.place(for_adapter(request(1, chain(1, 4)), "d"), 0.0)
+    core.place(for_adapter(request(1, chain(1, 4)), "c"), 0.0)  # slot 3's, placed just now
+    refused = core.place(for_adapter(request(2, chain(2, 4)), "d"), 4.0)
+    assert refused.rejected and refused.rule == "adapter_slots_full"
+    # Retried once "c" may leave (where it was placed: no prefill slot had room for it on
+    # the disaggregated policies' roles, which refused it too).
+    assert refused.retry_after_s in (core.cluster.adapters.grace_s - 4.0, 10.0)
+    assert core.explain(for_adapter(request(3, chain(2, 4)), "d"), 4.0).rejected
 
 
 def test_a_held_adapter_wins_over_a_load_and_the_load_is_a_ttft_term() -> None:

@@ -318,7 +318,7 @@ async def test_a_load_whose_commit_is_refused_is_recomputed(
     hashes = await saved(first, pool, ids, 6)
     transfers = second.live.transfers
 
-    def refuse(import_id: str, token_ids: Any, cache_salt: Any) -> Any:
+    def refuse(import_id: str, token_ids: Any, cache_salt: Any, adapter: Any) -> Any:
         transfers.import_abort(import_id)  # as a commit whose token ids do not hash does
         raise WrongBlocks("refused for the test")
 

@@ -267,3 +267,30 @@ def test_vllm_flags_prints_what_kvsched_up_starts_its_engines_with(
     assert config["kv_connector_extra_config"]["pool_socket"] == "/run/pool.sock"
     assert "--enforce-eager" not in argv
     assert any(line.startswith("kvsched messenger --engine") for line in out)
+
+
+def test_lora_adapters_load_at_run_time_and_routers_hash_with_their_paths(tmp_path: Path) -> None:
+    adapters = {}
+    for name, rank in (("a", 8), ("b", 64)):
+        adapters[name] = tmp_path / name
+        adapters[name].mkdir()
+        (adapters[name] / "adapter_config.json").write_text(json.dumps({"r": rank}))
+    args = ["--engine", "vllm", "--model", str(tmp_path / "tiny-llama"), "--model"]
+    args += [str(tmp_path / "tiny-qwen2"), "--nodes", "1", "--max-loras", "3"]
+    args += [f"--lora={name}={path}" for name, path in adapters.items()]
+    plan = plan_cluster(cluster_options(build_parser().parse_args(args)), tmp_path, tmp_path, "")
+    with_lora = [e for e in plan.stage("engine") if "--enable-lora" in e.argv]
+    assert {_flag(e.argv, "--served-model-name") for e in with_lora} == {"tiny-llama"}
+    assert len(with_lora) == 2  # the first model's engines, not the second's
+    for engine in with_lora:
+        assert _flag(engine.argv, "--max-loras") == "3"
+        assert _flag(engine.argv, "--max-lora-rank") == "64"  # b's rank: over vLLM's 16
+        assert engine.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    (messenger,) = plan.stage("messenger")
+    assert sum("max_loras=3" in a for a in messenger.argv) == 2
+    for router in plan.stage("router"):
+        assert _flag(router.argv, "--lora-modules") == f"a={adapters['a']},b={adapters['b']}"
+    with pytest.raises(ValueError, match="a name of its own"):
+        cluster_options(build_parser().parse_args([*args, f"--lora=a={adapters['b']}"]))
+    with pytest.raises(ValueError, match=r"no adapter_config\.json"):
+        cluster_options(build_parser().parse_args([f"--lora=c={tmp_path}"]))

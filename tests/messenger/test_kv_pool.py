@@ -559,3 +559,35 @@ async def test_an_export_waits_for_blocks_being_committed_not_for_a_miss(
     if got.export_id:
         pool.release(got.export_id)
     assert pinned_and_staged(pool) == (0, 0, 0)
+
+
+async def test_an_adapters_chain_is_checked_kept_and_exported_with_its_adapter(
+    make_pool: Pools,
+) -> None:
+    """A LoRA adapter's blocks hash with its name and path (on every block, a continued
+    chain's too); the pool takes them only with that adapter, publishes them as vLLM does and
+    exports them with it, for the next holder's check."""
+    pool = make_pool(4)
+    adapter = ("sql-bot", "/adapters/sql-bot")
+    ids = tokens(3, 9)
+    hashes = HASHER.hash_prompt(ids, None, adapter)
+    slots = await pool.begin_import(hashes, 1, hold_s=HOLD_S)
+    assert slots.import_id is not None
+    write_pages(pool, slots.pages, hashes[:1])
+    with pytest.raises(EngineError, match="do not hash"):
+        await pool.commit_import(slots.import_id, ids[:BS], None)  # without its adapter
+    slots = await pool.begin_import(hashes, 1, hold_s=HOLD_S)
+    assert slots.import_id is not None
+    write_pages(pool, slots.pages, hashes[:1])
+    assert await pool.commit_import(slots.import_id, ids[:BS], None, adapter) == 1
+    rest = await pool.begin_import(hashes, 3, hold_s=HOLD_S)  # continues the held block
+    assert rest.import_id is not None and rest.have == 1
+    write_pages(pool, rest.pages, hashes[1:])
+    assert await pool.commit_import(rest.import_id, ids[BS:], None, adapter) == 2
+    first, second = make_pool.events
+    for event, blocks in ((first, 1), (second, 2)):  # vLLM's shape: the name on every block
+        assert isinstance(event, BlockStored) and event.lora_name == adapter[0]
+        assert event.extra_keys == [[adapter[0]]] * blocks
+    got = await pool.export_blocks(hashes, 0, 3, wait_s=0.0, hold_s=HOLD_S)
+    assert got.blocks == 3 and got.adapter == adapter
+    pool.check_integrity()

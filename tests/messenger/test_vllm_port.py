@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.conductor.app import Conductor
 from services.messenger.app import Messenger
 from services.messenger.vllm_engine import VllmEngine
@@ -138,3 +139,35 @@ async def test_an_engine_whose_blocks_are_not_the_clusters_size_is_refused_in_on
     await wait_for(lambda: relay.totals["malformed_answers"] >= 3, 10.0, message="probed again")
     assert caplog.text.count(said) == 1  # said once, not at every probe
     assert IID not in conductor.state.instances
+
+
+async def test_an_engines_adapters_and_their_blocks_reach_the_conductor_through_vllms_api(
+    start_conductor: Start,
+    start_engine: Callable[..., EngineProcess],
+    start_messenger: Start,
+    http: aiohttp.ClientSession,
+) -> None:
+    """An engine serving LoRA adapters: its `--max-loras` and the adapters it holds, from
+    `/metrics` and `/v1/models`, are the Conductor's; an adapter's blocks are indexed under
+    the hashes a Router computes with the adapter's name and path, none counted foreign."""
+    adapter = ("sql-bot", "/adapters/sql-bot")
+    flags = ["--enable-lora", "--max-loras", "3", "--lora-modules", "=".join(adapter)]
+    conductor, engine, messenger = await start_relayed(
+        start_conductor, start_engine, start_messenger, http, flags=flags
+    )
+    tokens = prompt(7, 4)
+    body = {"model": adapter[0], "prompt": tokens, "max_tokens": 1}
+    async with http.post(engine.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    slot = conductor.state.instances[IID].slot
+    adapters = conductor.state.cluster.adapters
+
+    def reported() -> bool:
+        report = adapters.reported(slot)
+        return report.capacity == 3 and report.held == {adapter[0]}
+
+    await wait_for(reported, 10.0, message="the adapters reported")
+    ours = set(VllmBlockHasher(BLOCK).hash_prompt(tokens, None, adapter))
+    await wait_for(lambda: ours <= (indexed(conductor, IID) or set()), 10.0, message="indexed")
+    relay = relay_of(messenger, engine)
+    assert relay.counts()["foreign_hashes"] == 0

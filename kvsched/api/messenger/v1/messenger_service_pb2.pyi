@@ -394,6 +394,8 @@ class ExportBlocksResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
     BASE_ADDRESS_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
     export_id: _builtins.str
     """The export, to release it."""
     blocks: _builtins.int
@@ -404,6 +406,12 @@ class ExportBlocksResponse(_message.Message):
     """Where to read: host:port of the backend's server (for Mooncake, its session name)."""
     base_address: _builtins.int
     """Mooncake: address of the layout's first byte in the source Messenger's registered memory."""
+    lora_name: _builtins.str
+    """The LoRA adapter the chain's blocks were computed with ("" for none): its name and the
+    path its engines load it from, which every block's hash takes (as vLLM hashes them).
+    """
+    lora_path: _builtins.str
+    """Its path."""
     @_builtins.property
     def pages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The page of each exported block in the layout."""
@@ -434,10 +442,12 @@ class ExportBlocksResponse(_message.Message):
         checksums: _abc.Iterable[_builtins.int] | None = ...,
         endpoint: _builtins.str = ...,
         base_address: _builtins.int = ...,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "blocks", b"blocks", "cache_salt", b"cache_salt", "checksums", b"checksums", "endpoint", b"endpoint", "export_id", b"export_id", "layout", b"layout", "pages", b"pages", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "blocks", b"blocks", "cache_salt", b"cache_salt", "checksums", b"checksums", "endpoint", b"endpoint", "export_id", b"export_id", "layout", b"layout", "lora_name", b"lora_name", "lora_path", b"lora_path", "pages", b"pages", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
