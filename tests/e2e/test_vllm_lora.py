@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,10 @@ async def test_the_connector_saves_an_adapters_blocks_and_another_engine_loads_t
         computed_on = resp.headers["x-kvsched-instance"]
         first = await resp.json()
     other = next(e for e in cluster.endpoints["engines"] if e["id"] != computed_on)
+    # The Router salted the blocks with the tenant's salt: so does this request (unsalted, it
+    # would be other blocks).
+    tenants = json.loads(key[0].read_text(encoding="utf-8"))["tenants"]
+    body["cache_salt"] = next(iter(tenants.values()))["salt"]
     load = {"lora_name": "lora-a", "lora_path": str(ADAPTERS["lora-a"])}
     async with http.post(other["url"] + "/v1/load_lora_adapter", json=load) as resp:
         assert resp.status in (200, 400), await resp.text()  # 400: it holds it already
