@@ -97,8 +97,8 @@ def family_rows(
             args.repeats,
         )
         before = prompts.stats().tokenized_tokens
-        got = prompts.ids_and_hashes("session", text, flag, hasher, SALT)
-        assert got == (ids, hashes), f"turn {turn}: incremental ids or hashes differ"
+        got_ids, got_hashes = prompts.ids_and_hashes("session", text, flag, hasher, SALT)
+        assert (list(got_ids), list(got_hashes)) == (ids, hashes), f"turn {turn}: they differ"
         fresh = prompts.stats().tokenized_tokens - before
         previous = text
         rows.append((turn, len(ids), fresh, render, whole, incremental, cold))

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +57,9 @@ _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no spac
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
 # loop: at most ~80 µs of work (demo tokenizer), less than a pool thread's round trip costs.
 INLINE_PROMPT_CHARS: Final = 256
+# Prompts above this go to the engine as ids: its tokenizing then costs more than the
+# re-serialised body (a millisecond a megabyte) and the ids (a few bytes a token).
+HAND_OVER_CHARS: Final = 4096
 # The APIs a request may come by: OpenAI's completions and chat, Anthropic's Messages and
 # OpenAI's Responses (the last two read as the chat request vLLM makes of them).
 Api = Literal["completion", "chat", "messages", "responses"]
@@ -271,7 +275,8 @@ class Preparer:
     ) -> Tokenized:
         """Tokenize with `model`'s tokenizer, check the lengths, hash, and build the engine's
         body (thread-safe). A chat of a `session` is tokenized and hashed from what its
-        previous turn left (`session_prompts`): only what is new, the same ids."""
+        previous turn left (`session_prompts`): only what is new, the same ids. A long text
+        completion goes to the engine as its token ids (`hands_over_ids`)."""
         if req.model is not None and req.model != model:  # the engines know the served name
             body = {**body, "model": model}
             raw = json.dumps(body).encode()
@@ -281,6 +286,8 @@ class Preparer:
         module = self.adapters.get(model)
         adapter = None if module is None else module.key  # vLLM hashes its blocks apart
         chat = req.chat
+        batch: Sequence[Sequence[int]]  # the prompts' ids (arrays from `prompts`)
+        block_hashes: Iterable[int]
         if session and prompts is not None and chat is not None and chat.forwarded_ids is None:
             text = tokenizer.render_chat(chat)
             try:
@@ -303,6 +310,9 @@ class Preparer:
         # Each prompt of a batch is checked as vLLM checks it; the engine computes them all
         # (and `n` choices of each) where the first one is placed.
         output = sum(output_budget(req, len(ids), self.max_model_len) for ids in batch) * req.n
+        if hands_over_ids(req, body):
+            body = {**body, "prompt": list(batch[0])}
+            raw = json.dumps(body).encode()
         # Packed once here (off the event loop for a long prompt): the placement and the
         # completion report both carry these bytes as they are.
         hashes = pack_hashes(block_hashes)
@@ -317,6 +327,22 @@ def output_budget(req: CompletionRequest, prompt_tokens: int, max_model_len: int
         param = "messages" if req.kind == "chat" else "prompt"
         raise bad_request("The prompt is empty.", param)
     return check_length(prompt_tokens, req.max_tokens, max_model_len)
+
+
+def hands_over_ids(req: CompletionRequest, body: Mapping[str, Any]) -> bool:
+    """Whether the engine gets `req`'s prompt as the ids the Router computed, so that it
+    does not tokenize it again (on its critical path: about as long as the Router's own
+    tokenizing, 100 ms and more at 80K tokens): a completion of one text prompt longer than
+    `HAND_OVER_CHARS` (the ids are vLLM's: `tests/data/vllm/prompt_tokens.json`), not
+    echoed (an echo would be the ids' text). The body is then re-serialised: every field
+    keeps its value, not always its bytes. vLLM's chat APIs take no ids."""
+    return (
+        req.kind == "completion"
+        and req.prompt_text is not None
+        and len(req.prompt_text) > HAND_OVER_CHARS
+        and not req.more_prompts
+        and not body.get("echo")
+    )
 
 
 def _small(req: CompletionRequest) -> bool:

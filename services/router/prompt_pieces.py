@@ -243,9 +243,11 @@ class SessionPrompts:
         cache_salt: str | None = None,
         *,
         adapter: AdapterKey | None = None,
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[array[int], array[int]]:
         """`text`'s ids, equal to `tokenizer.model.encode(text, add_special_tokens)`, and
-        their block hashes, equal to `hasher.hash_prompt(ids, cache_salt, adapter)`: the leading
+        their block hashes, equal to `hasher.hash_prompt(ids, cache_salt, adapter)` (arrays,
+        which the record keeps too: read them, never change them; a list of 80K ids costs
+        2 ms to make): the leading
         pieces equal to session `key`'s previous turn taken from it, the rest tokenized, and
         the blocks whose ids are all the previous turn's leading ids taken from it, the rest
         hashed. Keeps this turn as `key`'s (last writer wins), evicting the least recently
@@ -275,21 +277,20 @@ class SessionPrompts:
             count += len(piece)
             ends.append(count)
         ids.fromlist(list(tail))
-        out = ids.tolist()
 
         kept = 0  # leading blocks whose hashes are the previous turn's
         if old is not None and (old.hasher, old.salt, old.adapter) == (hasher, salt, adapter):
             known = len(head) + reused if same and old.flag == add_special_tokens else 0
             kept = _common_prefix(old.ids, ids, known) // hasher.block_size
             kept -= kept % _CHECKPOINT  # the chain resumes after a kept digest
-        digests, hashes = _hash_blocks(hasher, out, salt, adapter, old=old, kept=kept)
+        digests, hashes = _hash_blocks(hasher, ids, salt, adapter, old=old, kept=kept)
 
         turn = _Turn(
             keys=keys, ends=ends, ids=ids, head=len(head), flag=add_special_tokens,
             hasher=hasher, salt=salt, adapter=adapter, digests=digests, hashes=hashes,
         )  # fmt: skip
         self._put(key, turn, (1, reused, count - reused, kept, len(hashes) - kept))
-        return out, hashes.tolist()
+        return ids, hashes
 
     def discard(self, key: str) -> None:
         """Forget session `key`'s record (nothing where there is none)."""
@@ -510,7 +511,7 @@ def _common_prefix(a: _Items, b: _Items, known: int) -> int:
 
 def _hash_blocks(
     hasher: VllmBlockHasher,
-    ids: list[int],
+    ids: array[int],
     salt: str | None,
     adapter: AdapterKey | None,
     *,

@@ -128,9 +128,9 @@ def check(  # noqa: PLR0917
     """Assert `prompts`' ids and hashes for `text` are the whole path's; return the ids."""
     ids, hashes = prompts.ids_and_hashes(key, text, flag, hasher, salt)
     expected = prompts.tokenizer.model.encode(text, flag)
-    assert ids == expected
-    assert hashes == hasher.hash_prompt(expected, salt)
-    return ids
+    assert list(ids) == expected
+    assert list(hashes) == hasher.hash_prompt(expected, salt)
+    return list(ids)
 
 
 # -- which tokens are cut points ------------------------------------------------------------
@@ -613,7 +613,7 @@ def test_concurrent_calls_are_exact(family: str) -> None:
         key, text = key_text
         ids, hashes = prompts.ids_and_hashes(key, text, False, hasher, key)
         prompts.stats()
-        return ids == expected[text] and hashes == hasher.hash_prompt(ids, key)
+        return list(ids) == expected[text] and list(hashes) == hasher.hash_prompt(ids, key)
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(call, calls))

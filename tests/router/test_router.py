@@ -121,6 +121,40 @@ async def test_the_engine_gets_the_clients_body_with_the_tenant_salt_and_our_hea
         await tap.stop()
 
 
+async def test_a_long_text_completion_reaches_the_engine_as_its_token_ids(
+    stack: Stack,
+) -> None:
+    """vLLM's completions take token ids: a long text prompt is sent as the ids the Router
+    computed (the engine does not tokenize it again), its other fields unchanged in value;
+    a short one, or one echoed back, goes as the client wrote it."""
+    (engine,) = await stack.start_engines(1)
+    tap = Tap(engine.port)
+    await tap.start()
+    try:
+        c = await stack.start_conductor()
+        await stack.registry(c.url).add(engine.instance_id, tap.url)
+        router = await stack.start_router(c.url)
+        await wait_for(lambda: router.placer.instances, 5.0, message="the Router knows it")
+        text = " ".join(f"word{i % 97}" for i in range(1200))
+        for prompt, echo, as_ids in (
+            (text, False, True),
+            (text, True, False),
+            ("hi", False, False),
+        ):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": echo,
+                    "x_vendor": {"keep": [1, 2.5]}}  # fmt: skip
+            status, _, data = await stack.post(router.url + "/v1/completions", body)
+            assert status == 200, data
+            sent = json.loads(parse_http(bytes(tap.exchanges[-1].to_engine))[-1].body)
+            ids = PromptTokenizer().prompt_ids(parse_request("completion", body))
+            assert sent["prompt"] == (ids if as_ids else prompt)
+            assert {k: v for k, v in sent.items() if k != "prompt"} == {
+                k: v for k, v in body.items() if k != "prompt"
+            }
+    finally:
+        await tap.stop()
+
+
 async def test_non_streaming_chat_usage_in_streams_models_and_metrics(stack: Stack) -> None:
     c, engines, router = await stack.up(2)
     status, headers, data = await stack.post(router.url + "/v1/completions", completion())
