@@ -82,6 +82,7 @@ def instance_spec(msg: pb.InstanceSpec) -> InstanceSpec:
         role=role(msg.role),
         model=msg.model,
         messenger_url=msg.messenger_url,
+        max_model_len=msg.max_model_len,
     )
 
 
@@ -290,6 +291,7 @@ def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatu
             role=ROLE_VALUES[spec.role],
             model=spec.model,
             messenger_url=spec.messenger_url,
+            max_model_len=spec.max_model_len,
         ),
         slot=slot,
         lease_id=inst.record.lease_id,

@@ -92,6 +92,7 @@ class InstanceSpec:
     role: Role
     model: str = ""
     messenger_url: str = ""
+    max_model_len: int = 0  # its context, tokens (0: not said)
 
 
 @dataclass(frozen=True, slots=True)

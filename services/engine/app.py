@@ -284,6 +284,7 @@ class EngineApp:
                 "role": self.settings.role.value,
                 "block_size": self.live.model.block_size,
                 "capacity_blocks": self.live.model.capacity_blocks,
+                "max_model_len": self.live.model.max_model_len,
                 "kv_events": {
                     "endpoint": pub.endpoint,
                     "replay_endpoint": pub.replay_endpoint,

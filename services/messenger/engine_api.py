@@ -63,6 +63,7 @@ class EngineInfo:
     block_size: int
     capacity_blocks: int
     kv_events: KvEventsEndpoint
+    max_model_len: int = 0  # its context, tokens (0: not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +193,9 @@ def parse_info(raw: Any) -> EngineInfo:
         role=role,
         block_size=_int(info, "block_size", low=1, high=1 << 20),
         capacity_blocks=_int(info, "capacity_blocks"),
+        max_model_len=_int(info, "max_model_len", high=(1 << 32) - 1)
+        if "max_model_len" in info
+        else 0,
         kv_events=KvEventsEndpoint(
             endpoint=endpoint,
             replay_endpoint=_str(events, "replay_endpoint", optional=True) or None,

@@ -259,6 +259,7 @@ class EngineRelay:
             role=ROLES[info.role],
             model=info.model,
             messenger_url=self.settings.url,
+            max_model_len=info.max_model_len,
         )
         membership = self._membership = Membership(
             spec,

@@ -136,6 +136,7 @@ class VllmEngine:
             block_size=self._block_size,
             capacity_blocks=self._capacity_blocks,
             kv_events=await self._kv_events(),
+            max_model_len=_context(data[0]),
         )
 
     def _check_caching(self, config: Mapping[str, str]) -> None:
@@ -318,3 +319,11 @@ def _positive(config: Mapping[str, str], key: str) -> int:
     if value <= 0:
         raise EngineMalformed(f"vllm:cache_config_info has no positive {key}")
     return value
+
+
+def _context(card: Mapping[str, Any]) -> int:
+    """A `/v1/models` card's `max_model_len` (0 where it has none that is a token count)."""
+    value = card.get("max_model_len")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 32:
+        return value
+    return 0

@@ -156,6 +156,9 @@ class Placer:
         self._clock = clock
         self._stream: PlacementStream | None = None
         self._instances: tuple[KnownInstance, ...] = ()
+        # Each model's context as its engines said it (vLLM's max_model_len), kept in place:
+        # the Preparer reads this dict.
+        self.contexts: dict[str, int] = {}
         self._suspects: dict[str, float] = {}  # instance id -> skipped until (clock)
         self._in_flight: dict[str, int] = {}
         self._rr = 0
@@ -233,6 +236,14 @@ class Placer:
             # The fallback sends whole requests: decode-only instances cannot take them.
             if s.spec.role != common.ROLE_DECODE and s.spec.url
         )
+        learned: dict[str, int] = {}
+        for s in statuses:  # a model's context: the least its engines said
+            if s.spec.max_model_len:
+                model, n = s.spec.model, s.spec.max_model_len
+                learned[model] = min(learned.get(model, n), n)
+        if learned != self.contexts:
+            self.contexts.clear()
+            self.contexts.update(learned)
         self._metrics.instances_known.set(len(self._instances))
         self._set_up(True)
 

@@ -142,6 +142,9 @@ class Preparer:
         self._messages_traits: dict[str, anthropic_messages.TemplateTraits] = {}
         self._responses_traits: dict[str, responses_input.TemplateTraits] = {}
         self.max_model_len = settings.max_model_len
+        # Each model's context as its engines said it (the Placer's, kept up to date), over
+        # `max_model_len` where one said it.
+        self.contexts: Mapping[str, int] = {}
         self.max_session_id_bytes = settings.max_session_id_bytes
         self._tracer = tracer
         self._pool = ThreadPoolExecutor(
@@ -226,7 +229,7 @@ class Preparer:
             check_session_id(session, self.max_session_id_bytes, param)
         scoped = session_key(tenant.name, session) if session else ""
         if not read.checked:  # (the body worker did it)
-            self._refuse_beyond_context(req, tokenizer)
+            self._refuse_beyond_context(req, tokenizer, self.context(model))
         salt = tenant.cache_salt(req.cache_salt)
         with child_span(self._tracer, "tokenize") as span:
             work = partial(self._tokenize, req, model, raw, body, salt, session=scoped)
@@ -255,13 +258,20 @@ class Preparer:
         )
         return Call(req, query, tokenized.body, arrived, reply, client_rid)
 
-    def _refuse_beyond_context(self, req: CompletionRequest, tokenizer: RouterTokenizer) -> None:
-        """Raise the 400 vLLM gives for a prompt over the context when the fewest tokens the
-        prompt can have (`RouterTokenizer.least_tokens`) are already too many: such a
+    def _refuse_beyond_context(
+        self, req: CompletionRequest, tokenizer: RouterTokenizer, context: int
+    ) -> None:
+        """Raise the 400 vLLM gives for a prompt over the `context` when the fewest tokens
+        the prompt can have (`RouterTokenizer.least_tokens`) are already too many: such a
         prompt is refused without being tokenized (seconds of work for megabytes of text)."""
         least = tokenizer.least_tokens(req)
-        if least >= self.max_model_len:
-            check_length(least, req.max_tokens, self.max_model_len, at_least=True)
+        if least >= context:
+            check_length(least, req.max_tokens, context, at_least=True)
+
+    def context(self, model: str) -> int:
+        """The context length of served name `model` (an adapter's is its base's): the
+        least its engines said, else `--max-model-len`."""
+        return self.contexts.get(self.base_model(model)) or self.max_model_len
 
     def _tokenize(
         self,
@@ -309,7 +319,8 @@ class Preparer:
             block_hashes = self.hasher.hash_prompt(batch[0], salt or None, adapter)
         # Each prompt of a batch is checked as vLLM checks it; the engine computes them all
         # (and `n` choices of each) where the first one is placed.
-        output = sum(output_budget(req, len(ids), self.max_model_len) for ids in batch) * req.n
+        context = self.context(model)
+        output = sum(output_budget(req, len(ids), context) for ids in batch) * req.n
         if hands_over_ids(req, body):
             body = {**body, "prompt": list(batch[0])}
             raw = json.dumps(body).encode()

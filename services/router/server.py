@@ -155,6 +155,7 @@ class Router:
             metrics=self.metrics,
             tracer=self.tracer,
         )
+        self.preparer.contexts = self.placer.contexts
         self.passthrough = PassThrough(self.preparer, self.placer, self.upstream, adapters)
         self.health = health_servicer()
         self.draining = False

@@ -59,6 +59,10 @@ async def test_the_engine_is_known_and_indexed_through_vllms_api_alone(
     assert isinstance(relay.api, VllmEngine) and not relay.uses_pool
     assert relay.info is not None
     assert (relay.info.block_size, relay.info.capacity_blocks) == (BLOCK, 24)
+    async with http.get(engine.url + "/v1/models") as resp:  # its context, as vLLM says it
+        context = (await resp.json())["data"][0]["max_model_len"]
+    assert relay.info.max_model_len == context > 0
+    assert conductor.state.instances[IID].spec.max_model_len == context
     for seed in range(5):  # 30 blocks into 24 pages: evictions too
         await engine.complete(http, prompt(seed, 6))
     held = await converged(http, engine, conductor)

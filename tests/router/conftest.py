@@ -117,13 +117,14 @@ async def start_engines(tmp_path: Path, http: aiohttp.ClientSession) -> AsyncIte
         engine.stop()
 
 
-def spec(instance_id: str, url: str, model: str = MODEL) -> pb.InstanceSpec:
+def spec(instance_id: str, url: str, model: str = MODEL, max_model_len: int = 0) -> pb.InstanceSpec:
     return pb.InstanceSpec(
         instance_id=instance_id,
         url=url,
         node=instance_id.partition("/")[0],
         role=common.ROLE_BOTH,
         model=model,
+        max_model_len=max_model_len,
     )
 
 
@@ -134,8 +135,11 @@ class Registry:
         self.client = client
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def add(self, instance_id: str, url: str, model: str = MODEL) -> None:
-        await self.client.register_instance(spec(instance_id, url, model), lease_ttl_s=3)
+    async def add(
+        self, instance_id: str, url: str, model: str = MODEL, max_model_len: int = 0
+    ) -> None:
+        registered = spec(instance_id, url, model, max_model_len)
+        await self.client.register_instance(registered, lease_ttl_s=3)
         self._tasks.append(asyncio.create_task(self._keep(instance_id)))
 
     async def _keep(self, instance_id: str) -> None:

@@ -24,7 +24,8 @@ from services.router.bodies import body_limit
 from services.router.server import Router
 from services.router.settings import parse
 from services.router.tokenizer import RouterTokenizer, body_bytes_bound, max_token_bytes
-from tests.router.conftest import Stack, chat, completion
+from tests.fixtures.poll import wait_for
+from tests.router.conftest import MODEL, Stack, chat, completion
 
 JSON = {"Content-Type": "application/json"}
 
@@ -221,3 +222,17 @@ async def error_from(router: Router, head: bytes, chunk: bytes, count: int = 0) 
     writer.close()
     assert "application/json" in answer
     return error
+
+
+async def test_a_models_context_is_what_its_engines_said(stack: Stack) -> None:
+    """An engine that registered a context of 64 tokens (vLLM's max_model_len, from its
+    /v1/models) bounds its model's prompts, whatever the Router's --max-model-len."""
+    (engine,) = await stack.start_engines(1)
+    c = await stack.start_conductor()
+    await stack.registry(c.url).add(engine.instance_id, engine.url, max_model_len=64)
+    router = await stack.start_router(c.url)
+    await wait_for(lambda: router.preparer.context(MODEL) == 64, 5.0, message="learned")
+    status, _, data = await stack.post(router.url + "/v1/completions", completion(list(range(70))))
+    assert status == 400 and "maximum context length is 64 tokens" in error_of(data)["message"]
+    status, _, data = await stack.post(router.url + "/v1/completions", completion(list(range(9))))
+    assert status == 200, data

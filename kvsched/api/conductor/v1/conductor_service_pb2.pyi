@@ -62,6 +62,7 @@ class InstanceSpec(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     MESSENGER_URL_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Unique, stable identifier (e.g. "node-a/engine-0")."""
     url: _builtins.str
@@ -76,6 +77,10 @@ class InstanceSpec(_message.Message):
     """
     messenger_url: _builtins.str
     """Address of the node's Messenger gRPC service."""
+    max_model_len: _builtins.int
+    """Its context length in tokens (vLLM's `max_model_len`, from its `/v1/models`): what the
+    Routers check a prompt and its output against. 0: not said.
+    """
     def __init__(
         self,
         *,
@@ -85,10 +90,11 @@ class InstanceSpec(_message.Message):
         role: _common_pb2.Role.ValueType = ...,
         model: _builtins.str = ...,
         messenger_url: _builtins.str = ...,
+        max_model_len: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "messenger_url", b"messenger_url", "model", b"model", "node", b"node", "role", b"role", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "max_model_len", b"max_model_len", "messenger_url", b"messenger_url", "model", b"model", "node", b"node", "role", b"role", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
