@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="a LoRA adapter of the first model (a peft directory), requested as "
                    "model NAME; loaded at run time where its requests are placed")  # fmt: skip
+    p.add_argument("--embedding-model", action="append", default=[], metavar="NAME=DIR",
+                   help="a model served for /v1/embeddings as NAME: one vLLM pooling engine "
+                   "of it on every node (--engine vllm)")  # fmt: skip
     p.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="adapters each engine holds at once (vLLM's --max-loras)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
@@ -135,6 +138,7 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         model=args.served_model_name or (args.model[0].name if args.model else DEFAULT_MODEL),
         more_models=tuple((path.name, path) for path in args.model[1:]),
         lora_modules=tuple(map(_lora, args.lora)),
+        embedding_models=tuple(map(_named_dir, args.embedding_model)),
         max_loras=args.max_loras,
         vllm_python=args.vllm_python,
         max_model_len=args.max_model_len,
@@ -157,6 +161,14 @@ def _lora(value: str) -> tuple[str, Path]:
     if not (path / "adapter_config.json").is_file():
         raise ValueError(f"--lora {name}: {directory} has no adapter_config.json")
     return name, path
+
+
+def _named_dir(value: str) -> tuple[str, Path]:
+    """`NAME=DIR` as a served name and a model directory."""
+    name, sep, directory = value.partition("=")
+    if not (sep and name and directory):
+        raise ValueError(f"--embedding-model takes NAME=DIR, not {value!r}")
+    return name, Path(directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -63,6 +63,9 @@ class ClusterOptions:
     # once, loaded where the Conductor places their requests.
     lora_modules: tuple[tuple[str, Path], ...] = ()
     max_loras: int = 2
+    # Embedding models (name, directory): one vLLM pooling engine of each on every node,
+    # for `/v1/embeddings`.
+    embedding_models: tuple[tuple[str, Path], ...] = ()
     vllm_python: Path = DEFAULT_VLLM_PYTHON  # the Python of vLLM's own environment
     max_model_len: int = 0  # vLLM engines' and Routers' context (0: the model's)
     tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls ("": none)
@@ -102,6 +105,11 @@ class ClusterOptions:
         adapters = [name for name, _ in self.lora_modules]
         if len(set(adapters)) != len(adapters) or set(adapters) & set(names):
             raise ValueError(f"each --lora needs a name of its own: {adapters}")
+        embedders = [name for name, _ in self.embedding_models]
+        if len(set(embedders)) != len(embedders) or set(embedders) & {*names, *adapters}:
+            raise ValueError(f"each --embedding-model needs a name of its own: {embedders}")
+        if embedders and self.engine != "vllm":
+            raise ValueError("--embedding-model needs --engine vllm (vLLM's pooling runner)")
         if not self.kv_pool_bytes and any(r != "both" for r in engine_roles(self.policy, 2)):
             raise ValueError(
                 f"policy {self.policy} hands KV from prefill to decode engines: engines move "
@@ -234,6 +242,8 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     per_model = opts.nodes * opts.engines_per_node
     roles = engine_roles(opts.policy, per_model)  # each model's engines take them alike
     models = opts.served_models()
+    embedders = opts.embedding_models
+    engine_count = len(models) * per_model + opts.nodes * len(embedders)
     pooled = opts.kv_pool_bytes > 0
     for n in range(opts.nodes):
         node = f"node-{n}"
@@ -249,12 +259,26 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
                     iid=f"{node}-e{m * opts.engines_per_node + e}",
                     model=(name, model_dir),
                     role=roles[index],
-                    core=(m * per_model + index, len(models) * per_model),
+                    core=(m * per_model + index, engine_count),
                     pool_socket=socket,
                     lora=m == 0 and bool(opts.lora_modules),
                 )
                 children.append(child)
                 engines.append(engine)
+        for k, (name, model_dir) in enumerate(embedders):
+            child, engine = _engine(
+                opts,
+                free_port,
+                node=node,
+                iid=f"{node}-embed{k}",
+                model=(name, model_dir),
+                role="both",
+                core=(len(models) * per_model + n * len(embedders) + k, engine_count),
+                pool_socket="",  # it computes no KV a generator could reuse
+                embedding=True,
+            )
+            children.append(child)
+            engines.append(engine)
         port, http_port = free_port(), free_port()
         url = f"127.0.0.1:{port}"
         argv = [*py, "services.messenger", "--listen", url, "--node", node]
@@ -283,8 +307,10 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += server_tls("grpc-tls-", me) + client_tls("conductor-", me)
         if opts.model_dir is not None:  # the served model's own tokenizer and chat template
             argv += ["--tokenizer", str(opts.model_dir)]
-        if opts.more_models:
-            more = ",".join(f"{name}={path}" for name, path in opts.more_models)
+        if opts.more_models or opts.embedding_models:
+            more = ",".join(
+                f"{name}={path}" for name, path in (*opts.more_models, *opts.embedding_models)
+            )
             argv += ["--model-tokenizer", more]
         if opts.lora_modules:  # the paths the engines load them from: their blocks' hashes
             adapters = ",".join(f"{name}={path}" for name, path in opts.lora_modules)
@@ -324,6 +350,7 @@ def _engine(
     core: tuple[int, int],
     pool_socket: str,
     lora: bool = False,
+    embedding: bool = False,
 ) -> tuple[Child, str]:
     """Engine `iid` serving `model` (its name and directory; with `lora`, the cluster's
     adapters too), the `core[0]`th of `core[1]` on this machine (a simulated one, or a vLLM
@@ -347,12 +374,13 @@ def _engine(
             hash_seed=opts.block_hashes.seed,
             max_model_len=opts.max_model_len,
             cpu_cores=core_share(*core),
-            tool_call_parser=opts.tool_call_parser,
+            tool_call_parser="" if embedding else opts.tool_call_parser,
             dtype=opts.dtype,
             chat_template="" if opts.chat_template is None else str(opts.chat_template),
             pool_socket=pool_socket,
             max_loras=opts.max_loras if lora else 0,
             max_lora_rank=lora_rank([d for _, d in opts.lora_modules]) if lora else 0,
+            embedding=embedding,
         )
         argv = (*server.argv(), *opts.engine_flags)
         child = Child(name, "engine", argv, ready, entry, server.env(), ready_timeout_s=900.0)

@@ -53,6 +53,9 @@ class VllmServer:
     # Conductor places their requests, through vLLM's runtime LoRA API.
     max_loras: int = 0
     max_lora_rank: int = 0  # 0: vLLM's default (16)
+    # An embedding engine: vLLM's pooling runner over the (causal) model, its last token's
+    # state the embedding; it caches prefixes and publishes KV events as a generator does.
+    embedding: bool = False
 
     def argv(self) -> list[str]:
         events = {
@@ -81,6 +84,8 @@ class VllmServer:
             argv += ["--chat-template", self.chat_template]
         if self.pool_socket:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if self.embedding:
+            argv += ["--runner", "pooling", "--convert", "embed"]
         if self.max_loras:
             argv += ["--enable-lora", "--max-loras", str(self.max_loras)]
             if self.max_lora_rank:

@@ -3,7 +3,8 @@
 of one adapter slot each (`--max-loras 1`), loaded at run time where the Conductor places
 their requests. The Routers hash an adapter's prompts as vLLM does (the adapter's name and path
 in every block's extra keys), so a session's cache grows turn by turn where its adapter is
-loaded; no engine holds more adapters than its slots.
+loaded; no engine holds more adapters than its slots. The same cluster serves embeddings from
+a third engine, vLLM's pooling runner over the tiny model (`--embedding-model`).
 
 Marked `vllm`, run by the test command after the default suite."""
 
@@ -33,6 +34,7 @@ ADAPTERS = {"lora-a": MODEL.with_name("tiny-llama-lora-a"),
             "lora-b": MODEL.with_name("tiny-llama-lora-b")}  # fmt: skip
 START_TIMEOUT_S = 900.0  # two vLLM servers starting together on two cores
 BLOCK = 32  # kvsched up's block size for vLLM
+EMBEDDER = "tiny-embed"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,7 @@ def cluster(
     flags = ["--engine", "vllm", "--model", str(MODEL), "--nodes", "1", "--engines-per-node"]
     flags += ["2", "--routers", "2", "--dtype", "float32", "--api-keys", str(key[0])]
     flags += ["--max-loras", "1", *(f"--lora={name}={path}" for name, path in ADAPTERS.items())]
+    flags += [f"--embedding-model={EMBEDDER}={MODEL}"]
     with local_cluster(
         tmp_path_factory.mktemp("up"), *flags, time_scale=1.0, start_timeout_s=START_TIMEOUT_S
     ) as up:
@@ -100,6 +103,7 @@ async def test_a_lora_sessions_cache_grows_where_its_adapter_is_loaded(
 ) -> None:
     hosts, cached = await chat(cluster, http, key[1], "lora-a", turns=4)
     assert len(set(hosts)) == 1, hosts
+    assert not hosts[0].startswith("node-0-embed")  # an embedding engine takes no chat
     assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached)), cached
     # The Router loaded it there, from the path its blocks' hashes name.
     assert await held(http, cluster.engine(hosts[0])) == {"lora-a": str(ADAPTERS["lora-a"])}
@@ -112,7 +116,7 @@ async def test_a_second_adapter_finds_a_slot_and_no_engine_holds_more_than_max_l
     assert cached[1] > 0, cached
     assert "lora-b" in await held(http, cluster.engine(hosts[-1]))
     for engine in cluster.endpoints["engines"]:
-        assert len(await held(http, engine)) <= 1
+        assert len(await held(http, engine)) <= 1  # (the embedding engine holds none)
 
 
 async def test_the_adapter_is_applied_and_the_routers_list_every_adapter(
@@ -136,6 +140,22 @@ async def test_the_adapter_is_applied_and_the_routers_list_every_adapter(
     await client.close()
 
 
+async def test_embeddings_come_from_the_embedding_engine_through_the_openai_sdk(
+    cluster: LocalCluster, key: tuple[Path, str]
+) -> None:
+    client = openai.AsyncOpenAI(base_url=cluster.routers[1] + "/v1", api_key=key[1])
+    done = await client.embeddings.with_raw_response.create(
+        model=EMBEDDER, input=["the KV cache", "a session's prefix"]
+    )
+    assert done.headers["x-kvsched-instance"].startswith("node-0-embed")
+    vectors = done.parse().data
+    assert [v.index for v in vectors] == [0, 1]
+    assert len(vectors[0].embedding) == len(vectors[1].embedding) == 64  # the hidden size
+    assert vectors[0].embedding != vectors[1].embedding
+    assert EMBEDDER in {m.id for m in (await client.models.list()).data}
+    await client.close()
+
+
 async def test_the_connector_saves_an_adapters_blocks_and_another_engine_loads_them(
     cluster: LocalCluster, http: aiohttp.ClientSession, key: tuple[Path, str]
 ) -> None:
@@ -152,7 +172,10 @@ async def test_the_connector_saves_an_adapters_blocks_and_another_engine_loads_t
         assert resp.status == 200, await resp.text()
         computed_on = resp.headers["x-kvsched-instance"]
         first = await resp.json()
-    other = next(e for e in cluster.endpoints["engines"] if e["id"] != computed_on)
+    other = next(
+        e for e in cluster.endpoints["engines"]
+        if e["id"] != computed_on and e["model"] != EMBEDDER
+    )  # fmt: skip
     # The Router salted the blocks with the tenant's salt: so does this request (unsalted, it
     # would be other blocks).
     tenants = json.loads(key[0].read_text(encoding="utf-8"))["tenants"]

@@ -294,3 +294,20 @@ def test_lora_adapters_load_at_run_time_and_routers_hash_with_their_paths(tmp_pa
         cluster_options(build_parser().parse_args([*args, f"--lora=a={adapters['b']}"]))
     with pytest.raises(ValueError, match=r"no adapter_config\.json"):
         cluster_options(build_parser().parse_args([f"--lora=c={tmp_path}"]))
+
+
+def test_an_embedding_model_gets_a_pooling_engine_on_every_node(tmp_path: Path) -> None:
+    args = ["--engine", "vllm", "--model", str(tmp_path / "tiny-llama"), "--nodes", "2"]
+    args += [f"--embedding-model=embed={tmp_path / 'tiny-llama'}"]
+    plan = plan_cluster(cluster_options(build_parser().parse_args(args)), tmp_path, tmp_path, "")
+    embedders = [e for e in plan.stage("engine") if "--runner" in e.argv]
+    assert [e.endpoint["node"] for e in embedders] == ["node-0", "node-1"]
+    for engine in embedders:
+        assert _flag(engine.argv, "--runner") == "pooling"
+        assert _flag(engine.argv, "--convert") == "embed"
+        assert _flag(engine.argv, "--served-model-name") == "embed"
+        assert "--kv-transfer-config" not in engine.argv and "--tool-call-parser" not in engine.argv
+    for router in plan.stage("router"):
+        assert _flag(router.argv, "--model-tokenizer") == f"embed={tmp_path / 'tiny-llama'}"
+    with pytest.raises(ValueError, match="--engine vllm"):
+        cluster_options(build_parser().parse_args([f"--embedding-model=embed={tmp_path}"]))
