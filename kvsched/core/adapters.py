@@ -51,14 +51,12 @@ class AdapterSlots:
         self._held: list[frozenset[str]] = [frozenset()] * n  # as last reported
         self._busy: list[frozenset[str]] = [frozenset()] * n
         self._placed: list[dict[str, float]] = [{} for _ in range(n)]  # adapter -> last time
-        self.any = False  # some slot serves adapters: requests without one skip all of this
 
     def report(self, slot: int, report: AdapterReport) -> None:
         """Replace what `slot` holds with its engine's report; loads placed since stay."""
         self.capacity[slot] = report.capacity
         self._held[slot] = report.held
         self._busy[slot] = report.busy
-        self.any = self.any or report.capacity > 0
 
     def reported(self, slot: int) -> AdapterReport:
         """What `slot`'s engine last said of its adapters."""
@@ -128,7 +126,12 @@ class AdapterSlots:
         unload = ""
         if adapter not in held and len(held) >= self.capacity[slot]:
             unload = self._victim(slot, now)
-            self._placed[slot].pop(unload, None)
             self._held[slot] = self._held[slot] - {unload}
-        self._placed[slot][adapter] = now
+        # What is neither held nor recent is forgotten: the record stays as small as the slots.
+        placed = self._placed[slot] = {
+            a: t
+            for a, t in self._placed[slot].items()
+            if a in self._held[slot] or now - t < self.grace_s
+        }
+        placed[adapter] = now
         return AdapterChange("" if adapter in self._held[slot] else adapter, unload)

@@ -221,12 +221,12 @@ async def test_malformed_json_unknown_model_and_routes(start_engine: Any) -> Non
 
 async def test_kvsched_info_and_load(start_engine: Any) -> None:
     eng: RunningEngine = await start_engine(
-        instance_id="node-0/e0", capacity_blocks=500, role=Role.DECODE
+        instance_id="node-0/e0", capacity_blocks=500, role=Role.DECODE, max_model_len=4096
     )
     info = await eng.get_json("/kvsched/info")
     kv = info.pop("kv_events")
     assert info == {"instance_id": "node-0/e0", "model": MODEL, "role": "decode",
-                    "block_size": 16, "capacity_blocks": 500}  # fmt: skip
+                    "block_size": 16, "capacity_blocks": 500, "max_model_len": 4096}  # fmt: skip
     # The mini-KV model: 32 layers, 1 KV head of 16 bf16 values, K and V, 16 tokens a chunk.
     layout = eng.live.memory.layout
     assert (layout.layers, layout.pages, layout.chunk_bytes) == (32, 500, 16 * 2 * 1 * 16 * 2)
