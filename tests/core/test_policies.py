@@ -37,6 +37,7 @@ def test_every_policy_is_registered_and_documented() -> None:
         "cache_aware",
         "kv_cost",
         "lmetric",
+        "llmd",
         "mooncake",
         "sticky",
         "static_pd",

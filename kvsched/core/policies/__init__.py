@@ -14,6 +14,7 @@ from kvsched.core.policies.cache_aware import CacheAware
 from kvsched.core.policies.disaggregated import Mooncake, StaticPD
 from kvsched.core.policies.elastic import Elastic
 from kvsched.core.policies.kv_cost import KvCost
+from kvsched.core.policies.llmd import Llmd
 from kvsched.core.policies.lmetric import LMetric
 from kvsched.core.policies.simple import LeastLoaded, RandomChoice, RoundRobin
 
@@ -25,6 +26,7 @@ POLICIES: dict[str, type[Policy]] = {
         CacheAware,
         KvCost,
         LMetric,
+        Llmd,
         Mooncake,
         Sticky,
         StaticPD,
