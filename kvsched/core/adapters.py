@@ -21,6 +21,10 @@ FloatVec = npt.NDArray[np.float64]
 BoolVec = npt.NDArray[np.bool_]
 
 GRACE_S = 10.0  # a placed adapter's request reaches its engine well within this
+# What a report or a request may name, as every boundary checks it (vLLM's --max-loras is
+# far below the first).
+MAX_ADAPTERS = 1024  # adapters one engine reports
+MAX_ADAPTER_NAME = 256  # characters of an adapter's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,9 @@ class AdapterChange:
 
     load: str = ""
     unload: str = ""
+
+
+NO_CHANGE = AdapterChange()
 
 
 class AdapterSlots:

@@ -75,12 +75,9 @@ def ttft_terms(
     else:
         load_s, wait_s = pool_load(cost, pool, prefill)
         ttft = ttft + wait_s
-    terms: dict[str, FloatVec] = {}
     if view.adapter_s is not None:  # the request's adapter is loaded before its prefill
         ttft = ttft + view.adapter_s
-        terms["adapter_load_s"] = view.adapter_s
-    return {
-        **terms,
+    terms = {
         "hit_tokens": view.hit_tokens,
         "cached_tokens": cached,
         "queue_s": queue,
@@ -91,6 +88,9 @@ def ttft_terms(
         "load_wait_s": wait_s,
         "ttft_s": ttft,
     }
+    if view.adapter_s is not None:
+        terms["adapter_load_s"] = view.adapter_s
+    return terms
 
 
 def pool_load(

@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core.adapters import AdapterChange
+from kvsched.core.adapters import NO_CHANGE, AdapterChange
 
 RequestId = int | str
-NO_CHANGE = AdapterChange()
 
 
 class TransferKind(Enum):

@@ -12,15 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 from random import Random
 
+from kvsched.core.adapters import NO_CHANGE
 from kvsched.core.cluster import ClusterState
-from kvsched.core.decision import (
-    NO_CHANGE,
-    Completion,
-    Decision,
-    RequestInfo,
-    TransferKind,
-    TransferPlan,
-)
+from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.decision_builders import rejection
 from kvsched.core.policies.base import Policy
 from kvsched.core.request_view import RequestView, request_view

@@ -53,3 +53,15 @@ def process_id() -> str:
 def otlp_endpoint() -> str | None:
     """Where the process's spans are exported (`OTEL_EXPORTER_OTLP_ENDPOINT`), if anywhere."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def pairs(text: str, flag: str, shape: str) -> tuple[tuple[str, str], ...]:
+    """A flag's `KEY=VALUE,...` as pairs (`shape` names them in the error, e.g. "NAME=DIR");
+    raises ValueError on a part without both."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = (x.strip() for x in part.partition("="))
+        if not key or not value:
+            raise ValueError(f"{flag} wants {shape}, got {part!r}")
+        out.append((key, value))
+    return tuple(out)

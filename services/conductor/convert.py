@@ -10,16 +10,15 @@ from collections.abc import Sequence
 from clients.python.packed_hashes import hash_count, unpack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.adapters import AdapterReport
-from kvsched.core.cluster import Role
-from kvsched.core.decision import (
+from kvsched.core.adapters import (
+    MAX_ADAPTER_NAME,
+    MAX_ADAPTERS,
     NO_CHANGE,
-    Completion,
-    Decision,
-    RequestInfo,
-    TransferKind,
-    TransferPlan,
+    AdapterChange,
+    AdapterReport,
 )
+from kvsched.core.cluster import Role
+from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
@@ -43,9 +42,6 @@ ROLE_VALUES: dict[Role, common.Role.ValueType] = {
     Role.DECODE: common.ROLE_DECODE,
 }
 TIERS: dict[int, Tier] = {value: tier for tier, value in TIER_VALUES.items()}
-MAX_ADAPTERS = 1024  # adapters one engine reports (vLLM's --max-loras is far below)
-MAX_ADAPTER_NAME = 256
-
 KINDS = {
     TransferKind.FETCH_PREFIX: common.TRANSFER_KIND_FETCH_PREFIX,
     TransferKind.MIGRATE_SESSION: common.TRANSFER_KIND_MIGRATE_SESSION,
@@ -242,11 +238,9 @@ def decision_message(
         landing=[transfer_message(state, t) for t in landing],
     )
     if decision.adapter_change != NO_CHANGE:
-        change = decision.adapter_change
-        msg.adapter_change.CopyFrom(pb.AdapterChange(load=change.load, unload=change.unload))
+        msg.adapter_change.CopyFrom(_change_message(decision.adapter_change))
     if decision.decode_adapter_change != NO_CHANGE:
-        change = decision.decode_adapter_change
-        msg.decode_adapter_change.CopyFrom(pb.AdapterChange(load=change.load, unload=change.unload))
+        msg.decode_adapter_change.CopyFrom(_change_message(decision.decode_adapter_change))
     if explain:
         for row in decision.explain():
             slot = int(row.pop("instance"))
@@ -256,6 +250,10 @@ def decision_message(
                 pb.CandidateCost(instance_id=state.id_of(slot), terms=terms, chosen=chosen)
             )
     return msg
+
+
+def _change_message(change: AdapterChange) -> pb.AdapterChange:
+    return pb.AdapterChange(load=change.load, unload=change.unload)
 
 
 def rejection_message(decision: Decision) -> pb.Rejection:

@@ -27,7 +27,7 @@ from kvsched.data_files import data_path
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.chat_prompt import load_chat_template
-from services.common.flags import env_flags, otlp_endpoint, process_id
+from services.common.flags import env_flags, otlp_endpoint, pairs, process_id
 from services.common.kv_events import Shape
 from services.common.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
 from services.common.openai_api import DEFAULT_MODEL
@@ -213,17 +213,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             role=Role(a.role),
             enable_lora=a.enable_lora,
             max_loras=a.max_loras,
-            lora_modules=_lora_modules(a.lora_modules),
+            lora_modules=pairs(a.lora_modules, "--lora-modules", "NAME=PATH"),
         )
     except ValueError as exc:
         p.error(str(exc))
-
-
-def _lora_modules(text: str) -> tuple[tuple[str, str], ...]:
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, path = part.partition("=")
-        if not (sep and name and path):
-            raise ValueError(f"--lora-modules: {part!r} is not NAME=PATH")
-        out.append((name, path))
-    return tuple(out)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from services.common.block_hashes import BlockHashes
 from services.common.files import write_private
+from services.common.flags import pairs
 from services.common.openai_api import DEFAULT_MODEL
 from services.launcher.plan import (
     DEFAULT_BLOCK_SIZE,
@@ -151,24 +152,22 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
     )
 
 
+def _named_dir(value: str, flag: str = "--embedding-model") -> tuple[str, Path]:
+    """A flag's `NAME=DIR` as a served name and a directory."""
+    named = pairs(value, flag, "NAME=DIR")
+    if len(named) != 1:
+        raise ValueError(f"{flag} takes one NAME=DIR, not {value!r}")
+    return named[0][0], Path(named[0][1])
+
+
 def _lora(value: str) -> tuple[str, Path]:
-    """`NAME=DIR` as a name and the absolute directory: engines load the adapter from that
+    """`--lora NAME=DIR` with the directory made absolute: engines load the adapter from that
     path and its blocks' hashes name it, so the Routers must be given the same string."""
-    name, sep, directory = value.partition("=")
-    if not (sep and name and directory):
-        raise ValueError(f"--lora takes NAME=DIR, not {value!r}")
-    path = Path(directory).resolve()
+    name, directory = _named_dir(value, "--lora")
+    path = directory.resolve()
     if not (path / "adapter_config.json").is_file():
         raise ValueError(f"--lora {name}: {directory} has no adapter_config.json")
     return name, path
-
-
-def _named_dir(value: str) -> tuple[str, Path]:
-    """`NAME=DIR` as a served name and a model directory."""
-    name, sep, directory = value.partition("=")
-    if not (sep and name and directory):
-        raise ValueError(f"--embedding-model takes NAME=DIR, not {value!r}")
-    return name, Path(directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,12 +15,11 @@ from typing import Any
 
 import aiohttp
 
-from kvsched.core.adapters import AdapterReport
+from kvsched.core.adapters import MAX_ADAPTER_NAME, MAX_ADAPTERS, AdapterReport
 from kvsched.core.load import LoadReport
 from services.common.kv_events import BlockStored, Limits
 
 ROLES = frozenset({"both", "prefill", "decode"})
-MAX_ADAPTERS = 1024  # adapters an engine may report (as the Conductor takes them)
 
 
 class EngineError(Exception):
@@ -236,7 +235,7 @@ def _adapters(raw: Any) -> AdapterReport:
         if not (
             isinstance(value, list)
             and len(value) <= MAX_ADAPTERS
-            and all(isinstance(n, str) and 0 < len(n) <= 256 for n in value)
+            and all(isinstance(n, str) and 0 < len(n) <= MAX_ADAPTER_NAME for n in value)
         ):
             raise EngineMalformed(f"adapters.{key} must list at most {MAX_ADAPTERS} names")
         names[key] = frozenset(value)

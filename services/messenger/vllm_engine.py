@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsched.core.adapters import AdapterReport
+from kvsched.core.adapters import MAX_ADAPTERS, AdapterReport
 from kvsched.core.load import LoadReport
 from services.common.block_hashes import BlockHashes
 from services.messenger.engine_api import (
@@ -43,7 +43,6 @@ from services.messenger.engines import EngineTarget
 
 MAX_ANSWER_BYTES = 4 << 20  # /metrics of a busy engine stays far below this
 DEFAULT_MAX_LORAS = 1  # vLLM's --max-loras default
-MAX_ADAPTERS = 1024  # cards of /v1/models read (the Conductor takes no more)
 _BIND_ANY = ("*", "0.0.0.0", "[::]", "::")
 
 
@@ -223,7 +222,7 @@ class VllmEngine:
             raise EngineMalformed("/v1/models lists no model")
         return frozenset(
             card["id"]
-            for card in data[:MAX_ADAPTERS]
+            for card in data[:MAX_ADAPTERS]  # (the Conductor takes no more)
             if isinstance(card, Mapping) and card.get("parent") and isinstance(card.get("id"), str)
         )
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import aiohttp
 
+from kvsched.core.adapters import AdapterChange
 from kvsched.core.vllm_hashing import AdapterKey
 from services.common.api_errors import ApiError
+from services.common.flags import pairs
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +72,7 @@ def parse_lora_modules(text: str, default_base: str) -> tuple[LoraModule, ...]:
                 raise ValueError("--lora-modules: base_model_name must be a string")
             entries.append((item["name"], item["path"], base))
     else:
-        for part in text.split(","):
-            name, sep, path = part.strip().partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules: {part!r} is not NAME=PATH")
-            entries.append((name, path, default_base))
+        entries += [(n, p, default_base) for n, p in pairs(text, "--lora-modules", "NAME=PATH")]
     names = [name for name, _, _ in entries]
     if len(set(names)) != len(names):
         raise ValueError("--lora-modules: an adapter name is given twice")
@@ -109,12 +107,11 @@ class AdapterLoader:
         self.modules: Mapping[str, LoraModule] = {m.name: m for m in modules}
         self._timeout = aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)
 
-    async def change(
-        self, session: aiohttp.ClientSession, url: str, load: str, unload: str = ""
-    ) -> None:
-        """Unload `unload` (one the engine no longer has is fine), then load `load` (one it
-        has already is fine) on the engine at `url`; "" skips either. Raises ApiError 503
-        when the engine cannot load the adapter."""
+    async def change(self, session: aiohttp.ClientSession, url: str, change: AdapterChange) -> None:
+        """Unload `change.unload` (one the engine no longer has is fine), then load
+        `change.load` (one it has already is fine) on the engine at `url`; "" skips either.
+        Raises ApiError 503 when the engine cannot load the adapter."""
+        load, unload = change.load, change.unload
         if unload:
             status, text = await self._post(session, url, "/v1/unload_lora_adapter",
                                              {"lora_name": unload})  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Final
 
 from aiohttp import web
 
+from kvsched.core.adapters import AdapterChange
 from services.common.openai_api import ApiError, read_json
 from services.router.auth import Tenant
 from services.router.lora import AdapterLoader
@@ -60,7 +61,9 @@ class PassThrough:
             instance = self._placer.any_instance(self._preparer.base_model(model), exclude=tried)
             reply["x-kvsched-instance"] = instance.instance_id
             if model in self._adapters.modules:  # an adapter's engine must hold it
-                await self._adapters.change(self._upstream.session, instance.url, model)
+                await self._adapters.change(
+                    self._upstream.session, instance.url, AdapterChange(load=model)
+                )
             self._placer.begin(instance.instance_id)
             try:
                 response, _ = await self._upstream.relay(

@@ -99,15 +99,15 @@ class Pipeline:
         """Load (after unloading what makes room) the LoRA adapter the placement needs on its
         instance and decode instance. One that cannot be loaded fails the request (503),
         reported to the Conductor as such."""
-        for url, (load, unload) in (
+        for url, change in (
             (placement.url, placement.adapter_change),
             (placement.decode_url, placement.decode_adapter_change),
         ):
-            if url and (load or unload):
+            if url and (change.load or change.unload):
                 try:
                     with child_span(self._tracer, "adapter_load") as span:
-                        span.set_attribute("kvsched.adapter", load)
-                        await self._adapters.change(self._upstream.session, url, load, unload)
+                        span.set_attribute("kvsched.adapter", change.load)
+                        await self._adapters.change(self._upstream.session, url, change)
                 except ApiError:
                     self.report(call, placement, None)
                     raise

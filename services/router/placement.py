@@ -58,6 +58,7 @@ from clients.python import ConductorClient, ConductorError, InvalidRequest, Reje
 from clients.python.placement_stream import PlacementStream
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
+from kvsched.core.adapters import NO_CHANGE, AdapterChange
 from services.common.openai_api import bad_request, rate_limited, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, fits_instance, shed
@@ -124,9 +125,9 @@ class Placement:
     transfers: tuple[PlannedTransfer, ...] = ()
     # Transfers under way for earlier requests that bring KV this one counts on.
     landing: tuple[PlannedTransfer, ...] = ()
-    # The LoRA adapters to (load, unload) first on the instance and on the decode instance.
-    adapter_change: tuple[str, str] = ("", "")
-    decode_adapter_change: tuple[str, str] = ("", "")
+    # What the instance, and the decode instance, load and unload first (LoRA adapters).
+    adapter_change: AdapterChange = NO_CHANGE
+    decode_adapter_change: AdapterChange = NO_CHANGE
 
     @property
     def by_conductor(self) -> bool:
@@ -354,11 +355,8 @@ class Placer:
             else "",
             transfers=tuple(map(planned, decision.transfers)),
             landing=tuple(map(planned, decision.landing)),
-            adapter_change=(decision.adapter_change.load, decision.adapter_change.unload),
-            decode_adapter_change=(
-                decision.decode_adapter_change.load,
-                decision.decode_adapter_change.unload,
-            ),
+            adapter_change=_change(decision.adapter_change),
+            decode_adapter_change=_change(decision.decode_adapter_change),
         )
 
     def fallback(
@@ -403,7 +401,7 @@ class Placer:
             expected_cached_tokens=0,
             fallback=reason,
             # Nobody knows what the instance holds: load the adapter (a no-op where held).
-            adapter_change=(query.adapter, ""),
+            adapter_change=AdapterChange(load=query.adapter),
         )
 
     def any_instance(self, model: str, exclude: Collection[str] = ()) -> KnownInstance:
@@ -494,3 +492,7 @@ def _unsampled_context() -> contextvars.Context:
     ctx = contextvars.Context()
     ctx.run(otel_context.attach, trace.set_span_in_context(span))
     return ctx
+
+
+def _change(msg: pb.AdapterChange) -> AdapterChange:
+    return AdapterChange(msg.load, msg.unload)

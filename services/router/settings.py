@@ -16,7 +16,7 @@ from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.chat_content_format import ContentFormatOption
 from services.common.chat_prompt import load_chat_template
-from services.common.flags import env_flags, otlp_endpoint, process_id
+from services.common.flags import env_flags, otlp_endpoint, pairs, process_id
 from services.common.openai_api import DEFAULT_MODEL
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
@@ -200,8 +200,8 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             block_size=a.block_size,
             block_hashes=block_hashes.from_args(a),
             model=a.model,
-            model_aliases=_pairs(a.model_alias, "--model-alias", "ALIAS=NAME"),
-            model_tokenizers=_pairs(a.model_tokenizer, "--model-tokenizer", "NAME=DIR"),
+            model_aliases=pairs(a.model_alias, "--model-alias", "ALIAS=NAME"),
+            model_tokenizers=pairs(a.model_tokenizer, "--model-tokenizer", "NAME=DIR"),
             lora_modules=parse_lora_modules(a.lora_modules, a.model),
             max_model_len=a.max_model_len,
             placement_timeout_s=a.placement_timeout,
@@ -223,14 +223,3 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
         )
     except ValueError as exc:
         p.error(str(exc))
-
-
-def _pairs(text: str, flag: str, shape: str) -> tuple[tuple[str, str], ...]:
-    """`KEY=VALUE,...`; raises ValueError on a part without both."""
-    pairs = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = (x.strip() for x in part.partition("="))
-        if not key or not value:
-            raise ValueError(f"{flag} wants {shape}, got {part!r}")
-        pairs.append((key, value))
-    return tuple(pairs)

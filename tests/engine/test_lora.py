@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvsched.core.adapters import AdapterChange
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.openai_api import ApiError
 from services.router.lora import AdapterLoader, LoraModule
@@ -69,13 +70,13 @@ async def test_the_loader_loads_unloads_and_takes_already_loaded_as_done(
 ) -> None:
     loader = AdapterLoader([LoraModule("a", "/adapters/a", "m"), LoraModule("b", "/b", "m")])
     http: aiohttp.ClientSession = engine.http
-    await loader.change(http, engine.url, "a")
-    await loader.change(http, engine.url, "a")  # "already been loaded": done
-    await loader.change(http, engine.url, "b", unload="a")
-    await loader.change(http, engine.url, "", unload="gone")  # nothing to unload: fine
+    await loader.change(http, engine.url, AdapterChange("a"))
+    await loader.change(http, engine.url, AdapterChange("a"))  # "already been loaded": done
+    await loader.change(http, engine.url, AdapterChange("b", unload="a"))
+    await loader.change(http, engine.url, AdapterChange(unload="gone"))  # nothing to unload: fine
     assert await adapters(engine) == {"b": "/b"}
     with pytest.raises(ApiError) as refused:
-        await loader.change(http, "http://127.0.0.1:9", "a")  # no engine there
+        await loader.change(http, "http://127.0.0.1:9", AdapterChange("a"))  # no engine there
     assert refused.value.status == 503
     with pytest.raises(ApiError, match="does not know it"):
-        await loader.change(http, engine.url, "c")
+        await loader.change(http, engine.url, AdapterChange("c"))

@@ -29,7 +29,7 @@ def test_both_of_vllms_forms_and_the_weights_size_where_readable(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("text", "error"),
-    [("a", "not NAME=PATH"), ("a=", "not NAME=PATH"), ("a=/x,a=/y", "given twice"),
+    [("a", "wants NAME=PATH"), ("a=", "wants NAME=PATH"), ("a=/x,a=/y", "given twice"),
      ('{"name": "a"}', '"name" and "path"'), ("[1]", '"name" and "path"'), ("{", "not JSON")],
 )  # fmt: skip
 def test_malformed_modules_are_refused_with_what_is_wrong(text: str, error: str) -> None:
