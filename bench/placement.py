@@ -52,7 +52,9 @@ STRIDE = 20  # decisions a build makes before the next build takes its turn
 POLICIES = (
     "least_loaded",
     "cache_aware",
-    "kv_cost",
+    "dynamo",
+    "sglang",
+    "llmd",
     "lmetric",
     "mooncake:colocated=1",
     "sticky",

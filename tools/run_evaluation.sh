@@ -20,7 +20,7 @@ agentic() {
     $K replay --trace "$W" --policies "$ABLATION" --seed 0 "${WEKA[@]}" --no-figures --out out/eval/weka_ablation
     $K replay --trace "$W" --sessions 180:360 --policies all --seed 0 "${WEKA[@]}" --no-figures --out out/eval/weka_heldout
     for seed in 1 2; do
-        $K replay --trace "$W" --policies kv_cost,mooncake,sticky,ear,elastic --seed "$seed" "${WEKA[@]}" \
+        $K replay --trace "$W" --policies dynamo,mooncake,sticky,ear,elastic --seed "$seed" "${WEKA[@]}" \
             --no-figures --out "out/eval/weka_seed$seed"
     done
     $K replay --trace "$W" --shared-prefix "$T/weka_cc_agentic/weka_cc_agentic_trace_meta.json" \
@@ -43,7 +43,7 @@ knee() {
     # 4 copies is the same replay as in the sweep above).
     for seed in 0 1 2; do
         $K replay --trace "$W" --sessions 0:180 --repeat 4 --warmup 0.15 \
-            --policies cache_aware,kv_cost,lmetric,sticky,ear,elastic --seed "$seed" --instances 4 \
+            --policies cache_aware,dynamo,lmetric,sticky,ear,elastic --seed "$seed" --instances 4 \
             --load 64 --max-gap 300 --sweep 72,80,88 --sweep-scale-repeat --quiet --no-figures \
             --out "out/eval/weka_knee_fine_seed$seed"
     done

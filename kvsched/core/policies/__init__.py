@@ -12,10 +12,11 @@ from kvsched.core.policies.affinity import Ear, Sticky
 from kvsched.core.policies.base import ParamValue, Policy
 from kvsched.core.policies.cache_aware import CacheAware
 from kvsched.core.policies.disaggregated import Mooncake, StaticPD
+from kvsched.core.policies.dynamo import Dynamo
 from kvsched.core.policies.elastic import Elastic
-from kvsched.core.policies.kv_cost import KvCost
 from kvsched.core.policies.llmd import Llmd
 from kvsched.core.policies.lmetric import LMetric
+from kvsched.core.policies.sglang import Sglang
 from kvsched.core.policies.simple import LeastLoaded, RandomChoice, RoundRobin
 
 POLICIES: dict[str, type[Policy]] = {
@@ -24,9 +25,10 @@ POLICIES: dict[str, type[Policy]] = {
         RoundRobin,
         LeastLoaded,
         CacheAware,
-        KvCost,
         LMetric,
         Llmd,
+        Dynamo,
+        Sglang,
         Mooncake,
         Sticky,
         StaticPD,
