@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 # subcommand -> (module whose `main(argv) -> int` runs it, one-line help)
 COMMANDS = {
     "replay": ("kvsched.sim.cli", "replay a trace through one or more policies (simulator)"),
+    "knee": ("kvsched.sim.cli", "each policy's capacity knee by bisection, over seeds (simulator)"),
     "up": ("services.launcher.__main__", "run a whole local cluster on loopback"),
     "bench": ("services.loadgen.__main__", "replay a trace through live Routers"),
     "certs": ("services.launcher.certs", "mint mTLS certificates with a cluster's CA"),
@@ -20,6 +21,9 @@ COMMANDS = {
     "messenger": ("services.messenger.__main__", "run a node's Messenger"),
     "engine": ("services.engine.__main__", "run a simulated vLLM-compatible engine"),
 }
+
+
+SIMULATOR = {"replay", "knee"}
 
 
 def usage() -> str:
@@ -39,8 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[args[0]][0])
     entry: Callable[[list[str]], int] = module.main
-    # The simulator's own parser has the `replay` subcommand; the services take flags only.
-    return entry(args if args[0] == "replay" else args[1:])
+    # The simulator's own parser has the `replay` and `knee` subcommands; the services take
+    # flags only.
+    return entry(args if args[0] in SIMULATOR else args[1:])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ sweep's report as SLO attainment per load and goodput).
 .venv/bin/python tools/eval_tables.py [out/eval]
 .venv/bin/python tools/eval_tables.py --seeds out/eval/weka_knee_seed0 out/eval/weka_knee_seed1 ...
     (goodput over seeds with 95% intervals, and the first seed's attainment per load)
+.venv/bin/python tools/eval_tables.py --knee out/eval/knee_memory
+    (`kvsched knee`'s goodput per seed with paired ratios and intervals, and every policy at
+    the best baseline's goodput load)
 .venv/bin/python tools/eval_tables.py --tiers out/eval/conv_tier0 out/eval/conv_tier4
     (each policy without and with the DRAM tier, side by side)
 """
@@ -179,6 +182,78 @@ def seeds_table(reports: Sequence[dict[str, Any]], reference: str = "elastic") -
     return "\n".join(lines)
 
 
+def knee_tables(report: dict[str, Any], ours: str = "elastic") -> str:
+    """`kvsched knee`'s report (knee.json) as two tables. Goodput: per policy the goodput
+    load of each seed, the sessions in flight per instance there (mean ± 95% interval over
+    the seeds), and `ours` over the policy in goodput load, the ratio paired by seed with its
+    interval and whether that excludes 1. At the reference load (each seed's best baseline's
+    goodput load): TTFT mean, p90 and p99, APC and the hotspot index, means over the seeds,
+    and `ours`'s TTFT p90 over the policy's, paired by seed."""
+    seeds = list(report["seeds"].values())
+    names = report["policies"]
+
+    def per_seed(name: str, key: str) -> list[float]:
+        return [float(seed["policies"][name][key] or 0.0) for seed in seeds]
+
+    def at_ref(name: str, key: str) -> list[float]:
+        rows = [seed["policies"][name]["at_reference"] for seed in seeds]
+        return [math.nan if row is None or row[key] is None else float(row[key]) for row in rows]
+
+    def ratio(a: list[float], b: list[float]) -> tuple[str, str]:
+        pairs = [x / y for x, y in zip(a, b, strict=True) if y and math.isfinite(x / y)]
+        if len(pairs) < 2:
+            return "–", "–"
+        m, h = mean_ci(pairs)
+        return f"{m:.3f} ± {h:.3f}", "yes" if abs(m - 1.0) > h else "no"
+
+    refs = ", ".join(f"{seed['reference_load']:g}" for seed in seeds)
+    lines = [
+        f"| policy | goodput load per seed | sessions/instance, mean ± 95% CI | {ours} / policy "
+        "(load) | excludes 1 |",
+        "|---|---|---:|---:|:---:|",
+    ]
+    for name in names:
+        loads = per_seed(name, "goodput_load")
+        censored = any(seed["policies"][name]["knee_load"] is None for seed in seeds)
+        m, h = mean_ci(per_seed(name, "sessions_per_instance"))
+        cell, excl = ("–", "–") if name == ours else ratio(per_seed(ours, "goodput_load"), loads)
+        text = ("≥ " if censored else "") + ", ".join(f"{v:g}" for v in loads)
+        lines.append(f"| {name} | {text} | {m:.2f} ± {h:.2f} | {cell} | {excl} |")
+    lines += [
+        "",
+        f"At each seed's reference load ({refs}; the best of "
+        f"{', '.join(report['reference_policies'])}), means over the seeds:",
+        "",
+        f"| policy | SLO att. | TTFT mean | TTFT p90 | TTFT p99 | APC | Hotspot | {ours} / policy "
+        "(TTFT p90) | excludes 1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for name in names:
+        cells = [
+            _mean_text(at_ref(name, key), fmt)
+            for key, fmt in (
+                ("slo_attainment", "{:.3f}"),
+                ("ttft_mean", "{:.3f}"),
+                ("ttft_p90", "{:.3f}"),
+                ("ttft_p99", "{:.2f}"),
+                ("apc", "{:.3f}"),
+                ("hotspot_index", "{:.3f}"),
+            )
+        ]
+        cell, excl = (
+            ("–", "–")
+            if name == ours
+            else ratio(at_ref(ours, "ttft_p90"), at_ref(name, "ttft_p90"))
+        )
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {cell} | {excl} |")
+    return "\n".join(lines)
+
+
+def _mean_text(values: list[float], fmt: str) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    return fmt.format(sum(finite) / len(finite)) if finite else "–"
+
+
 TIER_COLUMNS = (
     ("hotspot_index", "Hotspot", "{:.3f}", min),
     ("ttft_p90", "TTFT p90", "{:.3f}", min),
@@ -218,6 +293,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--tiers"]:
         off, on = (json.loads((Path(d) / "report.json").read_text()) for d in sys.argv[2:4])
         print(tiers_table(off, on))
+        return
+    if sys.argv[1:2] == ["--knee"]:
+        print(knee_tables(json.loads((Path(sys.argv[2]) / "knee.json").read_text())))
         return
     if sys.argv[1:2] == ["--seeds"]:
         reports = [json.loads((Path(d) / "report.json").read_text()) for d in sys.argv[2:]]

@@ -12,8 +12,16 @@ from typing import TextIO
 
 from kvsched.core.cluster import SloConfig
 from kvsched.core.topology import TopologyConfig
-from kvsched.sim.compare import Comparison, expand_policies, run_comparison
+from kvsched.sim.compare import (
+    Comparison,
+    config_section,
+    expand_policies,
+    replay_config,
+    run_comparison,
+)
 from kvsched.sim.hardware import add_hardware_arguments, hardware_from_args
+from kvsched.sim.knee import KneeRun, KneeSearch, run_knees
+from kvsched.sim.report import write_report
 from kvsched.sim.tiers import NVME_GEN4_READ, PCIE_GEN5_ACHIEVED, TierConfig, TierSize
 from kvsched.sim.traces import transform
 from kvsched.sim.traces.model import Trace
@@ -44,6 +52,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="closed loop: replay --repeat x L / --load copies of each session at sweep load L, "
         "so the sessions' start window keeps its length (a steady state, not a burst)",
     )
+    add_tier_arguments(rp)
+    rp.add_argument("--no-figures", action="store_true")
+    rp.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_hardware_arguments(rp)
+    kp = sub.add_parser(
+        "knee",
+        help="closed loop: each policy's capacity knee by bisection, over seeds (kvsched.sim.knee)",
+    )
+    add_trace_arguments(kp)
+    kp.add_argument("--policies", default="all", help="'all' or NAME[:k=v,...][,NAME...]")
+    kp.add_argument("--instances", type=int, default=8)
+    kp.add_argument(
+        "--bracket", default="24:64", metavar="LO:HI", help="loads to start from (default 24:64)"
+    )
+    kp.add_argument(
+        "--tolerance", type=float, default=0.02, help="stop at hi - lo <= this x lo (0.02)"
+    )
+    kp.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (0,1,2,3,4)")
+    kp.add_argument(
+        "--reference",
+        default="llmd,dynamo,sglang,mooncake,cache_aware",
+        help="baselines whose best goodput load, per seed, every policy is replayed at",
+    )
+    kp.add_argument("--jobs", type=int, default=1, help="processes sharing the searches")
+    kp.add_argument("--out", type=Path, required=True, help="directory for knee.json")
+    kp.add_argument("--quiet", action="store_true")
+    add_tier_arguments(kp)
+    add_hardware_arguments(kp)
+    kp.set_defaults(sweep=None, sweep_scale_repeat=False)
+    return parser
+
+
+def add_tier_arguments(rp: argparse.ArgumentParser) -> None:
+    """The node KV pool's flags (DRAM and SSD tiers, off by default)."""
     tier = rp.add_argument_group("node KV pool (DRAM and SSD tiers; off by default)")
     tier.add_argument(
         "--dram-tier",
@@ -81,10 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="instances sharing a node (and its DRAM tier) (default: %(default)s)",
     )
-    rp.add_argument("--no-figures", action="store_true")
-    rp.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_hardware_arguments(rp)
-    return parser
 
 
 def _tier_size(text: str) -> TierSize:
@@ -214,9 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cmp = comparison(args)
+        if args.command == "knee":
+            run, policies = knee_run(args)
+        else:
+            cmp = comparison(args)
     except (ValueError, OSError) as exc:
         parser.exit(2, f"kvsched: error: {exc}\n")
+    if args.command == "knee":
+        return run_knee_command(run, policies, args)
     bar = None if args.quiet else ProgressBar()
     run_comparison(cmp, args.out, figures=not args.no_figures, stream=sys.stdout, progress=bar)
     return 0
@@ -260,6 +303,49 @@ def comparison(args: argparse.Namespace) -> Comparison:
     if args.instances <= 0 or args.load <= 0:
         raise ValueError("--instances and --load must be positive")
     return cmp
+
+
+def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...]]:
+    """The knee search `kvsched knee`'s `args` ask for; raises ValueError."""
+    cmp = comparison(args)
+    if not cmp.closed_loop:
+        raise ValueError("kvsched knee searches closed-loop replays (session traces)")
+    lo, sep, hi = args.bracket.partition(":")
+    try:
+        search = KneeSearch(float(lo), float(hi), args.tolerance)
+        seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
+    except ValueError as exc:
+        raise ValueError(f"--bracket LO:HI and --seeds N,N,...: {exc}") from None
+    if not sep or not seeds or args.jobs < 1:
+        raise ValueError("--bracket takes LO:HI, --seeds at least one seed, --jobs >= 1")
+    base, fmt = select_trace(args)
+    scale = args.token_scale if args.token_scale is not None else DEFAULT_TOKEN_SCALE[fmt]
+    reference = expand_policies(args.reference)
+    run = KneeRun(cmp, base, scale, search, seeds, reference)
+    return run, cmp.policies
+
+
+def run_knee_command(run: KneeRun, policies: tuple[str, ...], args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    total = len(policies) * len(run.seeds)
+    done = [0]
+
+    def tick(label: str) -> None:
+        done[0] += 1
+        if not args.quiet:
+            print(f"[{done[0]}] {label} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+    report = run_knees(run, policies, jobs=args.jobs, progress=tick)
+    report["config"] = config_section(run.base, replay_config(run.base))
+    report["trace"] = {
+        "path": str(args.trace),
+        "groups": len(transform.group_order(run.base_trace)),
+    }
+    report["wall_seconds"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_report(args.out / "knee.json", report)
+    print(f"{total} searches: {args.out / 'knee.json'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tools.eval_tables import goodput_table, mean_ci, seeds_table, tiers_table
+from tools.eval_tables import goodput_table, knee_tables, mean_ci, seeds_table, tiers_table
 
 
 def report(
@@ -102,3 +102,56 @@ def test_tiers_table_pairs_each_policy_without_and_with_the_tier() -> None:
     assert lines[3].startswith(
         "| b | **0.100** / **0.100** | **0.800** / 0.700 | **0.200** / 0.300"
     )
+
+
+def knee_report(loads: dict[str, list[float]], p90: dict[str, list[float]]) -> dict[str, Any]:
+    """A `kvsched knee` report: each policy's goodput load and TTFT p90 per seed."""
+    seeds = range(len(next(iter(loads.values()))))
+    return {
+        "policies": list(loads),
+        "reference_policies": ["llmd"],
+        "seeds": {
+            str(s): {
+                "reference_load": loads["llmd"][s],
+                "policies": {
+                    name: {
+                        "goodput_load": loads[name][s],
+                        "knee_load": loads[name][s] * 1.02,
+                        "sessions_per_instance": loads[name][s] / 4,
+                        "at_reference": {
+                            "slo_attainment": 0.9,
+                            "ttft_mean": 0.5,
+                            "ttft_p90": p90[name][s],
+                            "ttft_p99": 3.0,
+                            "apc": 0.8,
+                            "hotspot_index": 0.1,
+                        },
+                    }
+                    for name in loads
+                },
+            }
+            for s in seeds
+        },
+    }
+
+
+def test_knee_tables_pair_the_ratios_by_seed() -> None:
+    text = knee_tables(
+        knee_report(
+            {"llmd": [40, 44, 42], "elastic": [52, 57.2, 54.6]},
+            {"llmd": [1.0, 2.0, 1.5], "elastic": [0.6, 1.2, 0.9]},
+        )
+    )
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if "|" in line}
+    goodput_row = next(line for line in text.splitlines() if line.startswith("| llmd | 40"))
+    assert "1.300 ± 0.000 | yes" in goodput_row  # 1.3x on every seed
+    p90_row = next(line for line in text.splitlines() if line.startswith("| llmd | 0.900"))
+    assert "0.600 ± 0.000 | yes" in p90_row
+    assert "elastic" in rows and "(40, 44, 42; the best of llmd)" in text
+    mixed = knee_tables(
+        knee_report(
+            {"llmd": [40, 44, 42], "elastic": [44, 44, 40]},
+            {"llmd": [1.0, 1.0, 1.0], "elastic": [1.0, 1.0, 1.0]},
+        )
+    )
+    assert "| no |" in next(line for line in mixed.splitlines() if line.startswith("| llmd | 40"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -127,17 +128,46 @@ def select_groups(trace: Trace, start: int, stop: int) -> Trace:
     `notes["groups"]`."""
     if not 0 <= start <= stop:
         raise ValueError(f"need 0 <= start <= stop, got {start}:{stop}")
+    order = group_order(trace)
+    kept = _keep_groups(trace, {g for g, i in order.items() if start <= i < stop})
+    return replace(kept, notes={**trace.notes, "groups": [start, min(stop, len(order))]})
+
+
+def group_order(trace: Trace) -> dict[str, int]:
+    """Each group's rank by its first call."""
     order: dict[str, int] = {}
     for call in trace.calls:
         order.setdefault(call.group, len(order))
-    kept = [c for c in trace.calls if start <= order[c.group] < stop]
+    return order
+
+
+def _keep_groups(trace: Trace, groups: set[str]) -> Trace:
+    """The calls of `groups` only, renumbered, dependencies following."""
+    kept = [c for c in trace.calls if c.group in groups]
     new_index = {c.index: i for i, c in enumerate(kept)}
     calls = tuple(
         replace(c, index=i, after=new_index[c.after] if c.after >= 0 else -1)
         for i, c in enumerate(kept)
     )
-    notes = {**trace.notes, "groups": [start, min(stop, len(order))]}
-    return replace(trace, calls=calls, notes=notes)
+    return replace(trace, calls=calls)
+
+
+def repeat_groups_fraction(trace: Trace, copies: float, seed: int) -> Trace:
+    """`copies` copies of each group, fractions too (a load between two whole numbers of
+    copies): the whole copies as `repeat_groups` makes them, then a seeded sample of the next
+    copy's groups, `round(copies × groups)` groups in all. Recorded in `notes["repeat"]`."""
+    if copies <= 0:
+        raise ValueError(f"copies must be positive, got {copies:g}")
+    n = len(group_order(trace))
+    total = max(1, round(copies * n))
+    whole, extra = divmod(total, n)
+    out = repeat_groups(trace, whole + (1 if extra else 0))
+    if extra:
+        order = group_order(out)
+        last = sorted((g for g, i in order.items() if i >= whole * n), key=order.__getitem__)
+        sample = random.Random(f"copies:{seed}").sample(last, extra)
+        out = _keep_groups(out, {g for g, i in order.items() if i < whole * n} | set(sample))
+    return replace(out, notes={**trace.notes, "repeat": total / n})
 
 
 def repeat_groups(trace: Trace, times: int) -> Trace:

@@ -1,0 +1,104 @@
+"""The knee by bisection: the bracket widens until it holds the crossing, the search halves
+it to the tolerance, fractional copies keep the start window; a small search end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsched.sim import cli
+from kvsched.sim.compare import Comparison
+from kvsched.sim.knee import KneeRun, KneeSearch, find_knee, run_knees
+from kvsched.sim.traces import transform
+from tests.conftest import SLICES
+from tests.sim.test_sweep import agentic
+
+
+def cliff(knee: float) -> tuple[list[float], object]:
+    """Attainment 0.95 up to `knee`, 0.5 past it; records the loads asked."""
+    asked: list[float] = []
+
+    def attainment(load: float) -> float:
+        asked.append(load)
+        return 0.95 if load <= knee else 0.5
+
+    return asked, attainment
+
+
+@pytest.mark.parametrize("knee", [30.0, 41.3, 63.9])
+def test_bisection_locates_the_knee_to_the_tolerance(knee: float) -> None:
+    asked, attainment = cliff(knee)
+    out = find_knee(attainment, KneeSearch(24, 64, 0.02))  # type: ignore[arg-type]
+    good, bad = out["goodput_load"], out["knee_load"]
+    assert good <= knee < bad
+    assert bad - good <= 0.02 * good
+    assert asked[:2] == [24, 64] and len(asked) <= 9
+    assert [p[0] for p in out["probes"]] == asked
+
+
+def test_the_bracket_widens_down_and_up() -> None:
+    asked, attainment = cliff(10.0)
+    out = find_knee(attainment, KneeSearch(24, 64, 0.05))  # type: ignore[arg-type]
+    assert asked[:3] == [24, 16, 10.67] and out["goodput_load"] <= 10 < out["knee_load"]
+    asked, attainment = cliff(150.0)
+    out = find_knee(attainment, KneeSearch(24, 64, 0.05))  # type: ignore[arg-type]
+    assert asked[:4] == [24, 64, 96, 144] and out["goodput_load"] <= 150 < out["knee_load"]
+    never = find_knee(lambda load: 0.1, KneeSearch(24, 64))
+    assert never["goodput_load"] == 0.0
+    always = find_knee(lambda load: float("nan") if load > 1e9 else 1.0, KneeSearch(24, 64))
+    assert always["knee_load"] is None and always["goodput_load"] > 64
+
+
+def test_a_bad_search_is_refused() -> None:
+    with pytest.raises(ValueError, match="0 < lo < hi"):
+        KneeSearch(64, 24)
+    with pytest.raises(ValueError, match="tolerance"):
+        KneeSearch(24, 64, 0.0)
+
+
+def test_fractional_copies_add_a_seeded_sample_of_the_next_copy() -> None:
+    base = agentic(groups=8)
+    whole = transform.repeat_groups_fraction(base, 2.0, seed=0)
+    assert len(transform.group_order(whole)) == 16
+    part = transform.repeat_groups_fraction(base, 2.5, seed=0)
+    groups = transform.group_order(part)
+    assert len(groups) == 20 and part.notes["repeat"] == 2.5
+    third = sorted(g for g in groups if g.endswith("#2"))
+    assert len(third) == 4 and all(f"{g}#1" in groups for g in ("g0", "g7"))
+    again = transform.repeat_groups_fraction(base, 2.5, seed=0)
+    other = transform.repeat_groups_fraction(base, 2.5, seed=1)
+    assert transform.group_order(again) == groups
+    assert {g for g in transform.group_order(other) if g.endswith("#2")} != set(third)
+    for call in part.calls:  # the sampled sessions' turns still follow one another
+        assert call.after < 0 or part.calls[call.after].group == call.group
+
+
+def test_every_policys_knee_and_the_reference_rows() -> None:
+    base = agentic(groups=4, turns=3)
+    cmp = Comparison(
+        trace=base, trace_path="agentic", policies=("round_robin", "least_loaded"), instances=2,
+        load=1.0, closed_loop=True, repeat=1,
+    )  # fmt: skip
+    run = KneeRun(cmp, base, 1.0, KneeSearch(1, 16, 0.5), (0, 1), ("round_robin",))
+    report = run_knees(run, cmp.policies)
+    assert set(report["seeds"]) == {"0", "1"}
+    for seed in report["seeds"].values():
+        reference = seed["reference_load"]
+        assert reference == seed["policies"]["round_robin"]["goodput_load"] > 0
+        for entry in seed["policies"].values():
+            assert entry["probes"][0][0] == 1.0
+            assert entry["at_reference"]["slo_attainment"] is not None
+            good = entry["goodput_load"]
+            assert entry["rows"][f"{good:g}"]["slo_attainment"] >= 0.9
+
+
+def test_kvsched_knee_refuses_what_it_cannot_search(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(SLICES / "weka_cc_agentic_sample.jsonl.xz")
+    for extra, message in [
+        (["--bracket", "8:2"], "0 < lo < hi"),
+        (["--seeds", "x"], "--seeds"),
+        (["--mode", "open"], "closed-loop"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["knee", "--trace", trace, "--out", "unused", *extra])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
