@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
 # Every comparison quoted in docs/evaluation.md, reproducible: needs the public traces in
-# ../shared/traces. Writes out/eval/<run>/{report.json,table.md,*.png}. About two hours on two
-# idle cores (the three groups run side by side; the knee sweep is the longest).
+# ../shared/traces. Writes out/eval/<run>/{report.json,table.md,*.png} (a knee search:
+# knee.json). The full run takes several hours on two idle cores (the groups run side by side;
+# the memory-bound knee searches are the longest). `--quick`: only the memory-bound knee
+# without the tier, on half the held-out sessions and to 5% of load (out/eval/quick_knee).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+QUICK=0
+for arg in "$@"; do
+    case "$arg" in
+        --quick) QUICK=1 ;;
+        *)
+            echo "run_evaluation: unknown option $arg (--quick)" >&2
+            exit 2
+            ;;
+    esac
+done
 K=.venv/bin/kvsched
 T=../shared/traces
 W=$T/weka_cc_agentic/weka_cc_agentic_calls.jsonl.xz
@@ -13,7 +25,28 @@ A=$T/azure_llm_2023/AzureLLMInferenceTrace_conv.csv
 ABLATION=ear,elastic,elastic:idle_migration=0,elastic:ttft_target=0,elastic:global_index=0,elastic:replicate=0,elastic:admission=0
 WEKA=(--instances 8 --load 64 --max-gap 300 --quiet)
 OPEN=(--instances 8 --quiet)
+PEERS=llmd,dynamo,sglang,mooncake,cache_aware
 mkdir -p out/eval
+
+# The memory-bound agentic regime: the held-out sessions (traces 180-359) on 4 instances
+# whose 40 GiB GPUs hold about 172K tokens of KV each, so the sessions in flight at the knee
+# do not all fit; each policy's knee by bisection to 2% of load over five seeds, every policy
+# then replayed at each seed's best peer's goodput load. Without and with the node pool (a
+# DRAM tier of 4x each node's GPU KV). `tools/eval_tables.py --knee out/eval/knee_memory`.
+MEMORY=(--trace "$W" --sessions 180:360 --repeat 2 --load 24 --warmup 0.15 --max-gap 300
+    --instances 4 --gpu-memory 40 --bracket 32:56 --jobs 2 --quiet)
+memory_bound() {
+    $K knee "${MEMORY[@]}" --policies all --out out/eval/knee_memory
+    $K knee "${MEMORY[@]}" --policies all --dram-tier 4 --out out/eval/knee_memory_tier4
+}
+
+if [ "$QUICK" = 1 ]; then
+    $K knee --trace "$W" --sessions 180:270 --repeat 2 --load 24 --warmup 0.15 --max-gap 300 \
+        --instances 4 --gpu-memory 40 --bracket 32:56 --tolerance 0.05 --jobs 2 --quiet \
+        --policies "$PEERS,ear,elastic" --out out/eval/quick_knee
+    .venv/bin/python tools/eval_tables.py --knee out/eval/quick_knee
+    exit 0
+fi
 
 agentic() {
     $K replay --trace "$W" --policies all --seed 0 "${WEKA[@]}" --out out/eval/weka
@@ -85,9 +118,13 @@ tiers() {
     done
 }
 
+memory_bound > out/eval/memory_bound.log 2>&1
 agentic > out/eval/agentic.log 2>&1 &
 knee > out/eval/knee.log 2>&1 &
 open_loop > out/eval/open_loop.log 2>&1
 tiers > out/eval/tiers.log 2>&1
 wait
-for run in out/eval/*/; do echo "== $run"; cat "$run/table.md"; echo; done
+for run in out/eval/knee_memory out/eval/knee_memory_tier4; do
+    echo "== $run"; .venv/bin/python tools/eval_tables.py --knee "$run"; echo
+done
+for run in out/eval/*/; do [ -f "$run/table.md" ] && { echo "== $run"; cat "$run/table.md"; echo; }; done

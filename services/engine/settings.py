@@ -113,18 +113,19 @@ class EngineSettings:
 
 def latency_profile_for_gpu(gpu: str, model: str) -> str:
     """The shipped latency profile measured on `gpu` (case-insensitive prefix of its GPU
-    name, e.g. `h100`), preferring one measured for `model`."""
+    name, e.g. `h100`), preferring one measured for `model`, then one GPU an instance."""
     base = data_path("latency")
-    found: list[tuple[bool, str]] = []
+    found: list[tuple[bool, int, str]] = []
     for entry in sorted(base.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".json"):
             continue
         raw = json.loads(entry.read_text(encoding="utf-8"))
         if str(raw.get("gpu", "")).lower().startswith(gpu.lower()):
-            found.append((raw.get("model") != model, entry.name.removesuffix(".json")))
+            tp = int(raw.get("tp", 1))
+            found.append((raw.get("model") != model, tp, entry.name.removesuffix(".json")))
     if not found:
         raise ValueError(f"no shipped latency profile was measured on a GPU named {gpu!r}")
-    return min(found)[1]
+    return min(found)[2]
 
 
 def _seed(args: argparse.Namespace) -> str | None:

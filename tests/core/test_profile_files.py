@@ -41,8 +41,9 @@ def test_an_unknown_name_lists_the_known_models_and_profiles() -> None:
     assert all(name in str(models.value) for name in MODELS)
     with pytest.raises(ValueError) as profiles:
         load_latency("b200")
-    assert "known profiles: llama-3-8b-a100, llama-3.1-8b-h100" in str(profiles.value)
-    assert latency_profiles() == ("llama-3-8b-a100", "llama-3.1-8b-h100")
+    shipped = ("llama-3-8b-a100", "llama-3.1-70b-h100-tp4", "llama-3.1-8b-h100")
+    assert f"known profiles: {', '.join(shipped)}" in str(profiles.value)
+    assert latency_profiles() == shipped
 
 
 def test_a_latency_profile_file_is_read_and_checked(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from kvsched.core.cost import pool_load
 from services.common.block_hashes import BlockHashes
 from services.common.kv_memory import DEFAULT_DIR
 from services.engine.model import build_model
-from services.engine.settings import EngineSettings, parse
+from services.engine.settings import EngineSettings, latency_profile_for_gpu, parse
 
 
 def test_defaults_are_the_simulators_and_flags_read_the_environment(
@@ -32,7 +32,9 @@ def test_defaults_are_the_simulators_and_flags_read_the_environment(
 
 def test_gpu_picks_the_latency_profile_measured_on_it() -> None:
     assert parse(["--gpu", "a100"]).latency_profile == "llama-3-8b-a100"
-    assert parse(["--gpu", "H100"]).latency_profile == "llama-3.1-8b-h100"
+    assert parse(["--gpu", "H100"]).latency_profile == "llama-3.1-8b-h100"  # one GPU first
+    seventy = "meta-llama/Llama-3.1-70B-Instruct"
+    assert latency_profile_for_gpu("h100", seventy) == "llama-3.1-70b-h100-tp4"
     with pytest.raises(SystemExit):
         parse(["--gpu", "a100", "--latency-profile", "llama-3.1-8b-h100"])
     with pytest.raises(SystemExit):

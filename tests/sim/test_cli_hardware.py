@@ -180,7 +180,10 @@ def test_link_speeds_set_transfer_times(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--latency-profile", "b200"], "known profiles: llama-3-8b-a100, llama-3.1-8b-h100"),
+        (
+            ["--latency-profile", "b200"],
+            "known profiles: llama-3-8b-a100, llama-3.1-70b-h100-tp4, llama-3.1-8b-h100",
+        ),
         (["--latency-profile", "absent.json"], "known profiles: llama-3-8b-a100"),
         (["--model-config", "gpt-9"], "known models: Qwen/Qwen2.5-7B-Instruct"),
         (["--kv-capacity", "0"], "--kv-capacity must be positive"),

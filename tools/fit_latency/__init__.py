@@ -7,13 +7,14 @@ Vidur and Splitwise files described in that folder's README.md, fits
 
     step = step_s + prefill_token_s·p + attn_pair_s·pairs + decode_seq_s·B + decode_ctx_s·ctx
 
-for Llama-3.1-8B on H100 (TP1, bf16) and Meta-Llama-3-8B on A100-80GB (TP1, bf16), prints the
-constants with their fit statistics and cross-checks, and writes
-`kvsched/data/latency/{llama-3.1-8b-h100,llama-3-8b-a100}.json`.
+for Llama-3.1-8B on H100 (TP1, bf16), Meta-Llama-3-8B on A100-80GB (TP1, bf16) and
+Llama-3.1-70B on four H100s (TP4, bf16), prints the constants with their fit statistics and
+cross-checks, and writes
+`kvsched/data/latency/{llama-3.1-8b-h100,llama-3-8b-a100,llama-3.1-70b-h100-tp4}.json`.
 docs/latency-model.md explains every choice made here.
 
 Modules: `files` (where the profiles are), `numeric` (line fits), `blis` (BLIS coefficients and
 GPU specs), `vidur` (Vidur's per-op and attention profiles), `scaling` (A100/H100 ratios and KV
-capacity), `profiles` (the two fits), `provenance` (sources and method texts) and `output`
+capacity), `profiles` (the three fits), `provenance` (sources and method texts) and `output`
 (the JSON and the printout).
 """

@@ -10,8 +10,15 @@ import tools.fit_latency
 from tools.fit_latency.blis import BLIS_VLLM, blis_row
 from tools.fit_latency.files import DEFAULT_PROFILES, DISTSERVE_CAPACITY, OUT_DIR
 from tools.fit_latency.output import print_profile, profile_json, write_json
-from tools.fit_latency.profiles import fit_a100, fit_h100, load_inputs
-from tools.fit_latency.provenance import A100_METHOD, A100_SOURCES, H100_METHOD, H100_SOURCES
+from tools.fit_latency.profiles import TP_70B, fit_a100, fit_h100, fit_h100_70b, load_inputs
+from tools.fit_latency.provenance import (
+    A100_METHOD,
+    A100_SOURCES,
+    H100_70B_METHOD,
+    H100_70B_SOURCES,
+    H100_METHOD,
+    H100_SOURCES,
+)
 from tools.fit_latency.scaling import capacity_from_blis, distserve_models
 
 
@@ -38,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf = fit_h100(inp, cap_h100)
     af = fit_a100(inp, cap_a100)
+    seventy = fit_h100_70b(inp, hf, cap_h100.mem_fraction)
     docs = [
         profile_json(
             name="llama-3.1-8b-h100",
@@ -56,6 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sources=A100_SOURCES,
             method=A100_METHOD,
             checks=af.checks,
+        ),
+        profile_json(
+            name="llama-3.1-70b-h100-tp4",
+            model="meta-llama/Llama-3.1-70B-Instruct",
+            gpu="H100-80GB-SXM",
+            k=seventy.constants,
+            sources=H100_70B_SOURCES,
+            method=H100_70B_METHOD,
+            checks=seventy.checks,
+            tp=TP_70B,
         ),
     ]
     for doc in docs:

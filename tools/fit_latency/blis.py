@@ -11,6 +11,9 @@ from pathlib import Path
 from tools.fit_latency.numeric import US
 
 BLIS_MODEL = "meta-llama/llama-3.1-8b-instruct"
+# BLIS has no Llama-3.1-70B row; Llama-3.3-70B has the same architecture (80 layers, hidden
+# 8192, 64 query and 8 KV heads), only newer weights.
+BLIS_MODEL_70B = "meta-llama/llama-3.3-70b-instruct"
 BLIS_VLLM = "vllm/vllm-openai:v0.8.4"
 BLIS_VLLM_NEWER = "vllm/vllm-openai:v0.11.0"
 
@@ -31,9 +34,11 @@ class BlisRow:
     source: str
 
 
-def blis_row(rows: Iterable[dict[str, str]], gpu: str, vllm: str, tp: int = 1) -> BlisRow:
+def blis_row(
+    rows: Iterable[dict[str, str]], gpu: str, vllm: str, tp: int = 1, model: str = BLIS_MODEL
+) -> BlisRow:
     for r in rows:
-        if (r["model"], r["gpu"], r["tp"], r["vllm_version"]) == (BLIS_MODEL, gpu, str(tp), vllm):
+        if (r["model"], r["gpu"], r["tp"], r["vllm_version"]) == (model, gpu, str(tp), vllm):
             blocks = r["total_kv_blocks"].strip()
             return BlisRow(
                 gpu=gpu,
@@ -47,7 +52,7 @@ def blis_row(rows: Iterable[dict[str, str]], gpu: str, vllm: str, tp: int = 1) -
                 total_kv_blocks=int(blocks) if blocks else None,
                 source=r["source"],
             )
-    raise LookupError(f"no BLIS row for {BLIS_MODEL} {gpu} tp{tp} {vllm}")
+    raise LookupError(f"no BLIS row for {model} {gpu} tp{tp} {vllm}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ def profile_json(
     sources: list[dict[str, str]],
     method: str,
     checks: dict[str, float],
+    tp: int = 1,
 ) -> dict[str, Any]:
     r = k.rounded()
     all_checks = {**checks, **examples(r)}
@@ -26,7 +27,7 @@ def profile_json(
         "name": name,
         "model": model,
         "gpu": gpu,
-        "tp": 1,
+        "tp": tp,
         "dtype": "bf16",
         "step_s": r.step_s,
         "prefill_token_s": r.prefill_token_s,

@@ -1,12 +1,21 @@
-"""The two fitted profiles: Meta-Llama-3-8B on A100-80GB straight from Vidur, Llama-3.1-8B on
-H100 from BLIS, Vidur's H100 GEMMs and the A100 attention converted; each with its checks."""
+"""The three fitted profiles: Meta-Llama-3-8B on A100-80GB straight from Vidur, Llama-3.1-8B on
+H100 from BLIS, Vidur's H100 GEMMs and the A100 attention converted, and Llama-3.1-70B on four
+H100s from BLIS's TP4 row with the 8B's attention scaled; each with its checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fit_latency.blis import BLIS_VLLM, BLIS_VLLM_NEWER, Gpu, blis_row, load_gpus, mfu
+from tools.fit_latency.blis import (
+    BLIS_MODEL_70B,
+    BLIS_VLLM,
+    BLIS_VLLM_NEWER,
+    Gpu,
+    blis_row,
+    load_gpus,
+    mfu,
+)
 from tools.fit_latency.files import (
     BLIS_COEFFS,
     BLIS_HARDWARE,
@@ -230,6 +239,67 @@ def fit_h100(inp: Inputs, capacity: Capacity) -> ProfileFit:
         "model_pass_2048_tokens_s": k.step(2048, 2048 * 1024, 0, 0),
     }
     return ProfileFit(k, checks)
+
+
+# Llama-3.1-70B against Llama-3.1-8B (their config.json files): per-layer attention work per
+# query/key pair scales with the hidden size (query heads × head dim), KV bytes per token with
+# layers × KV heads × head dim.
+LAYERS_70B, HIDDEN_70B, KV_BYTES_70B, PARAMS_70B = 80, 8192, 327_680, 70_553_706_496
+LAYERS_8B, HIDDEN_8B, KV_BYTES_8B = 32, 4096, 131_072
+TP_70B = 4
+BLOCK_TOKENS = 16
+
+
+def fit_h100_70b(inp: Inputs, eight: ProfileFit, mem_fraction: float) -> ProfileFit:
+    """Llama-3.1-70B on four H100s (TP4): BLIS's step, prefill and decode coefficients of the
+    same architecture on H100 TP4; attention from the 8B profile's, per GPU; KV capacity by
+    the 8B's BLIS memory rule on four GPUs. Splitwise's measured Llama2-70B H100 TP4 prompt
+    times (an older serving stack) are reported beside the model's as a check."""
+    blis = blis_row(inp.blis_rows, "H100", BLIS_VLLM, tp=TP_70B, model=BLIS_MODEL_70B)
+    h100 = inp.gpus["H100"]
+    k8 = eight.constants
+    attn_scale = (LAYERS_70B * HIDDEN_70B / TP_70B) / (LAYERS_8B * HIDDEN_8B)
+    ctx_scale = (KV_BYTES_70B / TP_70B) / KV_BYTES_8B
+    weights = PARAMS_70B * 2
+    kv_bytes = mem_fraction * TP_70B * h100.mem_bytes - weights
+    blocks = int(kv_bytes // (BLOCK_TOKENS * KV_BYTES_70B))
+    k = Constants(
+        step_s=blis.beta0_s,
+        prefill_token_s=blis.beta1_s,
+        attn_pair_s=k8.attn_pair_s * attn_scale,
+        decode_seq_s=blis.beta2_s,
+        decode_ctx_s=k8.decode_ctx_s * ctx_scale,
+        kv_capacity_tokens=blocks * BLOCK_TOKENS,
+    )
+    checks: dict[str, float] = {
+        "blis_beta0_s": blis.beta0_s,
+        "blis_beta1_s_per_token": blis.beta1_s,
+        "blis_beta2_s_per_decode_token": blis.beta2_s,
+        "blis_alpha0_s_not_folded": blis.alpha0_s,
+        "attn_scale_from_8b": attn_scale,
+        "decode_ctx_scale_from_8b": ctx_scale,
+        "kv_capacity_mem_fraction": mem_fraction,
+        "weights_bytes": float(weights),
+        "weight_stream_floor_s": weights / TP_70B / h100.bw_bytes_s,
+        "implied_linear_mfu": mfu(2 * PARAMS_70B / TP_70B, k.prefill_token_s, h100),
+    }
+    for tokens, measured in splitwise_prompts(inp.profiles / SPLITWISE).items():
+        model = k.step(tokens, tokens * tokens / 2, 0, 0)
+        checks[f"splitwise_llama2_70b_tp4_prompt_{tokens}_s"] = measured
+        checks[f"model_prompt_{tokens}_s"] = model
+    return ProfileFit(k, checks)
+
+
+def splitwise_prompts(path: Path) -> dict[int, float]:
+    """Splitwise's Llama2-70B H100 TP4 prompt time (s) at batch 1, median over its repeats,
+    for prompts of 1,024 tokens and more."""
+    times: dict[int, list[float]] = {}
+    for r in read_csv(path):
+        if (r["model"], r["hardware"], r["tensor_parallel"], r["batch_size"]) == (
+            "llama2-70b", "h100-80gb", str(TP_70B), "1"
+        ) and int(r["prompt_size"]) >= 1024:  # fmt: skip
+            times.setdefault(int(r["prompt_size"]), []).append(float(r["prompt_time"]) / 1e3)
+    return {n: sorted(v)[len(v) // 2] for n, v in sorted(times.items())}
 
 
 def _prefill_points(ops: LinearOps) -> tuple[Array, Array]:

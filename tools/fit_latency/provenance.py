@@ -126,3 +126,31 @@ A100_METHOD = (
     "BLIS's H100 row (KV pool + weights = 0.90 x GPU memory, 16-token blocks) to the 80 GiB A100; "
     "DistServe's capacity table covers OPT models only. BLIS's A100 row is a cross-check."
 )
+
+H100_70B_SOURCES = [
+    source(
+        BLIS_COEFFS,
+        BLIS,
+        "step_s = beta0, prefill_token_s = beta1, decode_seq_s = beta2 of "
+        "llama-3.3-70b-instruct/H100/tp4/vLLM v0.8.4 (Llama-3.1-70B's architecture)",
+    ),
+    source(BLIS_HARDWARE, BLIS_HW_UPSTREAM, "H100 memory and bandwidth (capacity, checks)"),
+    source(
+        SPLITWISE,
+        ("Mutinifni/splitwise-sim @8f99e7d", "MIT"),
+        "check only: measured Llama2-70B H100 TP4 prompt times at batch 1, 1,024-8,192 tokens",
+    ),
+]
+H100_70B_METHOD = (
+    "step_s, prefill_token_s and decode_seq_s are BLIS's beta0, beta1 and beta2 for "
+    "llama-3.3-70b-instruct on H100, TP4, vLLM v0.8.4 (the same architecture as Llama-3.1-70B; "
+    "BLIS has no 3.1 row; beta1 is end to end, so it also carries the prompt attention BLIS "
+    "does not separate). attn_pair_s is the llama-3.1-8b-h100 profile's, times the attention "
+    "work per query/key pair per GPU: layers x hidden size over TP, 80 x 8192 / 4 against "
+    "32 x 4096 (1.25x; assumes the same attention kernel efficiency). decode_ctx_s is the 8B "
+    "profile's times the KV bytes per token each GPU reads, 327,680 / 4 against 131,072 "
+    "(0.625x). kv_capacity_tokens applies the memory rule implied by BLIS's 8B H100 row (KV "
+    "pool + weights = 0.90 x GPU memory, 16-token blocks) to four 80 GiB GPUs holding 141 GB "
+    "of bf16 weights. Splitwise's Llama2-70B prompt times on H100 TP4 (an older serving stack) "
+    "are reported beside the model's as a check, not fitted."
+)
