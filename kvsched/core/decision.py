@@ -27,6 +27,14 @@ class TransferKind(Enum):
     # its next turn (`kvsched.core.prefetch`); source and target are the host. Executed by
     # the simulator only: the Scheduler hands it out only to executors that say they run it.
     PREFETCH = "prefetch"
+    # Keep a session's context in its host's GPU memory, evicted by nothing, for
+    # `est_seconds` after its turn ended in a tool call (Continuum's time-to-live pin); source
+    # and target are the host. Simulator only, as PREFETCH: stock vLLM cannot pin blocks.
+    RETAIN = "retain"
+
+
+# Plans only an engine that can be told to (the simulator's) carries out.
+ENGINE_ORDERS = frozenset({TransferKind.PREFETCH, TransferKind.RETAIN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +148,6 @@ class Completion:
     first_token_at: float
     finished_at: float
     ok: bool = True
+    # The turn ended asking for a tool: its session comes back once the tool ran (the trace
+    # says so; a Router does not report it yet).
+    tool_call: bool = False

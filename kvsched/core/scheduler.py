@@ -22,7 +22,14 @@ from typing import Any, Protocol
 
 from kvsched.core import recording
 from kvsched.core.cluster import ClusterConfig, ClusterState, Role, build_cluster
-from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
+from kvsched.core.decision import (
+    ENGINE_ORDERS,
+    Completion,
+    Decision,
+    RequestInfo,
+    TransferKind,
+    TransferPlan,
+)
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
@@ -86,10 +93,11 @@ class Scheduler:
         observer: IndexObserver | None = None,
         empty: bool = False,
         max_sessions_per_tenant: int = 0,
-        runs_prefetch: bool = False,
+        runs_engine_orders: bool = False,
     ) -> None:
-        """`runs_prefetch`: the caller executes PREFETCH plans (the simulator); otherwise
-        `finish` drops them before opening them (the live data plane has no executor yet).
+        """`runs_engine_orders`: the caller executes the plans stock vLLM cannot
+        (`ENGINE_ORDERS`: PREFETCH and RETAIN; the simulator does); otherwise `finish` drops
+        them before opening them.
         `empty`: start with no live instance (they join with `add_instance`).
         `max_sessions_per_tenant`: the most sessions one tenant keeps (0: no cap); a new one
         past it forgets that tenant's least recently touched idle session (`sessions`)."""
@@ -105,7 +113,7 @@ class Scheduler:
         self.rng = random.Random(seed)
         self.limits = Limits(max_prompt_tokens, config.block_size)
         self.transfers = TransferBook(transfer_prefix)
-        self.runs_prefetch = runs_prefetch
+        self.runs_engine_orders = runs_engine_orders
         self.observer = observer
         self._decisions: Recent[Decision] = Recent(RECENT_DECISIONS)
         self._finished: Recent[None] = Recent(RECENT_DECISIONS)
@@ -260,8 +268,8 @@ class Scheduler:
         if key in self._finished:
             return ()
         plans = recording.finish(self.cluster, self.policy, done, now)
-        if not self.runs_prefetch:
-            plans = [p for p in plans if p.kind is not TransferKind.PREFETCH]
+        if not self.runs_engine_orders:
+            plans = [p for p in plans if p.kind not in ENGINE_ORDERS]
         self._finished.add(key, None)
         if done.session_id:
             self._session_changed(done.session_id)

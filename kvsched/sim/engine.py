@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -99,6 +99,15 @@ GapSink = Callable[[float, float, float], None]  # (first gap s, last gap s, cou
 WakeSink = Callable[[int, float], None]  # (slot, time to wake it)
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A chain's leading `blocks` held in GPU memory until `until` (`Engine.retain`)."""
+
+    hashes: tuple[int, ...]
+    blocks: int
+    until: float
+
+
 class Engine:
     """Scheduler state of one instance; see the module docstring for its loop."""
 
@@ -153,6 +162,9 @@ class Engine:
         self.busy_s = 0.0
         self.kv_area = 0.0  # ∫ locked pages dt: how full the KV memory runs
         self.batch_area = 0.0  # ∫ decoding requests dt
+        # Sessions' contexts kept from eviction until a time (`retain`), by first block.
+        self.pins: dict[int, Pin] = {}
+        self.pins_freed_early = 0  # pins let go before their time to admit a request
 
     # ---- queue -------------------------------------------------------------------------
 
@@ -182,6 +194,42 @@ class Engine:
             self.waiting.append(job)
         else:
             self.handoffs.append(job)
+
+    def retain(self, hashes: Sequence[int], until: float, now: float) -> int:
+        """Keep what the cache holds of chain `hashes` from eviction until `until`, or until a
+        request of the same chain is admitted (it then holds the blocks itself); replaces an
+        earlier pin of the chain. Returns the blocks pinned. (Continuum's time-to-live pin:
+        the pinned blocks count against free memory for every other request.)"""
+        if not hashes:
+            return 0
+        self._unpin(hashes[0], now)
+        blocks = self.cache.match(hashes, len(hashes))
+        if blocks and until > now:
+            self.cache.lock_prefix(hashes, blocks, now, touch=False)
+            self.pins[hashes[0]] = Pin(tuple(hashes), blocks, until)
+        return blocks if blocks and until > now else 0
+
+    def _unpin(self, first: int, now: float) -> None:
+        pin = self.pins.pop(first, None)
+        if pin is not None:
+            self.cache.unlock_prefix(pin.hashes, pin.blocks, now, touch=False)
+
+    def _expire_pins(self, now: float) -> None:
+        """Let go of pins whose time is up, unless a request of their chain waits here (it
+        is about to use them)."""
+        waiting = {job.hashes[0] for job in self.waiting if job.hashes}
+        for first in [f for f, pin in self.pins.items() if pin.until <= now and f not in waiting]:
+            self._unpin(first, now)
+
+    def _free_a_pin(self, now: float) -> bool:
+        """A request cannot get memory while little else runs: let go of the pin due last
+        (Continuum's guard against pins starving the queue). Whether there was one."""
+        if not self.pins:
+            return False
+        first = max(self.pins, key=lambda f: (self.pins[f].until, f))
+        self._unpin(first, now)
+        self.pins_freed_early += 1
+        return True
 
     def take_wakes(self) -> list[float]:
         """The wake-up times `plan` asked for since the last call (emptied), when no
@@ -216,6 +264,8 @@ class Engine:
         every few passes instead of jumping to the next completion); None, the simulator's
         setting, lets it run to the next completion."""
         assert self.step is None, "plan() while a step runs"
+        if self.pins:
+            self._expire_pins(now)
         if self.handoffs:
             self._admit_handoffs(now)
         batch = len(self.decoding)
@@ -374,6 +424,8 @@ class Engine:
             total = job.prompt + (job.output if job.kind is JobKind.FULL else 0)
             pages = max(-(-total // bs) - job.held - job.private, 0)
             if not cache.reserve(pages):
+                if self.running <= 1 and self._free_a_pin(now):
+                    continue  # the same job again, with the pinned blocks evictable
                 break
             job.private += pages
             if loaded:
@@ -395,6 +447,8 @@ class Engine:
             self.waiting.popleft()
             self.queued_s -= job.est_prefill_s  # the provisional estimate it was queued with
             job.admitted_at = now
+            if self.pins and job.hashes:
+                self._unpin(job.hashes[0], now)  # it holds its own prefix now
             cached_tokens = min(extra * bs, job.prompt - 1)
             job.local_hit_tokens = min(job.held * bs, cached_tokens)
             job.cached_tokens = cached_tokens

@@ -64,7 +64,7 @@ class Replay:
             config.seed,
             max_prompt_tokens=config.max_model_len or model_config(cluster_cfg.model).max_model_len,
             transfer_prefix="sim",
-            runs_prefetch=True,
+            runs_engine_orders=True,
         )
         self.cluster = core.cluster
         self.scheduler: SchedulerPort = scheduler or core
@@ -322,6 +322,7 @@ class Replay:
             arrival=req.arrival,
             first_token_at=req.first_token_at,
             finished_at=now,
+            tool_call=call.tool_call,
         )
         for plan in self.scheduler.finish(done, now):
             self.transfers.start(plan, None)

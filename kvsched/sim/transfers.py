@@ -80,6 +80,15 @@ class Transfers:
             self._clock.push(max(plan.not_before, now), PREFETCH_DUE, plan)
             self.prefetch_pending += 1
             return True
+        if plan.kind is TransferKind.RETAIN:  # nothing moves: the host keeps what it holds
+            pinned = self._engines[plan.target].retain(
+                plan.block_hashes, now + plan.est_seconds, now
+            )
+            self._count(
+                plan, pinned * self._engines[plan.target].bs * self._kv_bytes_per_token, 0.0
+            )
+            self._scheduler.transfer_done(plan.transfer_id, True, now)
+            return True
         src, dst = self._engines[plan.source], self._engines[plan.target]
         hashes = plan.block_hashes
         in_gpu = src.cache.match(hashes, len(hashes))

@@ -39,6 +39,7 @@ def test_every_policy_is_registered_and_documented() -> None:
         "llmd",
         "dynamo",
         "sglang",
+        "continuum",
         "mooncake",
         "sticky",
         "static_pd",

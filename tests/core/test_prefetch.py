@@ -107,10 +107,12 @@ def _session_turns(core: Scheduler, *, gap_s: float, turns: int) -> list[Transfe
     return plans
 
 
-def _core(*, pool: bool, runs_prefetch: bool = True, spec: str = "elastic:prefetch=1") -> Scheduler:
+def _core(
+    *, pool: bool, runs_engine_orders: bool = True, spec: str = "elastic:prefetch=1"
+) -> Scheduler:
     core = Scheduler(
         ClusterConfig(n_instances=1), spec, seed=0, max_prompt_tokens=131_072,
-        runs_prefetch=runs_prefetch,
+        runs_engine_orders=runs_engine_orders,
     )  # fmt: skip
     if pool:  # the node's DRAM tier holds something: the index has seen a CPU-tier store
         core.apply(0, [BlocksStored(chain(99, 4), None, Tier.CPU)])
@@ -132,7 +134,7 @@ def test_elastic_plans_prefetches_before_the_predicted_turn_only_with_a_pool() -
     off = _core(pool=True, spec="elastic")  # off by default (docs/evaluation.md)
     assert _session_turns(off, gap_s=60.0, turns=3) == []
     # A Scheduler whose caller cannot run them (the live Conductor) hands none out.
-    assert _session_turns(_core(pool=True, runs_prefetch=False), gap_s=60.0, turns=3) == []
+    assert _session_turns(_core(pool=True, runs_engine_orders=False), gap_s=60.0, turns=3) == []
 
 
 def test_a_gap_history_keeps_the_sessions_observed_last() -> None:

@@ -11,6 +11,7 @@ from kvsched.core.cluster import ClusterState
 from kvsched.core.policies.affinity import Ear, Sticky
 from kvsched.core.policies.base import ParamValue, Policy
 from kvsched.core.policies.cache_aware import CacheAware
+from kvsched.core.policies.continuum import Continuum
 from kvsched.core.policies.disaggregated import Mooncake, StaticPD
 from kvsched.core.policies.dynamo import Dynamo
 from kvsched.core.policies.elastic import Elastic
@@ -29,6 +30,7 @@ POLICIES: dict[str, type[Policy]] = {
         Llmd,
         Dynamo,
         Sglang,
+        Continuum,
         Mooncake,
         Sticky,
         StaticPD,

@@ -28,6 +28,7 @@ class TraceCall:
     gap_s: float = 0.0
     start_offset_s: float = 0.0
     recorded_service_s: float = 0.0  # service time the trace recorded (0 when unknown)
+    tool_call: bool = False  # the call ended asking for a tool (the agent runs it, then returns)
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,7 @@ def _build_call(obj: dict[str, Any], where: str, done: _Calls, group: _Group) ->
         gap_s=gap,
         start_offset_s=start,
         recorded_service_s=api,
+        tool_call=obj.get("stop") == "tool_use",
     )
 
 
