@@ -147,21 +147,12 @@ def replay_row(run: KneeRun, spec: str, load: float, seed: int) -> dict[str, Any
     return out
 
 
-# One process serves one run: its traces by (load, seed).
-_CACHE: dict[tuple[float, int], tuple[Comparison, PreparedTrace]] = {}
-CACHED_TRACES = 2
-
-
 def _prepared(run: KneeRun, load: float, seed: int) -> tuple[Comparison, PreparedTrace]:
-    """The trace at `load` for `seed`, prepared once per process (the searches of one
-    seed probe the same bracket first)."""
-    key = (load, seed)
-    if key not in _CACHE:
-        if len(_CACHE) >= CACHED_TRACES:
-            _CACHE.pop(next(iter(_CACHE)))
-        cmp = run.comparison_at(load, seed)
-        _CACHE[key] = (cmp, prepare(cmp.trace, seed=seed))
-    return _CACHE[key]
+    """The trace at `load` for `seed`, prepared afresh: a replay's own memory then bounds a
+    process's (a prepared WEKA trace at the knee's copies takes gigabytes; keeping several
+    for the probes they share would not fit two jobs in a small machine)."""
+    cmp = run.comparison_at(load, seed)
+    return cmp, prepare(cmp.trace, seed=seed)
 
 
 def search_one(run: KneeRun, spec: str, seed: int) -> dict[str, Any]:
@@ -254,7 +245,8 @@ def _map(
             if progress is not None:
                 progress(label(task))
         return out
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # A fresh process per task: nothing a replay allocated outlives it.
+    with ProcessPoolExecutor(max_workers=jobs, max_tasks_per_child=1) as pool:
         futures = [pool.submit(fn, task) for task in tasks]
         results = []
         for task, future in zip(tasks, futures, strict=True):

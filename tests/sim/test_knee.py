@@ -89,6 +89,8 @@ def test_every_policys_knee_and_the_reference_rows() -> None:
             assert entry["at_reference"]["slo_attainment"] is not None
             good = entry["goodput_load"]
             assert entry["rows"][f"{good:g}"]["slo_attainment"] >= 0.9
+    # Shared among processes, the searches find the same (each replay is deterministic).
+    assert run_knees(run, cmp.policies, jobs=2)["seeds"] == report["seeds"]
 
 
 def test_kvsched_knee_refuses_what_it_cannot_search(capsys: pytest.CaptureFixture[str]) -> None:
