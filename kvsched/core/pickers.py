@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from random import Random
+
 import numpy as np
 
 from kvsched.core import scoring
@@ -26,6 +28,15 @@ def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -
         return best  # the common case: a unique minimum
     keys = [np.where(eligible, v, np.inf) for v in reversed(tiebreaks)]
     return int(np.lexsort([*keys, masked])[0])
+
+
+def any_of(mask: BoolVec, rng: Random) -> int:
+    """A uniformly random slot of those set in `mask`; the RNG is drawn from only when there
+    is more than one (a unique best leaves the seed's stream as it was)."""
+    slots = np.flatnonzero(mask)
+    if not len(slots):
+        raise ValueError("no eligible instance")
+    return int(slots[rng.randrange(len(slots))]) if len(slots) > 1 else int(slots[0])
 
 
 def masked_min(values: FloatVec, mask: BoolVec) -> float:

@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Leading blocks two chained-hash paths share (equal hashes at i mean equal prefixes)."""
@@ -53,8 +56,9 @@ class RoutedPaths:
         """Distinct blocks of the union on `slot`."""
         return self._sizes[slot]
 
-    def sizes(self) -> list[int]:
-        return list(self._sizes)
+    def sizes(self) -> npt.NDArray[np.float64]:
+        """Every slot's union size."""
+        return np.array(self._sizes, dtype=float)
 
     def shared(self, slot: int, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` the union on `slot` holds."""
@@ -62,6 +66,16 @@ class RoutedPaths:
             return 0
         group = self._paths[slot].get(hashes[0], ())
         return max((common_prefix(hashes, path.hashes) for path in group), default=0)
+
+    def shared_by_slot(self, hashes: Sequence[int]) -> npt.NDArray[np.float64]:
+        """`shared` on every slot (only the slots holding a path of the same first block are
+        compared)."""
+        out = np.zeros(len(self._paths))
+        if hashes:
+            for slot, groups in enumerate(self._paths):
+                if hashes[0] in groups:
+                    out[slot] = self.shared(slot, hashes)
+        return out
 
     def add(
         self, slot: int, key: Hashable, hashes: Sequence[int], stamp: float, *, subsume: bool
@@ -131,7 +145,3 @@ class RoutedPaths:
                 else:
                     del self._paths[slot][first]
         return evicted
-
-    def clear(self, slot: int) -> None:
-        self._paths[slot] = {}
-        self._sizes[slot] = 0

@@ -265,10 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def comparison(args: argparse.Namespace) -> Comparison:
-    """The comparison `kvsched replay`'s parsed `args` ask for (trace loaded); raises
-    ValueError or OSError naming what is wrong."""
-    base, fmt = select_trace(args)
+def comparison(args: argparse.Namespace, selected: tuple[Trace, str] | None = None) -> Comparison:
+    """The comparison `kvsched replay`'s parsed `args` ask for (trace loaded, unless
+    `selected` brings `select_trace`'s answer); raises ValueError or OSError naming what is
+    wrong."""
+    base, fmt = selected or select_trace(args)
     trace = repeated(base, fmt, args, args.repeat)
     mode = args.mode or DEFAULT_MODE[fmt]
     if mode == "closed" and not any(c.after >= 0 for c in trace.calls):
@@ -307,7 +308,8 @@ def comparison(args: argparse.Namespace) -> Comparison:
 
 def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...]]:
     """The knee search `kvsched knee`'s `args` ask for; raises ValueError."""
-    cmp = comparison(args)
+    base, fmt = select_trace(args)
+    cmp = comparison(args, (base, fmt))
     if not cmp.closed_loop:
         raise ValueError("kvsched knee searches closed-loop replays (session traces)")
     lo, sep, hi = args.bracket.partition(":")
@@ -318,7 +320,6 @@ def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...]]:
         raise ValueError(f"--bracket LO:HI and --seeds N,N,...: {exc}") from None
     if not sep or not seeds or args.jobs < 1:
         raise ValueError("--bracket takes LO:HI, --seeds at least one seed, --jobs >= 1")
-    base, fmt = select_trace(args)
     scale = args.token_scale if args.token_scale is not None else DEFAULT_TOKEN_SCALE[fmt]
     reference = expand_policies(args.reference)
     run = KneeRun(cmp, base, scale, search, seeds, reference)

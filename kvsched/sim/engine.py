@@ -203,11 +203,11 @@ class Engine:
         if not hashes:
             return 0
         self._unpin(hashes[0], now)
-        blocks = self.cache.match(hashes, len(hashes))
-        if blocks and until > now:
+        blocks = self.cache.match(hashes, len(hashes)) if until > now else 0
+        if blocks:
             self.cache.lock_prefix(hashes, blocks, now, touch=False)
             self.pins[hashes[0]] = Pin(tuple(hashes), blocks, until)
-        return blocks if blocks and until > now else 0
+        return blocks
 
     def _unpin(self, first: int, now: float) -> None:
         pin = self.pins.pop(first, None)

@@ -46,35 +46,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf = fit_h100(inp, cap_h100)
     af = fit_a100(inp, cap_a100)
     seventy = fit_h100_70b(inp, hf, cap_h100.mem_fraction)
+    # (name, model, GPU, fit, sources, method, TP degree) of each shipped profile
+    profiles = (
+        ("llama-3.1-8b-h100", "meta-llama/Llama-3.1-8B-Instruct", "H100-80GB-SXM", hf,
+         H100_SOURCES, H100_METHOD, 1),
+        ("llama-3-8b-a100", "meta-llama/Meta-Llama-3-8B", "A100-80GB-SXM", af,
+         A100_SOURCES, A100_METHOD, 1),
+        ("llama-3.1-70b-h100-tp4", "meta-llama/Llama-3.1-70B-Instruct", "H100-80GB-SXM",
+         seventy, H100_70B_SOURCES, H100_70B_METHOD, TP_70B),
+    )  # fmt: skip
     docs = [
         profile_json(
-            name="llama-3.1-8b-h100",
-            model="meta-llama/Llama-3.1-8B-Instruct",
-            gpu="H100-80GB-SXM",
-            k=hf.constants,
-            sources=H100_SOURCES,
-            method=H100_METHOD,
-            checks=hf.checks,
-        ),
-        profile_json(
-            name="llama-3-8b-a100",
-            model="meta-llama/Meta-Llama-3-8B",
-            gpu="A100-80GB-SXM",
-            k=af.constants,
-            sources=A100_SOURCES,
-            method=A100_METHOD,
-            checks=af.checks,
-        ),
-        profile_json(
-            name="llama-3.1-70b-h100-tp4",
-            model="meta-llama/Llama-3.1-70B-Instruct",
-            gpu="H100-80GB-SXM",
-            k=seventy.constants,
-            sources=H100_70B_SOURCES,
-            method=H100_70B_METHOD,
-            checks=seventy.checks,
-            tp=TP_70B,
-        ),
+            name=name,
+            model=model,
+            gpu=gpu,
+            k=fit.constants,
+            sources=sources,
+            method=method,
+            checks=fit.checks,
+            tp=tp,
+        )
+        for name, model, gpu, fit, sources, method, tp in profiles
     ]
     for doc in docs:
         print_profile(doc)

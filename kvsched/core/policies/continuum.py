@@ -37,7 +37,7 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core.decision import Completion, Decision, TransferKind, TransferPlan
+from kvsched.core.decision import Completion, Decision, RequestId, TransferKind, TransferPlan
 from kvsched.core.policies.affinity import Sticky
 from kvsched.core.request_view import RequestView
 
@@ -71,7 +71,7 @@ class Continuum(Sticky):
         self.durations: deque[float] = deque(maxlen=int(self.param("window")))
         self.in_tool: set[str] = set()  # sessions whose last turn ended in a tool call
         self.evicted_delay_s: deque[float] = deque(maxlen=EVICTED_WINDOW)  # 𝒯's samples
-        self.expected: dict[object, int] = {}  # request -> tokens its session had built
+        self.expected: dict[RequestId, int] = {}  # request -> tokens its session had built
 
     def decide(self, view: RequestView, now: float, rng: Random) -> Decision:
         sid = view.req.session_id

@@ -22,6 +22,7 @@ import numpy as np
 from kvsched.core.cost import ttft_terms
 from kvsched.core.decision import Completion, Decision, RequestId, TransferPlan
 from kvsched.core.decision_builders import placement
+from kvsched.core.pickers import any_of
 from kvsched.core.policies.base import Policy
 from kvsched.core.request_view import RequestView
 from kvsched.core.routed_paths import RoutedPaths
@@ -56,9 +57,8 @@ class Dynamo(Policy):
         credit = view.hit_blocks - (1.0 - self.param("host_credit")) * pool_blocks
         raw_prefill = (load.pending_prefill_tokens + view.req.prompt_tokens) / bs
         prefill_blocks = np.maximum(raw_prefill - credit, 0.0)
-        active = np.array(self.active.sizes(), dtype=float)
-        shared = np.array([self.active.shared(slot, hashes) for slot in range(cluster.n)])
-        decode_blocks = active + len(hashes) - shared
+        active = self.active.sizes()
+        decode_blocks = active + len(hashes) - self.active.shared_by_slot(hashes)
         cost = self.param("prefill_weight") * prefill_blocks + decode_blocks
         slot = lowest_cost(cost, eligible, cluster.index.block_counts(), rng)
         if hashes:
@@ -79,8 +79,6 @@ def lowest_cost(cost: np.ndarray, eligible: np.ndarray, tree_sizes: list[int], r
     """Dynamo's temperature-0 pick: the eligible minimum; ties to the smallest indexed cache,
     then uniformly at random."""
     masked = np.where(eligible, cost, np.inf)
-    best = np.flatnonzero(masked == masked.min())
-    if len(best) > 1:
-        sizes = np.array(tree_sizes, dtype=float)[best]
-        best = best[sizes == sizes.min()]
-    return int(best[rng.randrange(len(best))]) if len(best) > 1 else int(best[0])
+    best = masked == masked.min()
+    sizes = np.where(best, np.array(tree_sizes, dtype=float), np.inf)
+    return any_of(sizes == sizes.min(), rng)

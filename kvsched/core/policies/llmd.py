@@ -17,6 +17,7 @@ import numpy as np
 from kvsched.core.cost import ttft_terms
 from kvsched.core.decision import Decision
 from kvsched.core.decision_builders import placement
+from kvsched.core.pickers import any_of
 from kvsched.core.policies.base import Policy
 from kvsched.core.request_view import FloatVec, RequestView
 
@@ -51,8 +52,7 @@ class Llmd(Policy):
             + self.param("kv_weight") * kv
         )
         masked = np.where(eligible, score, -np.inf)
-        best = np.flatnonzero(masked == masked.max())
-        slot = int(best[rng.randrange(len(best))]) if len(best) > 1 else int(best[0])
+        slot = any_of(masked == masked.max(), rng)
         terms = ttft_terms(cluster.cost, load, view, view.hit_tokens)
         terms |= {"prefix_score": prefix, "queue_score": queue, "kv_score": kv, "score": score}
         return placement(view, slot, "max weighted score", terms)

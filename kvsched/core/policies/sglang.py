@@ -23,6 +23,7 @@ import numpy as np
 from kvsched.core.cost import ttft_terms
 from kvsched.core.decision import Decision
 from kvsched.core.decision_builders import placement
+from kvsched.core.pickers import any_of
 from kvsched.core.policies.base import Policy
 from kvsched.core.request_view import RequestView
 from kvsched.core.routed_paths import RoutedPaths
@@ -65,8 +66,8 @@ class Sglang(Policy):
         hashes = view.req.block_hashes
         live = load[eligible]
         hi, lo = float(live.max()), float(live.min())
-        matched = np.array([float(self.tree.shared(slot, hashes)) for slot in range(cluster.n)])
-        tree = np.array(self.tree.sizes(), dtype=float)
+        matched = self.tree.shared_by_slot(hashes)
+        tree = self.tree.sizes()
         terms = ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens)
         terms |= {"in_flight": load.copy(), "tree_match_blocks": matched, "tree_blocks": tree}
         if (
@@ -78,10 +79,10 @@ class Sglang(Policy):
             best = float(np.max(np.where(eligible, matched, 0.0)))
             rate = best * cluster.block_size / max(view.req.prompt_tokens, 1)
             if rate > self.param("cache_threshold"):
-                slot, rule = _any_of(eligible & (matched == best), rng), "longest tree match"
+                slot, rule = any_of(eligible & (matched == best), rng), "longest tree match"
             else:
                 smallest = float(np.min(tree[eligible]))
-                slot, rule = _any_of(eligible & (tree == smallest), rng), "low match: smallest tree"
+                slot, rule = any_of(eligible & (tree == smallest), rng), "low match: smallest tree"
         if hashes:
             self.tree.add(slot, view.req.request_id, hashes, now, subsume=True)
         return placement(view, slot, rule, terms)
@@ -95,8 +96,3 @@ class Sglang(Policy):
             for slot in range(self.cluster.n):
                 self.tree.trim(slot, self.budget_blocks)
             self.next_eviction = (now // interval + 1) * interval
-
-
-def _any_of(mask: np.ndarray, rng: Random) -> int:
-    slots = np.flatnonzero(mask)
-    return int(slots[rng.randrange(len(slots))]) if len(slots) > 1 else int(slots[0])
