@@ -5,7 +5,10 @@ and `B` running decodes with `ctx` tokens of context in total takes
 
     step = step_s + prefill_token_s·p + attn_pair_s·pairs + decode_seq_s·B + decode_ctx_s·ctx
 
-where a prompt chunk of n new tokens on c cached ones contributes n·(c + n/2) pairs. The
+where a prompt chunk of n new tokens on c cached ones contributes n·(c + n/2) pairs. A
+profile measured on a running server may add `request_overhead_s`: what the server spends on a
+request outside the forward passes before its first one (HTTP, input processing), which
+delays its admission; the GPU profiles fitted from pass timings have none. The
 constants come from `kvsched/data/latency/*.json`, written by `tools/fit_latency.py` from the
 profiles it names (see docs/latency-model.md for the fit and its sources).
 """
@@ -41,6 +44,7 @@ class LatencyModel:
     decode_seq_s: float
     decode_ctx_s: float
     kv_capacity_tokens: int
+    request_overhead_s: float = 0.0  # before a request's first pass, outside the passes
 
     def step(
         self, prefill_tokens: int, attn_pairs: float, decode_seqs: int, decode_ctx: int
@@ -151,6 +155,11 @@ def _read_profile(path: Path, default_name: str) -> LatencyModel:
         constants[key] = float(value)
     if constants["step_s"] <= 0:
         raise ValueError(f"{where}: step_s must be positive")
+    overhead = raw.get("request_overhead_s", 0.0)
+    if isinstance(overhead, bool) or not isinstance(overhead, int | float):
+        raise ValueError(f"{where}: request_overhead_s must be a number")
+    if not math.isfinite(overhead) or overhead < 0:
+        raise ValueError(f"{where}: request_overhead_s must be finite and >= 0, got {overhead}")
     capacity = raw["kv_capacity_tokens"]
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"{where}: kv_capacity_tokens must be a positive integer")
@@ -159,5 +168,6 @@ def _read_profile(path: Path, default_name: str) -> LatencyModel:
         model=str(raw["model"]),
         gpu=str(raw["gpu"]),
         kv_capacity_tokens=capacity,
+        request_overhead_s=float(overhead),
         **constants,
     )

@@ -177,8 +177,13 @@ class Engine:
         return self.step is None
 
     def submit(self, job: Job) -> None:
-        """Queue a job; prompt work counts as pending at once (decode-only jobs have none)."""
+        """Queue a job; prompt work counts as pending at once (decode-only jobs have none).
+        A job with prompt work is admissible no sooner than the profile's request overhead
+        after its arrival."""
         if job.kind is not JobKind.DECODE_ONLY:
+            overhead = self.latency.request_overhead_s
+            if overhead > 0:  # (none: admissible at once, whatever clock the caller plans on)
+                job.ready_at = max(job.ready_at, job.arrival + overhead)
             limit = (job.prompt - 1) // self.bs
             guess = max(job.held + job.fetched, self.cache.match(job.hashes, limit))
             if self.tier is not None:  # what the node's pool holds is loaded, not computed

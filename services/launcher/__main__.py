@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="architecture the engines model (sizes their real KV bytes and transfers)",
     )
     p.add_argument(
+        "--latency-profile",
+        default=d.latency_profile,
+        metavar="NAME|PATH",
+        help="step-time profile the Conductors price placements with (and the simulated "
+        "engines run): a shipped name or a .json, e.g. fitted to the engines by "
+        "`python -m tools.fit_latency --engine URL` (default: the Conductors' default)",
+    )
+    p.add_argument(
         "--transfer-backend",
         choices=("mooncake", "tcp"),
         default=d.transfer_backend,
@@ -117,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _profile(name: str) -> str:
+    """A latency profile's name, or its file made absolute (every process reads it)."""
+    return str(Path(name).resolve()) if name.endswith(".json") else name
+
+
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
     """The cluster `kvsched up`'s parsed flags ask for; raises `ValueError`."""
     return ClusterOptions(
@@ -133,6 +146,7 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
         engine_flags=tuple(args.engine_flag),
         messenger_flags=tuple(args.messenger_flag),
         model_config=args.model_config,
+        latency_profile=_profile(args.latency_profile),
         transfer_backend=args.transfer_backend,
         engine=args.engine,
         model_dir=args.model[0] if args.model else None,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsched.core.latency import load_latency
 from kvsched.core.models import MINI_MODEL, model_config
 from kvsched.core.policies import POLICIES, parse_spec
 from services.common.block_hashes import BlockHashes
@@ -53,6 +54,10 @@ class ClusterOptions:
     # The architecture the engines model (KV bytes per token, layers): by default one whose
     # real KV bytes fit this machine's memory (see kvsched.core.models).
     model_config: str = MINI_MODEL
+    # The step-time profile the Conductors price placements with and the simulated engines
+    # run (a shipped name or a profile .json, e.g. one `tools.fit_latency --engine` fitted to
+    # vLLM's engines); its KV capacity is the Conductors' too. "": the default profile.
+    latency_profile: str = ""
     transfer_backend: str = "tcp"
     engine: str = "sim"  # sim: our simulated engines; vllm: stock vLLM servers
     model_dir: Path | None = None  # the model vLLM serves (its tokenizer is the Routers')
@@ -88,6 +93,8 @@ class ClusterOptions:
         if self.time_scale <= 0:
             raise ValueError("--time-scale must be positive")
         model_config(self.model_config)  # raises ValueError naming the known ones
+        if self.latency_profile:
+            load_latency(self.latency_profile)  # raises ValueError naming the known ones
         parse_spec(self.policy)
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
@@ -165,6 +172,8 @@ class ClusterPlan:
         if self.credentials is not None:
             out["admin"] = self.credentials.endpoint()
         out["model_config"] = self.options.model_config
+        if self.options.latency_profile:
+            out["latency_profile"] = self.options.latency_profile
         out["policy"] = self.options.policy
         out["block_size"] = self.options.block_size
         out["time_scale"] = self.options.time_scale
@@ -214,6 +223,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
     )
     scale = repr(opts.time_scale)
     hashing = hash_flags(opts.block_hashes)
+    profile_flags = ["--latency-profile", opts.latency_profile] if opts.latency_profile else []
 
     conductor_urls = []
     for i in range(opts.conductors):
@@ -229,6 +239,7 @@ def plan_cluster(opts: ClusterOptions, run_dir: Path, api_keys: Path, api_key: s
         argv += ["--block-size", str(opts.block_size), "--seed", str(opts.seed)]
         argv += ["--leader-ttl", str(opts.leader_ttl_s), "--instance-ttl", str(opts.instance_ttl_s)]
         argv += ["--time-scale", scale, "--model", opts.model_config, *hashing]
+        argv += profile_flags
         argv += server_tls("tls-", me) + client_tls("messenger-tls-", me)
         if creds is not None:
             argv += ["--admin-token-file", str(creds.admin_token_file)]
@@ -392,6 +403,8 @@ def _engine(
     sim += ["--block-size", str(opts.block_size), "--time-scale", repr(opts.time_scale)]
     sim += ["--model", name_served, "--model-config", opts.model_config, "--role", role]
     sim += ["--seed", str(opts.seed), *hash_flags(opts.block_hashes)]
+    if opts.latency_profile:
+        sim += ["--latency-profile", opts.latency_profile]
     if pool_socket:
         sim += ["--kv-pool-socket", pool_socket]
     sim += opts.engine_flags

@@ -1,6 +1,7 @@
 """The command line of a stock vLLM OpenAI server as kvsched needs it: prefix caching with the
 cluster's block size and hash algorithm, KV events over ZMQ with a replay socket, cached
-tokens in `usage`, the server's load at `/load`. Pure: nothing is started here.
+tokens in `usage`, the server's load at `/load`, the cluster's token budget per pass and
+requests at once. Pure: nothing is started here.
 
 vLLM runs from its own environment (torch and vLLM pin their own dependency trees):
 `scripts/setup --vllm` makes `.venv-vllm/` beside the project's `.venv/`. The same flags serve
@@ -15,12 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsched.core.cluster import ClusterConfig
+
 REPO = Path(__file__).resolve().parent.parent.parent
 # The ranks vLLM's --max-lora-rank takes (vllm/config/lora.py).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 KV_TOPIC = "kv-events"
 CPU_KV_GIB = 1  # KV memory of a CPU engine: a few thousand blocks of the tiny model
+_CLUSTER = ClusterConfig(n_instances=1)  # the defaults of the cluster vLLM serves in
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,11 @@ class VllmServer:
     hash_seed: str | None = None  # the engines' PYTHONHASHSEED (None: unset)
     max_model_len: int = 0  # 0: the model's
     cpu_cores: str = ""  # e.g. "0-3": the cores a CPU build binds to ("": vLLM decides)
+    # A pass's prompt-token budget and the requests running at once: the cluster's, which the
+    # Conductor's cost model and the simulator assume (vLLM's own defaults differ by platform:
+    # 2048 tokens and 128 requests on CPU).
+    max_batched_tokens: int = _CLUSTER.chunk_tokens
+    max_seqs: int = _CLUSTER.max_running
     # Eager mode starts in ~20 s on a CPU instead of ~50 s compiled, for ~15% less speed.
     eager: bool = True
     tool_call_parser: str = "hermes"  # how tool calls are read back ("": no tool calling)
@@ -72,6 +81,8 @@ class VllmServer:
         argv += ["--prefix-caching-hash-algo", self.hash_algo]
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
         argv += ["--enable-prompt-tokens-details", "--enable-server-load-tracking"]
+        argv += ["--max-num-batched-tokens", str(self.max_batched_tokens)]
+        argv += ["--max-num-seqs", str(self.max_seqs)]
         if self.eager:
             argv += ["--enforce-eager"]
         if self.tool_call_parser:

@@ -190,11 +190,13 @@ async def _bench(args: argparse.Namespace) -> int:
 
 def live_cluster_shape(ep: dict[str, Any]) -> dict[str, Any]:
     """What the simulated run takes from the live cluster beyond the trace: the engines'
-    model (their KV bytes per token) and how many share a node (same-node transfers use the
-    GPUs' links)."""
+    model (their KV bytes per token), the latency profile its Conductors price with (its KV
+    capacity included) and how many share a node (same-node transfers use the GPUs'
+    links)."""
     shape: dict[str, Any] = {}
-    if ep.get("model_config"):
-        shape["hardware"] = HardwareOptions(model_config=ep["model_config"])
+    hardware = {key: ep[key] for key in ("model_config", "latency_profile") if ep.get(key)}
+    if hardware:
+        shape["hardware"] = HardwareOptions(**hardware)
     per_node = Counter(e.get("node", "") for e in ep.get("engines", []))
     if per_node:
         shape["topology"] = TopologyConfig(instances_per_node=max(per_node.values()))

@@ -186,6 +186,22 @@ def test_engines_and_the_conductor_model_the_same_kv(tmp_path: Path) -> None:
     assert plan.endpoints({})["model_config"] == opts.model_config
 
 
+def test_a_latency_profile_reaches_the_conductors_the_engines_and_the_endpoints(
+    tmp_path: Path,
+) -> None:
+    args = build_parser().parse_args(["--latency-profile", "llama-3-8b-a100"])
+    plan = plan_cluster(cluster_options(args), tmp_path, tmp_path / "k", "")
+    (conductor,) = plan.stage("conductor")
+    assert _flag(conductor.argv, "--latency-profile") == "llama-3-8b-a100"
+    assert {_flag(e.argv, "--latency-profile") for e in plan.stage("engine")} == {"llama-3-8b-a100"}
+    assert plan.endpoints({})["latency_profile"] == "llama-3-8b-a100"
+    default = plan_cluster(ClusterOptions(), tmp_path, tmp_path / "k", "")
+    assert "--latency-profile" not in default.stage("conductor")[0].argv
+    assert "latency_profile" not in default.endpoints({})
+    with pytest.raises(ValueError, match="no latency profile named"):
+        ClusterOptions(latency_profile="h200-dreams")
+
+
 def test_refuses_unknown_models_and_policies() -> None:
     with pytest.raises(ValueError, match="unknown model"):
         ClusterOptions(model_config="nope/none")

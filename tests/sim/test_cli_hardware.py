@@ -45,6 +45,7 @@ DEFAULT_CONFIG = {
         "decode_seq_s": 5.999e-06,
         "decode_ctx_s": 4.547e-08,
         "kv_capacity_tokens": 467280,
+        "request_overhead_s": 0.0,
     },
     "kv_capacity_tokens": 467280,
     "block_size": 512,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -71,6 +72,20 @@ def test_isolated_prefill_takes_the_model_time_in_chunks() -> None:
     drive(eng, [(0.0, j)])
     assert j.first_token_at == pytest.approx(LAT.prefill(2000.0, 0.0, 512), rel=1e-12)
     assert eng.passes == 4
+
+
+def test_a_profiles_request_overhead_delays_admission_by_exactly_that() -> None:
+    slow = dataclasses.replace(LAT, request_overhead_s=0.015)
+    eng = Engine(0, EngineSpec(BS, 4000, 512, 64, layers=32), slow)
+    j = job(1, prompt=2000, output=1)
+    eng.submit(j)
+    assert j.ready_at == 0.015
+    assert eng.plan(0.0) is None  # in the server, not yet in the engine's queue
+    end = eng.plan(0.015)
+    while end is not None and j.first_token_at < 0:
+        eng.complete(end)
+        end = eng.plan(end)
+    assert j.first_token_at == pytest.approx(0.015 + LAT.prefill(2000.0, 0.0, 512), rel=1e-12)
 
 
 def test_decode_runs_one_token_per_pass_as_one_macro_step() -> None:

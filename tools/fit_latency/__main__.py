@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+import aiohttp
+
 import tools.fit_latency
+from kvsched.core.cluster import ClusterConfig
+from services.common.openai_api import PromptTokenizer
 from tools.fit_latency.blis import BLIS_VLLM, blis_row
+from tools.fit_latency.engine_fit import fit_engine, predicted_s
+from tools.fit_latency.engine_probes import LONG_OUTPUT, SHORT_OUTPUT, EngineProbes, probe_plan
 from tools.fit_latency.files import DEFAULT_PROFILES, DISTSERVE_CAPACITY, OUT_DIR
 from tools.fit_latency.output import print_profile, profile_json, write_json
 from tools.fit_latency.profiles import TP_70B, fit_a100, fit_h100, fit_h100_70b, load_inputs
@@ -30,8 +37,26 @@ def _description() -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=_description())
     parser.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES)
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help="output folder for the JSON")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default kvsched/data/latency; out/latency with --engine)",
+    )
+    live = parser.add_argument_group("a running engine instead of the profiles")
+    live.add_argument("--engine", metavar="URL", help="time this idle vLLM OpenAI server")
+    live.add_argument("--name", default="vllm-cpu", help="the profile's name (its file name)")
+    live.add_argument("--device", default="CPU", help="what it runs on, for the profile")
+    live.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=ClusterConfig(n_instances=1).chunk_tokens,
+        help="its prompt tokens per pass (vLLM's --max-num-batched-tokens)",
+    )
+    live.add_argument("--repeats", type=int, default=3, help="runs per probe (median)")
+    live.add_argument("--seed", type=int, default=0, help="of the probes' random prompts")
     args = parser.parse_args(argv)
+    if args.engine:
+        return asyncio.run(_fit_engine(args, args.out or Path("out/latency")))
 
     inp = load_inputs(args.profiles)
     blis_h100 = blis_row(inp.blis_rows, "H100", BLIS_VLLM)
@@ -70,7 +95,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for doc in docs:
         print_profile(doc)
-        print(f"  wrote {write_json(doc, args.out)}")
+        print(f"  wrote {write_json(doc, args.out or OUT_DIR)}")
+    return 0
+
+
+async def _fit_engine(args: argparse.Namespace, out: Path) -> int:
+    """Probe the engine at `args.engine`, fit, print and write the profile."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        probes = EngineProbes(
+            http,
+            args.engine,
+            vocab=PromptTokenizer().vocab_size,
+            repeats=args.repeats,
+            seed=args.seed,
+        )
+        shape = await probes.shape()
+        plan = probe_plan(shape)
+        prefill = await probes.prefill(plan.prefill)
+        decode = await probes.decode(plan.batches, plan.contexts, SHORT_OUTPUT, LONG_OUTPUT)
+        cached = await probes.cached(plan.cached)
+    chunk = args.chunk_tokens
+    fit = fit_engine(
+        prefill, decode, chunk_tokens=chunk, kv_capacity_tokens=shape.kv_capacity_tokens
+    )
+    method = (
+        f"Timed on {args.engine} (idle, {args.repeats} runs per probe, median): one request "
+        f"alone of {', '.join(map(str, plan.prefill))} fresh prompt tokens and one output token "
+        f"(prefill), and {', '.join(map(str, plan.batches))} requests at once of "
+        f"{' and '.join(map(str, plan.contexts))} prompt tokens, with {SHORT_OUTPUT} and "
+        f"{LONG_OUTPUT} output tokens (decode: the difference per token is one pass); "
+        f"{args.chunk_tokens} prompt tokens per pass; capacity from vllm:cache_config_info; "
+        "checked, not fitted: one request alone of new tokens on a cached prefix ("
+        + ", ".join(f"{c}+{n}" for c, n in plan.cached)
+        + ") "
+        "(python -m tools.fit_latency --engine URL; tools/fit_latency/engine_fit.py)"
+    )
+    checks = {
+        "prefill_fit_max_rel_err": fit.prefill_max_rel_err,
+        "decode_fit_max_rel_err": fit.decode_max_rel_err,
+        **{f"prefill_{p.tokens}_measured_s": p.latency_s for p in prefill},
+        **{f"decode_b{d.batch}_c{d.context}_measured_s": d.step_s for d in decode},
+    }
+    for probe in cached:  # not fitted: the fit against an agent turn's shape
+        name = f"cached_{probe.cached}_new_{probe.new}"
+        checks[f"{name}_measured_s"] = probe.latency_s
+        checks[f"{name}_fitted_s"] = predicted_s(fit, probe.new, probe.cached, chunk)
+    source = {
+        "file": "measured",
+        "upstream": f"{shape.model} served by vLLM at {args.engine}",
+        "license": "-",
+        "used_for": "every constant and the KV capacity",
+    }
+    doc = profile_json(
+        name=args.name,
+        model=shape.model,
+        gpu=args.device,
+        k=fit.constants,
+        sources=[source],
+        method=method,
+        checks=checks,
+        dtype="",
+        request_overhead_s=fit.overhead_s,
+    )
+    print_profile(doc)
+    print(f"  wrote {write_json(doc, out)}")
     return 0
 
 

@@ -20,21 +20,25 @@ def profile_json(
     method: str,
     checks: dict[str, float],
     tp: int = 1,
+    dtype: str = "bf16",
+    request_overhead_s: float = 0.0,
 ) -> dict[str, Any]:
     r = k.rounded()
     all_checks = {**checks, **examples(r)}
+    overhead = {"request_overhead_s": sig(request_overhead_s)} if request_overhead_s else {}
     return {
         "name": name,
         "model": model,
         "gpu": gpu,
         "tp": tp,
-        "dtype": "bf16",
+        "dtype": dtype or "the model's",
         "step_s": r.step_s,
         "prefill_token_s": r.prefill_token_s,
         "attn_pair_s": r.attn_pair_s,
         "decode_seq_s": r.decode_seq_s,
         "decode_ctx_s": r.decode_ctx_s,
         "kv_capacity_tokens": r.kv_capacity_tokens,
+        **overhead,
         "sources": sources,
         "method": method,
         "checks": {key: v if v.is_integer() else sig(v) for key, v in all_checks.items()},
@@ -60,6 +64,8 @@ def print_profile(doc: dict[str, Any]) -> None:
     for key, (mult, unit) in units.items():
         print(f"  {key:<18} {doc[key] * mult:>10.4g} {unit}")
     print(f"  {'kv_capacity_tokens':<18} {doc['kv_capacity_tokens']:>10,d}")
+    if "request_overhead_s" in doc:
+        print(f"  {'request_overhead_s':<18} {doc['request_overhead_s'] * 1e3:>10.4g} ms")
     print("  checks:")
     for key, value in doc["checks"].items():
         print(f"    {key:<52} {value:.6g}")

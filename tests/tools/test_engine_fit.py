@@ -1,0 +1,71 @@
+"""`tools.fit_latency.engine_fit`: the step-time model fitted to an engine's own timings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tools.fit_latency.engine_fit import (
+    DecodeProbe,
+    PrefillProbe,
+    fit_engine,
+    nonnegative_lstsq,
+    passes,
+    predicted_s,
+)
+from tools.fit_latency.profiles import Constants
+
+TRUE = Constants(4e-3, 30e-6, 2e-9, 50e-6, 20e-9, 65_536)
+OVERHEAD_S = 2e-3
+CHUNK = 2048
+
+
+def prefill_probe(n: int) -> PrefillProbe:
+    latency = OVERHEAD_S + TRUE.step_s * passes(n, CHUNK) + TRUE.step(n, n * n / 2, 0, 0)
+    return PrefillProbe(n, latency - TRUE.step_s)
+
+
+def decode_probe(batch: int, context: int) -> DecodeProbe:
+    probe = DecodeProbe(batch, context, 8, 72, 0.0)
+    step = TRUE.step(0, 0, batch, probe.context_tokens)
+    return DecodeProbe(batch, context, 8, 72, step)
+
+
+def test_exact_timings_give_back_the_constants_and_the_overhead() -> None:
+    prefill = [prefill_probe(n) for n in (32, 1024, 4096, 16384)]
+    decode = [decode_probe(b, c) for b in (1, 4, 16) for c in (256, 4096)]
+    fit = fit_engine(prefill, decode, chunk_tokens=CHUNK, kv_capacity_tokens=65_536)
+    k = fit.constants
+    got = (k.step_s, k.prefill_token_s, k.attn_pair_s, k.decode_seq_s, k.decode_ctx_s)
+    want = (TRUE.step_s, TRUE.prefill_token_s, TRUE.attn_pair_s, TRUE.decode_seq_s, 20e-9)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert fit.overhead_s == pytest.approx(OVERHEAD_S, rel=1e-6)
+    assert k.kv_capacity_tokens == 65_536
+    assert fit.prefill_max_rel_err < 1e-9 and fit.decode_max_rel_err < 1e-9
+    # The fit's prediction of a cold prompt is its probe; on a cached prefix, the pairs grow.
+    assert predicted_s(fit, 4096, 0, CHUNK) == pytest.approx(prefill_probe(4096).latency_s)
+    on_cache = predicted_s(fit, 1024, 16384, CHUNK) - predicted_s(fit, 1024, 0, CHUNK)
+    assert on_cache == pytest.approx(TRUE.attn_pair_s * 1024 * 16384)
+
+
+def test_a_prompt_over_the_chunk_pays_the_fixed_cost_of_each_pass() -> None:
+    assert [passes(n, 2048) for n in (1, 2048, 2049, 8192)] == [1, 1, 2, 4]
+    assert passes(100_000, 0) == 1
+
+
+def test_no_constant_comes_out_negative() -> None:
+    design = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    y = np.array([3.0, 2.0, 1.0])
+    coef = nonnegative_lstsq(design, y)  # falling: the slope is held at 0
+    # The constant closest in relative error: the minimum of sum((c / y - 1)^2).
+    assert coef[1] == 0.0 and coef[0] == pytest.approx((1 / y).sum() / (1 / y**2).sum())
+
+
+def test_too_few_probes_are_refused_saying_what_is_missing() -> None:
+    prefill = [prefill_probe(n) for n in (32, 1024, 4096)]
+    one_batch = [decode_probe(4, c) for c in (256, 1024, 4096)]
+    with pytest.raises(ValueError, match="two batch sizes"):
+        fit_engine(prefill, one_batch, chunk_tokens=CHUNK, kv_capacity_tokens=1)
+    decode = [decode_probe(b, 256) for b in (1, 2, 4)]
+    with pytest.raises(ValueError, match="three prompt lengths"):
+        fit_engine(prefill[:2], decode, chunk_tokens=CHUNK, kv_capacity_tokens=1)
