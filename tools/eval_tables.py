@@ -186,9 +186,9 @@ def knee_tables(report: dict[str, Any], ours: str = "elastic") -> str:
     """`kvsched knee`'s report (knee.json) as two tables. Goodput: per policy the goodput
     load of each seed, the sessions in flight per instance there (mean ± 95% interval over
     the seeds), and `ours` over the policy in goodput load, the ratio paired by seed with its
-    interval and whether that excludes 1. At the reference load (each seed's best baseline's
-    goodput load): TTFT mean, p90 and p99, APC and the hotspot index, means over the seeds,
-    and `ours`'s TTFT p90 over the policy's, paired by seed."""
+    interval and whether that excludes 1 (the searched policies only). At the reference load
+    (each seed's best baseline's goodput load): TTFT mean, p90 and p99, APC and the hotspot
+    index, means over the seeds, and `ours`'s TTFT p90 over the policy's, paired by seed."""
     seeds = list(report["seeds"].values())
     names = report["policies"]
 
@@ -212,13 +212,20 @@ def knee_tables(report: dict[str, Any], ours: str = "elastic") -> str:
         "(load) | excludes 1 |",
         "|---|---|---:|---:|:---:|",
     ]
-    for name in names:
+    searched = report.get("searched", names)
+    for name in searched:
         loads = per_seed(name, "goodput_load")
         censored = any(seed["policies"][name]["knee_load"] is None for seed in seeds)
         m, h = mean_ci(per_seed(name, "sessions_per_instance"))
         cell, excl = ("–", "–") if name == ours else ratio(per_seed(ours, "goodput_load"), loads)
         text = ("≥ " if censored else "") + ", ".join(f"{v:g}" for v in loads)
         lines.append(f"| {name} | {text} | {m:.2f} ± {h:.2f} | {cell} | {excl} |")
+    unsearched = [name for name in names if name not in searched]
+    if unsearched:
+        lines += [
+            "",
+            f"Not searched, replayed at the reference load only: {', '.join(unsearched)}.",
+        ]
     lines += [
         "",
         f"At each seed's reference load ({refs}; the best of "
@@ -246,6 +253,14 @@ def knee_tables(report: dict[str, Any], ours: str = "elastic") -> str:
             else ratio(at_ref(ours, "ttft_p90"), at_ref(name, "ttft_p90"))
         )
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {cell} | {excl} |")
+    ceilings = [seed.get("apc_ceiling") for seed in seeds]
+    if all(c is not None for c in ceilings):
+        lines += [
+            "",
+            "APC ceiling at the reference load, per seed: "
+            + ", ".join(f"{c:.3f}" for c in ceilings)
+            + ".",
+        ]
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 # ../shared/traces. Writes out/eval/<run>/{report.json,table.md,*.png} (a knee search:
 # knee.json). The full run takes several hours on two idle cores (the groups run side by side;
 # the memory-bound knee searches are the longest). `--quick`: only the memory-bound knee
-# without the tier, on half the held-out sessions and to 5% of load (out/eval/quick_knee).
+# without the tier, on half the held-out sessions, three seeds, to 5% of load
+# (out/eval/quick_knee).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
@@ -30,20 +31,39 @@ mkdir -p out/eval
 
 # The memory-bound agentic regime: the held-out sessions (traces 180-359) on 4 instances
 # whose 40 GiB GPUs hold about 172K tokens of KV each, so the sessions in flight at the knee
-# do not all fit; each policy's knee by bisection to 2% of load over five seeds, every policy
-# then replayed at each seed's best peer's goodput load. Without and with the node pool (a
-# DRAM tier of 4x each node's GPU KV). `tools/eval_tables.py --knee out/eval/knee_memory`.
+# do not all fit; the knee of `elastic`, `ear` and each peer's scorer by bisection to 2% of
+# load over five seeds, then every policy replayed at each seed's best peer's goodput load.
+# Without and with the node pool (a DRAM tier of 2.25x the node's GPU KV, Mooncake's ratio
+# below; there the knees of `elastic`, `ear` and the two best peers). Each run takes one core
+# for about 80 minutes; `tools/eval_tables.py --knee out/eval/knee_memory`.
 MEMORY=(--trace "$W" --sessions 180:360 --repeat 2 --load 24 --warmup 0.15 --max-gap 300
-    --instances 4 --gpu-memory 40 --bracket 32:56 --jobs 2 --quiet)
+    --instances 4 --gpu-memory 40 --bracket 40:52 --quiet --policies all)
 memory_bound() {
-    $K knee "${MEMORY[@]}" --policies all --out out/eval/knee_memory
-    $K knee "${MEMORY[@]}" --policies all --dram-tier 4 --out out/eval/knee_memory_tier4
+    $K knee "${MEMORY[@]}" --search "$PEERS,ear,elastic" --out out/eval/knee_memory &
+    $K knee "${MEMORY[@]}" --search llmd,dynamo,ear,elastic --dram-tier 2.25 \
+        --out out/eval/knee_memory_tier &
+    wait
+}
+
+# Mooncake's scheduling experiment on its own conversation trace (FAST'25 section 4.2: one
+# instance a node, the trace at its timestamps; global cache-aware against local cache-aware,
+# load balancing and random, by average TTFT). 8 instances, one a node, each node's DRAM pool
+# 2.25x its GPU KV (the paper's 3M tokens of DRAM a node against the ~1.33M its eight A800s
+# hold for LLaMA3-70B), the paper's SLOs (TTFT 30 s, TBT 100 ms); Mooncake's disaggregated
+# selection (global: fetch the best prefix; local: never fetch), load balancing in the same
+# disaggregated cluster (static_pd), and colocated: least_loaded, mooncake:colocated=1,
+# elastic, round_robin.
+mooncake_direction() {
+    $K replay --trace "$C" "${OPEN[@]}" --instances-per-node 1 --dram-tier 2.25 --ttft-slo 30 \
+        --tpot-slo 0.1 --load 1 --sweep 1.5,2,2.5,3,4 --no-figures \
+        --policies mooncake,mooncake:balancing_threshold=1e9,static_pd,round_robin,least_loaded,mooncake:colocated=1,elastic \
+        --out out/eval/mooncake_direction
 }
 
 if [ "$QUICK" = 1 ]; then
     $K knee --trace "$W" --sessions 180:270 --repeat 2 --load 24 --warmup 0.15 --max-gap 300 \
-        --instances 4 --gpu-memory 40 --bracket 32:56 --tolerance 0.05 --jobs 2 --quiet \
-        --policies "$PEERS,ear,elastic" --out out/eval/quick_knee
+        --instances 4 --gpu-memory 40 --bracket 40:52 --tolerance 0.05 --seeds 0,1,2 --jobs 2 \
+        --quiet --policies all --search "$PEERS,ear,elastic" --out out/eval/quick_knee
     .venv/bin/python tools/eval_tables.py --knee out/eval/quick_knee
     exit 0
 fi
@@ -118,13 +138,14 @@ tiers() {
     done
 }
 
-memory_bound > out/eval/memory_bound.log 2>&1
+memory_bound > out/eval/memory_bound.log 2>&1 &
+mooncake_direction > out/eval/mooncake_direction.log 2>&1
 agentic > out/eval/agentic.log 2>&1 &
 knee > out/eval/knee.log 2>&1 &
 open_loop > out/eval/open_loop.log 2>&1
 tiers > out/eval/tiers.log 2>&1
 wait
-for run in out/eval/knee_memory out/eval/knee_memory_tier4; do
+for run in out/eval/knee_memory out/eval/knee_memory_tier; do
     echo "== $run"; .venv/bin/python tools/eval_tables.py --knee "$run"; echo
 done
 for run in out/eval/*/; do [ -f "$run/table.md" ] && { echo "== $run"; cat "$run/table.md"; echo; }; done

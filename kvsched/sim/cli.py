@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="llmd,dynamo,sglang,mooncake,cache_aware",
         help="baselines whose best goodput load, per seed, every policy is replayed at",
     )
+    kp.add_argument(
+        "--search",
+        metavar="POLICIES",
+        help="the policies whose knee is searched (default: every one of --policies); the "
+        "rest are replayed at the reference load only",
+    )
     kp.add_argument("--jobs", type=int, default=1, help="processes sharing the searches")
     kp.add_argument("--out", type=Path, required=True, help="directory for knee.json")
     kp.add_argument("--quiet", action="store_true")
@@ -253,13 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "knee":
-            run, policies = knee_run(args)
+            run, policies, searched = knee_run(args)
         else:
             cmp = comparison(args)
     except (ValueError, OSError) as exc:
         parser.exit(2, f"kvsched: error: {exc}\n")
     if args.command == "knee":
-        return run_knee_command(run, policies, args)
+        return run_knee_command(run, policies, searched, args)
     bar = None if args.quiet else ProgressBar()
     run_comparison(cmp, args.out, figures=not args.no_figures, stream=sys.stdout, progress=bar)
     return 0
@@ -306,8 +312,9 @@ def comparison(args: argparse.Namespace, selected: tuple[Trace, str] | None = No
     return cmp
 
 
-def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...]]:
-    """The knee search `kvsched knee`'s `args` ask for; raises ValueError."""
+def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...], tuple[str, ...]]:
+    """The knee search `kvsched knee`'s `args` ask for: the run, its policies and the ones
+    searched; raises ValueError."""
     base, fmt = select_trace(args)
     cmp = comparison(args, (base, fmt))
     if not cmp.closed_loop:
@@ -323,20 +330,30 @@ def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...]]:
     scale = args.token_scale if args.token_scale is not None else DEFAULT_TOKEN_SCALE[fmt]
     reference = expand_policies(args.reference)
     run = KneeRun(cmp, base, scale, search, seeds, reference)
-    return run, cmp.policies
+    searched = expand_policies(args.search) if args.search else cmp.policies
+    unknown = sorted(set(searched) - set(cmp.policies))
+    if unknown:
+        raise ValueError(f"--search names policies not in --policies: {', '.join(unknown)}")
+    if not set(reference) & set(searched):
+        raise ValueError("--search leaves out every --reference policy: none sets the load")
+    return run, cmp.policies, searched
 
 
-def run_knee_command(run: KneeRun, policies: tuple[str, ...], args: argparse.Namespace) -> int:
+def run_knee_command(
+    run: KneeRun, policies: tuple[str, ...], searched: tuple[str, ...], args: argparse.Namespace
+) -> int:
     started = time.perf_counter()
-    total = len(policies) * len(run.seeds)
     done = [0]
 
     def tick(label: str) -> None:
         done[0] += 1
         if not args.quiet:
-            print(f"[{done[0]}] {label} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+            print(
+                f"[{done[0]}/{len(run.seeds)}] {label} ({time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+            )
 
-    report = run_knees(run, policies, jobs=args.jobs, progress=tick)
+    report = run_knees(run, policies, jobs=args.jobs, progress=tick, searched=searched)
     report["config"] = config_section(run.base, replay_config(run.base))
     report["trace"] = {
         "path": str(args.trace),
@@ -345,7 +362,10 @@ def run_knee_command(run: KneeRun, policies: tuple[str, ...], args: argparse.Nam
     report["wall_seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(args.out / "knee.json", report)
-    print(f"{total} searches: {args.out / 'knee.json'}")
+    searches = len(searched) * len(run.seeds)
+    print(
+        f"{searches} searches, {len(policies)} policies at the reference: {args.out / 'knee.json'}"
+    )
     return 0
 
 

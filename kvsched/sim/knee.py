@@ -12,23 +12,26 @@ start times shift with it), so the search finds a knee, the first crossing it br
 
 Afterwards every policy is replayed once more at the reference load, the highest goodput of
 the reference policies (the best baseline) on that seed, for TTFT, APC and the hotspot index
-there. The searches are independent: `jobs` processes share them out.
+there; a policy left out of the searches (`searched`) is only replayed there. One seed's
+searches run side by side, sharing each prepared trace among the searches that probe its
+load; `jobs` processes share the seeds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
+from kvsched.sim.arrivals import draw_group_starts
 from kvsched.sim.compare import Comparison, replay_config
 from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.replay import run_replay
-from kvsched.sim.summary import summarize
+from kvsched.sim.summary import measured_calls, summarize
 from kvsched.sim.sweep import GOODPUT_ATTAINMENT
-from kvsched.sim.traces import transform
+from kvsched.sim.traces import ceiling, transform
 from kvsched.sim.traces.model import Trace
 
 WIDEN = 1.5
@@ -63,41 +66,61 @@ class KneeSearch:
             raise ValueError(f"the tolerance must lie in (0, 1), got {self.tolerance:g}")
 
 
-def find_knee(attainment_at: Callable[[float], float], search: KneeSearch) -> dict[str, Any]:
-    """Bisect `attainment_at` (a replay per call) for the knee. Returns the probes in the
+KneeSteps = Generator[float, float, dict[str, Any]]
+
+
+def knee_steps(search: KneeSearch) -> KneeSteps:
+    """The bisection as a generator: it yields each load to probe and is sent the attainment
+    there (a replay's; NaN, nothing offered, counts as a miss). It returns the probes in the
     order run, `goodput_load` (0 when even the widened bracket's bottom misses) and
     `knee_load` (None when even its top meets the target)."""
     probes: list[tuple[float, float]] = []
-
-    def meets(load: float) -> bool:
-        value = attainment_at(load)
-        probes.append((load, value))
-        return value >= search.target  # NaN (nothing offered) counts as a miss
-
     lo, hi = search.lo, search.hi
-    if not meets(lo):  # widen downwards: the old bottom is the new top
+    value = yield lo
+    probes.append((lo, value))
+    if not value >= search.target:  # widen downwards: the old bottom is the new top
         for _ in range(MAX_WIDEN):
             lo, hi = _round(lo / WIDEN), lo
-            if meets(lo):
+            value = yield lo
+            probes.append((lo, value))
+            if value >= search.target:
                 break
         else:
             return _result(probes, 0.0, lo)
-    elif meets(hi):  # widen upwards
-        for _ in range(MAX_WIDEN):
-            lo, hi = hi, _round(hi * WIDEN)
-            if not meets(hi):
-                break
-        else:
-            return _result(probes, hi, None)
+    else:
+        value = yield hi
+        probes.append((hi, value))
+        if value >= search.target:  # widen upwards
+            for _ in range(MAX_WIDEN):
+                lo, hi = hi, _round(hi * WIDEN)
+                value = yield hi
+                probes.append((hi, value))
+                if not value >= search.target:
+                    break
+            else:
+                return _result(probes, hi, None)
     while hi - lo > search.tolerance * lo:
         mid = _round((lo + hi) / 2)
         if mid in (lo, hi):
             break
-        if meets(mid):
+        value = yield mid
+        probes.append((mid, value))
+        if value >= search.target:
             lo = mid
         else:
             hi = mid
     return _result(probes, lo, hi)
+
+
+def find_knee(attainment_at: Callable[[float], float], search: KneeSearch) -> dict[str, Any]:
+    """`knee_steps` driven by `attainment_at` (a replay per call)."""
+    steps = knee_steps(search)
+    load = next(steps)
+    while True:
+        try:
+            load = steps.send(attainment_at(load))
+        except StopIteration as done:
+            return cast(dict[str, Any], done.value)
 
 
 def _round(load: float) -> float:
@@ -134,17 +157,20 @@ class KneeRun:
         return replace(self.base, trace=self.trace_at(load, seed), load=load, seed=seed)
 
 
-def replay_row(run: KneeRun, spec: str, load: float, seed: int) -> dict[str, Any]:
-    """One replay of `spec` at `load`, summarised (the row's keys in ROW_KEYS)."""
+def replay_rows(run: KneeRun, specs: Sequence[str], load: float, seed: int) -> list[dict[str, Any]]:
+    """`replay_row` of each of `specs`, on one trace prepared once."""
     cmp, prepared = _prepared(run, load, seed)
     config = replay_config(cmp)
-    row = summarize(run_replay(prepared, spec, config), cmp.trace, config)
-    out = {key: row.get(key) for key in ROW_KEYS}
-    inflight = out["steady_inflight_sessions"]
-    out["sessions_per_instance"] = (
-        inflight / cmp.instances if inflight is not None and math.isfinite(inflight) else None
-    )
-    return out
+    rows = []
+    for spec in specs:
+        row = summarize(run_replay(prepared, spec, config), cmp.trace, config)
+        out = {key: row.get(key) for key in ROW_KEYS}
+        inflight = out["steady_inflight_sessions"]
+        out["sessions_per_instance"] = (
+            inflight / cmp.instances if inflight is not None and math.isfinite(inflight) else None
+        )
+        rows.append(out)
+    return rows
 
 
 def _prepared(run: KneeRun, load: float, seed: int) -> tuple[Comparison, PreparedTrace]:
@@ -155,28 +181,63 @@ def _prepared(run: KneeRun, load: float, seed: int) -> tuple[Comparison, Prepare
     return cmp, prepare(cmp.trace, seed=seed)
 
 
-def search_one(run: KneeRun, spec: str, seed: int) -> dict[str, Any]:
-    """The knee of `spec` on `seed`, with the rows of every probe."""
-    rows: dict[float, dict[str, Any]] = {}
+def search_seed(
+    run: KneeRun, policies: Sequence[str], searched: Sequence[str], seed: int
+) -> dict[str, Any]:
+    """The knees of `searched` on `seed`, searched side by side, then every policy at the
+    seed's reference load. Each round takes the lowest load a search asks for, prepares that
+    trace once and replays there every search asking for it (their probes coincide where
+    their knees lie close, as the bracket's ends always do). Returns the seed's part of the
+    report."""
+    steps = {spec: knee_steps(run.search) for spec in searched}
+    asked = {spec: next(gen) for spec, gen in steps.items()}
+    rows: dict[str, dict[str, dict[str, Any]]] = {spec: {} for spec in policies}
+    found: dict[str, dict[str, Any]] = {}
+    while asked:
+        load = min(asked.values())
+        here = [spec for spec in searched if asked.get(spec) == load]
+        for spec, row in zip(here, replay_rows(run, here, load, seed), strict=True):
+            rows[spec][f"{load:g}"] = row
+            value = row["slo_attainment"]
+            try:
+                asked[spec] = steps[spec].send(math.nan if value is None else float(value))
+            except StopIteration as done:
+                found[spec] = done.value
+                del asked[spec]
+    peers = [found[spec]["goodput_load"] for spec in run.reference if spec in found]
+    reference = max(peers, default=0.0)
+    apc_ceiling = reference_apc_ceiling(run, reference, seed) if reference > 0 else None
+    key = f"{reference:g}"
+    missing = [spec for spec in policies if key not in rows[spec]]
+    if reference > 0 and missing:
+        for spec, row in zip(missing, replay_rows(run, missing, reference, seed), strict=True):
+            rows[spec][key] = row
+    entries = {}
+    for spec in policies:
+        result = found.get(spec) or {**_result([], 0.0, None), "goodput_load": None}
+        goodput = result["goodput_load"]
+        per_instance = rows[spec][f"{goodput:g}"]["sessions_per_instance"] if goodput else None
+        entries[spec] = {
+            **result,
+            "sessions_per_instance": 0.0 if spec in found and not goodput else per_instance,
+            "rows": rows[spec],
+            "at_reference": rows[spec].get(key),
+        }
+    return {"reference_load": reference, "apc_ceiling": apc_ceiling, "policies": entries}
 
-    def attainment(load: float) -> float:
-        rows[load] = replay_row(run, spec, load, seed)
-        value = rows[load]["slo_attainment"]
-        return float("nan") if value is None else float(value)
 
-    result = find_knee(attainment, run.search)
-    goodput = result["goodput_load"]
-    result["sessions_per_instance"] = rows[goodput]["sessions_per_instance"] if goodput else 0.0
-    result["rows"] = {f"{load:g}": row for load, row in rows.items()}
-    return result
-
-
-def _search_task(args: tuple[KneeRun, str, int]) -> dict[str, Any]:
-    return search_one(*args)
+def reference_apc_ceiling(run: KneeRun, load: float, seed: int) -> float:
+    """The APC no placement can beat at `load` on `seed`: every prefix any earlier call
+    computed still cached (`ceiling.ideal_apc`, any session's), over the measured calls (the
+    replay's window: its sessions' starts are drawn as the replay draws them)."""
+    cmp = run.comparison_at(load, seed)
+    starts = draw_group_starts(cmp.trace.calls, cmp.instances, cmp.load, seed)
+    window = measured_calls(cmp.trace, replay_config(cmp), starts)
+    return ceiling.ideal_apc(cmp.trace, scope="global", window=list(window))
 
 
-def _row_task(args: tuple[KneeRun, str, float, int]) -> dict[str, Any]:
-    return replay_row(*args)
+def _seed_task(args: tuple[KneeRun, tuple[str, ...], tuple[str, ...], int]) -> dict[str, Any]:
+    return search_seed(*args)
 
 
 def run_knees(
@@ -184,38 +245,17 @@ def run_knees(
     policies: Sequence[str],
     jobs: int = 1,
     progress: Callable[[str], None] | None = None,
+    searched: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Every policy's knee on every seed, then every policy at each seed's reference load.
-    Returns the `knee` report: per seed and policy the search and the reference row."""
-    tasks = [(run, spec, seed) for seed in run.seeds for spec in policies]
-    searches = _map(_search_task, tasks, jobs, progress, lambda t: f"{t[1]} seed {t[2]}")
-    found = {(t[2], t[1]): s for t, s in zip(tasks, searches, strict=True)}
-    seeds: dict[str, Any] = {}
-    reference_loads: dict[int, float] = {}
-    for seed in run.seeds:
-        peers = [found[(seed, spec)]["goodput_load"] for spec in run.reference if spec in policies]
-        reference_loads[seed] = max(peers, default=0.0)
-    row_tasks = []
-    for seed in run.seeds:
-        load = reference_loads[seed]
-        for spec in policies:
-            if load > 0 and f"{load:g}" not in found[(seed, spec)]["rows"]:
-                row_tasks.append((run, spec, load, seed))
-    extra = _map(_row_task, row_tasks, jobs, progress, lambda t: f"{t[1]} seed {t[3]} @ {t[2]:g}")
-    for (_, spec, load, seed), row in zip(row_tasks, extra, strict=True):
-        found[(seed, spec)]["rows"][f"{load:g}"] = row
-    for seed in run.seeds:
-        load = reference_loads[seed]
-        seeds[str(seed)] = {
-            "reference_load": load,
-            "policies": {
-                spec: {
-                    **found[(seed, spec)],
-                    "at_reference": found[(seed, spec)]["rows"].get(f"{load:g}"),
-                }
-                for spec in policies
-            },
-        }
+    """The knee of every policy of `searched` (default: all) on every seed, then every policy
+    at each seed's reference load; `jobs` processes share the seeds. Returns the `knee`
+    report: per seed and policy the search (none for a policy not searched: its goodput and
+    knee loads None) and the reference row."""
+    searched = tuple(policies if searched is None else searched)
+    if not set(run.reference) & set(searched):
+        raise ValueError("no reference baseline is searched: nothing sets the reference load")
+    tasks = [(run, tuple(policies), searched, seed) for seed in run.seeds]
+    done = _map(_seed_task, tasks, jobs, progress, lambda t: f"seed {t[3]}")
     return {
         "search": {
             "lo": run.search.lo,
@@ -227,7 +267,8 @@ def run_knees(
         },
         "reference_policies": list(run.reference),
         "policies": list(policies),
-        "seeds": seeds,
+        "searched": list(searched),
+        "seeds": {str(t[3]): seed for t, seed in zip(tasks, done, strict=True)},
     }
 
 

@@ -35,6 +35,7 @@ POINT_KEYS = (
     "slo_attainment",
     "steady_inflight_sessions",
     "mean_inflight_sessions",
+    "ttft_mean",
     "ttft_p90",
     "apc",
     "offered",

@@ -72,25 +72,50 @@ def test_fractional_copies_add_a_seeded_sample_of_the_next_copy() -> None:
         assert call.after < 0 or part.calls[call.after].group == call.group
 
 
-def test_every_policys_knee_and_the_reference_rows() -> None:
+def two_policies(seeds: tuple[int, ...]) -> KneeRun:
+    """round_robin and least_loaded on a small agentic trace, round_robin the reference."""
     base = agentic(groups=4, turns=3)
     cmp = Comparison(
         trace=base, trace_path="agentic", policies=("round_robin", "least_loaded"), instances=2,
         load=1.0, closed_loop=True, repeat=1,
     )  # fmt: skip
-    run = KneeRun(cmp, base, 1.0, KneeSearch(1, 16, 0.5), (0, 1), ("round_robin",))
-    report = run_knees(run, cmp.policies)
+    return KneeRun(cmp, base, 1.0, KneeSearch(1, 16, 0.5), seeds, ("round_robin",))
+
+
+def test_every_policys_knee_and_the_reference_rows() -> None:
+    run = two_policies((0, 1))
+    policies = run.base.policies
+    report = run_knees(run, policies)
     assert set(report["seeds"]) == {"0", "1"}
     for seed in report["seeds"].values():
         reference = seed["reference_load"]
         assert reference == seed["policies"]["round_robin"]["goodput_load"] > 0
+        apcs = [entry["at_reference"]["apc"] for entry in seed["policies"].values()]
+        assert 0 < seed["apc_ceiling"] <= 1 and max(apcs) <= seed["apc_ceiling"] + 1e-12
         for entry in seed["policies"].values():
             assert entry["probes"][0][0] == 1.0
             assert entry["at_reference"]["slo_attainment"] is not None
             good = entry["goodput_load"]
             assert entry["rows"][f"{good:g}"]["slo_attainment"] >= 0.9
     # Shared among processes, the searches find the same (each replay is deterministic).
-    assert run_knees(run, cmp.policies, jobs=2)["seeds"] == report["seeds"]
+    assert run_knees(run, policies, jobs=2)["seeds"] == report["seeds"]
+
+
+def test_a_policy_not_searched_is_replayed_at_the_reference_load_only() -> None:
+    run = two_policies((0,))
+    policies = run.base.policies
+    report = run_knees(run, policies, searched=("round_robin",))
+    assert report["searched"] == ["round_robin"]
+    seed = report["seeds"]["0"]
+    unsearched = seed["policies"]["least_loaded"]
+    assert unsearched["goodput_load"] is None and unsearched["probes"] == []
+    assert list(unsearched["rows"]) == [f"{seed['reference_load']:g}"]
+    searched_alone = run_knees(run, policies)["seeds"]["0"]["policies"]["least_loaded"]
+    # The same replay as when it is searched: one prepared trace serves every policy.
+    load = f"{seed['reference_load']:g}"
+    assert unsearched["at_reference"] == searched_alone["rows"][load]
+    with pytest.raises(ValueError, match="no reference baseline is searched"):
+        run_knees(run, policies, searched=("least_loaded",))
 
 
 def test_kvsched_knee_refuses_what_it_cannot_search(capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,6 +124,8 @@ def test_kvsched_knee_refuses_what_it_cannot_search(capsys: pytest.CaptureFixtur
         (["--bracket", "8:2"], "0 < lo < hi"),
         (["--seeds", "x"], "--seeds"),
         (["--mode", "open"], "closed-loop"),
+        (["--policies", "llmd,ear", "--search", "elastic"], "not in --policies"),
+        (["--policies", "llmd,ear", "--search", "ear"], "every --reference policy"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             cli.main(["knee", "--trace", trace, "--out", "unused", *extra])

@@ -155,3 +155,18 @@ def test_knee_tables_pair_the_ratios_by_seed() -> None:
         )
     )
     assert "| no |" in next(line for line in mixed.splitlines() if line.startswith("| llmd | 40"))
+
+
+def test_a_policy_not_searched_appears_only_at_the_reference_load() -> None:
+    report = knee_report(
+        {"llmd": [40, 44], "elastic": [44, 48], "sticky": [0, 0]},
+        {"llmd": [1.0, 1.0], "elastic": [0.9, 0.9], "sticky": [2.0, 2.0]},
+    )
+    report["searched"] = ["llmd", "elastic"]
+    for seed, ceiling in zip(report["seeds"].values(), (0.95, 0.97), strict=True):
+        seed["apc_ceiling"] = ceiling
+    text = knee_tables(report)
+    assert "APC ceiling at the reference load, per seed: 0.950, 0.970." in text
+    assert not any(line.startswith("| sticky | 0, 0") for line in text.splitlines())
+    assert "replayed at the reference load only: sticky." in text
+    assert any(line.startswith("| sticky | 0.900 |") for line in text.splitlines())
