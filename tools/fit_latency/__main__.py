@@ -124,7 +124,7 @@ async def _fit_engine(args: argparse.Namespace, out: Path) -> int:
         f"(prefill), and {', '.join(map(str, plan.batches))} requests at once of "
         f"{' and '.join(map(str, plan.contexts))} prompt tokens, with {SHORT_OUTPUT} and "
         f"{LONG_OUTPUT} output tokens (decode: the difference per token is one pass); "
-        f"{args.chunk_tokens} prompt tokens per pass; capacity from vllm:cache_config_info; "
+        f"{chunk} prompt tokens per pass; capacity from vllm:cache_config_info; "
         "checked, not fitted: one request alone of new tokens on a cached prefix ("
         + ", ".join(f"{c}+{n}" for c, n in plan.cached)
         + ") "
