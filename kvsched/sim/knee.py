@@ -158,7 +158,8 @@ class KneeRun:
 
 
 def replay_rows(run: KneeRun, specs: Sequence[str], load: float, seed: int) -> list[dict[str, Any]]:
-    """`replay_row` of each of `specs`, on one trace prepared once."""
+    """Each of `specs` replayed at `load` on one trace prepared once, summarised: the row's
+    keys in ROW_KEYS and the sessions in flight per instance."""
     cmp, prepared = _prepared(run, load, seed)
     config = replay_config(cmp)
     rows = []
