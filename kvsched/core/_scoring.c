@@ -42,7 +42,7 @@ static inline double np_clip_low0(double a) { return np_max(a, 0.0); }
 /* The fitted step-time constants a TTFT estimate reads (`CostModel.kernel_constants`). */
 typedef struct {
     double step_s, decode_seq_s, decode_ctx_s, prefill_token_s, attn_pair_s, chunk;
-    double kv_bytes_per_token;
+    double kv_bytes_per_token, prefill_ctx_s;
 } Constants;
 
 /* The node pool's host link constants a pool load reads (`CostModel.pool_constants`). */
@@ -67,10 +67,10 @@ static int read_numbers(PyObject *obj, Py_ssize_t count, double *const *out) {
 }
 
 static int read_constants(PyObject *obj, Constants *c) {
-    double *const out[7] = {&c->step_s,          &c->decode_seq_s, &c->decode_ctx_s,
+    double *const out[8] = {&c->step_s,          &c->decode_seq_s, &c->decode_ctx_s,
                             &c->prefill_token_s, &c->attn_pair_s,  &c->chunk,
-                            &c->kv_bytes_per_token};
-    return read_numbers(obj, 7, out);
+                            &c->kv_bytes_per_token, &c->prefill_ctx_s};
+    return read_numbers(obj, 8, out);
 }
 
 static int read_pool_constants(PyObject *obj, PoolConstants *p) {
@@ -317,6 +317,11 @@ static inline double transfer_one(double tokens, double kv, double setup, double
     return tokens > 0 ? moving : 0.0;
 }
 
+/* latency.context_read(passes, n_cached, chunk): the context a prompt's chunks read. */
+static inline double context_read(double passes, double n_cached, double chunk) {
+    return passes * n_cached + chunk * passes * (passes - 1.0) * 0.5;
+}
+
 /* LatencyModel.prefill(n_new, n_cached, chunk) for one slot. */
 static inline double prefill_one(const Constants *c, double n_new, double n_cached) {
     double passes = 1.0;
@@ -327,7 +332,8 @@ static inline double prefill_one(const Constants *c, double n_new, double n_cach
     double b = c->prefill_token_s * n_new;
     double attn = c->attn_pair_s * n_new;
     double pairs = n_cached + n_new * 0.5;
-    return (a + b) + attn * pairs;
+    double read = c->prefill_ctx_s * context_read(passes, n_cached, c->chunk);
+    return ((a + b) + attn * pairs) + read;
 }
 
 /* ---- ttft ---------------------------------------------------------------------------------- */
@@ -363,7 +369,8 @@ static PyObject *ttft(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         double passes = np_max(ceil(n_new / c.chunk), 1.0);
         double pairs = cached[j] + n_new * 0.5;
         double per_token = c.prefill_token_s + c.attn_pair_s * pairs;
-        prefill[j] = passes * per_pass + n_new * per_token;
+        double read = c.prefill_ctx_s * context_read(passes, cached[j], c.chunk);
+        prefill[j] = (passes * per_pass + n_new * per_token) + read;
         est[j] = (queue[j] + prefill[j]) + transfer[j];
     }
     return kernel_done(&k, kernel_result(&k));

@@ -12,6 +12,7 @@ import numpy.typing as npt
 from kvsched.core import scoring
 from kvsched.core.cost_model import CostModel
 from kvsched.core.decision import RequestId, TransferKind, TransferPlan
+from kvsched.core.latency import context_read
 from kvsched.core.pickers import masked_min
 
 if TYPE_CHECKING:
@@ -64,8 +65,11 @@ def ttft_terms(
         per_pass = (
             lat.step_s + lat.decode_seq_s * load.running + lat.decode_ctx_s * load.decode_tokens
         )
-        prefill = cost.passes(n_new) * per_pass + n_new * (
-            lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5)
+        passes = cost.passes(n_new)
+        prefill = (
+            passes * per_pass
+            + n_new * (lat.prefill_token_s + lat.attn_pair_s * (cached + n_new * 0.5))
+            + lat.prefill_ctx_s * context_read(passes, cached, cost.chunk_tokens)
         )
         transfer = np.zeros(len(queue)) if transfer_s is None else transfer_s
         ttft = queue + prefill + transfer

@@ -80,7 +80,7 @@ class CostModel:
         return self.model.kv_bytes_per_token
 
     @cached_property
-    def kernel_constants(self) -> tuple[float, float, float, float, float, float, float]:
+    def kernel_constants(self) -> tuple[float, float, float, float, float, float, float, float]:
         """The constants the compiled scoring reads (`kvsched.core.scoring.Constants`), made
         once per cost model (a cost model never changes; a measured transfer makes a new one)."""
         lat = self.latency
@@ -92,6 +92,7 @@ class CostModel:
             lat.attn_pair_s,
             float(self.chunk_tokens),
             float(self.kv_bytes_per_token),
+            lat.prefill_ctx_s,
         )
 
     @cached_property

@@ -6,9 +6,12 @@ and `B` running decodes with `ctx` tokens of context in total takes
     step = step_s + prefill_token_s·p + attn_pair_s·pairs + decode_seq_s·B + decode_ctx_s·ctx
 
 where a prompt chunk of n new tokens on c cached ones contributes n·(c + n/2) pairs. A
-profile measured on a running server may add `request_overhead_s`: what the server spends on a
-request outside the forward passes before its first one (HTTP, input processing), which
-delays its admission; the GPU profiles fitted from pass timings have none. The
+profile measured on a running server may add two terms the GPU profiles fitted from pass
+timings do not have (both 0 there): `prefill_ctx_s`, seconds per token of context a prompt
+chunk reads before its own tokens, in each pass that carries it (vLLM's CPU build pays it
+beside the pairs: a few new tokens on a long cached prefix cost far more than the pairs
+say), and `request_overhead_s`, what the server spends on a request outside the forward
+passes before its first one (HTTP, input processing), which delays its admission. The
 constants come from `kvsched/data/latency/*.json`, written by `tools/fit_latency.py` from the
 profiles it names (see docs/latency-model.md for the fit and its sources).
 """
@@ -45,29 +48,39 @@ class LatencyModel:
     decode_ctx_s: float
     kv_capacity_tokens: int
     request_overhead_s: float = 0.0  # before a request's first pass, outside the passes
+    prefill_ctx_s: float = 0.0  # per token of context a prompt chunk reads, per pass
 
     def step(
-        self, prefill_tokens: int, attn_pairs: float, decode_seqs: int, decode_ctx: int
+        self,
+        prefill_tokens: int,
+        attn_pairs: float,
+        decode_seqs: int,
+        decode_ctx: int,
+        prefill_ctx: int = 0,
     ) -> float:
-        """Duration of one forward pass with the given mix of work."""
+        """Duration of one forward pass with the given mix of work (`prefill_ctx`: the
+        context, in tokens, that its prompt chunks read before their own tokens)."""
         return (
             self.step_s
             + self.prefill_token_s * prefill_tokens
             + self.attn_pair_s * attn_pairs
             + self.decode_seq_s * decode_seqs
             + self.decode_ctx_s * decode_ctx
+            + self.prefill_ctx_s * prefill_ctx
         )
 
     def prefill(self, n_new: Num, n_cached: Num, chunk: int = 0) -> Num:
         """Isolated prefill of `n_new` tokens on `n_cached` cached ones (works on arrays).
 
         With `chunk` > 0 the prompt runs in chunks of that many tokens, one pass each; the
-        attention pairs sum to the same total, only the fixed step cost repeats."""
+        attention pairs sum to the same total, only the fixed step cost repeats, and each
+        chunk reads the context before it (`context_read`)."""
         passes: Any = 1.0 if chunk <= 0 else np.maximum(np.ceil(n_new / chunk), 1.0)
         return (  # type: ignore[no-any-return]
             self.step_s * passes
             + self.prefill_token_s * n_new
             + self.attn_pair_s * n_new * (n_cached + n_new * 0.5)
+            + self.prefill_ctx_s * context_read(passes, n_cached, chunk)
         )
 
     def prefill_scalar(self, n_new: float, n_cached: float, chunk: int = 0) -> float:
@@ -77,6 +90,7 @@ class LatencyModel:
             self.step_s * passes
             + self.prefill_token_s * n_new
             + self.attn_pair_s * n_new * (n_cached + n_new * 0.5)
+            + self.prefill_ctx_s * context_read(passes, n_cached, chunk)
         )
 
     def decode_step(self, batch: int, context: int) -> float:
@@ -107,12 +121,19 @@ class LatencyModel:
         return k
 
 
+def context_read(passes: Num, n_cached: Num, chunk: int) -> Num:
+    """Tokens of context a prompt's chunks read before their own, summed over its `passes`
+    (chunk i starts after `n_cached` + i·`chunk` tokens; one pass without chunking)."""
+    return passes * n_cached + chunk * passes * (passes - 1.0) * 0.5
+
+
 def latency_profiles() -> tuple[str, ...]:
     """Names of the shipped profiles (`kvsched/data/latency/<name>.json`), sorted."""
     return tuple(sorted(p.stem for p in data_path("latency").glob("*.json")))
 
 
 _CONSTANTS = ("step_s", "prefill_token_s", "attn_pair_s", "decode_seq_s", "decode_ctx_s")
+_SERVER_TERMS = ("request_overhead_s", "prefill_ctx_s")  # optional: 0 when absent
 
 
 def load_latency(name: str = DEFAULT_LATENCY) -> LatencyModel:
@@ -155,11 +176,13 @@ def _read_profile(path: Path, default_name: str) -> LatencyModel:
         constants[key] = float(value)
     if constants["step_s"] <= 0:
         raise ValueError(f"{where}: step_s must be positive")
-    overhead = raw.get("request_overhead_s", 0.0)
-    if isinstance(overhead, bool) or not isinstance(overhead, int | float):
-        raise ValueError(f"{where}: request_overhead_s must be a number")
-    if not math.isfinite(overhead) or overhead < 0:
-        raise ValueError(f"{where}: request_overhead_s must be finite and >= 0, got {overhead}")
+    for key in _SERVER_TERMS:
+        value = raw.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: {key} must be a number")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}: {key} must be finite and >= 0, got {value}")
+        constants[key] = float(value)
     capacity = raw["kv_capacity_tokens"]
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"{where}: kv_capacity_tokens must be a positive integer")
@@ -168,6 +191,5 @@ def _read_profile(path: Path, default_name: str) -> LatencyModel:
         model=str(raw["model"]),
         gpu=str(raw["gpu"]),
         kv_capacity_tokens=capacity,
-        request_overhead_s=float(overhead),
         **constants,
     )

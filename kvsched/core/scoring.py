@@ -25,8 +25,8 @@ import numpy.typing as npt
 FloatVec = npt.NDArray[np.float64]
 BoolVec = npt.NDArray[np.bool_]
 # step_s, decode_seq_s, decode_ctx_s, prefill_token_s, attn_pair_s, chunk_tokens,
-# kv_bytes_per_token (`CostModel.kernel_constants`)
-Constants = tuple[float, float, float, float, float, float, float]
+# kv_bytes_per_token, prefill_ctx_s (`CostModel.kernel_constants`)
+Constants = tuple[float, float, float, float, float, float, float, float]
 # The pool link's setup_s and seconds per byte, kv_bytes_per_token, layers
 # (`CostModel.pool_constants`)
 PoolConstants = tuple[float, float, float, float]

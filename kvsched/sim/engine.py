@@ -287,12 +287,13 @@ class Engine:
             if budget > 0 and self.waiting:
                 budget = self._admit(now, budget, chunks)
         if chunks:
-            prefill_tokens = 0
+            prefill_tokens = context = 0
             pairs = 0.0
             for job, take in chunks:
                 prefill_tokens += take
+                context += job.computed
                 pairs += take * (job.computed + take * 0.5)
-            dur = self.latency.step(prefill_tokens, pairs, batch, self.decode_ctx)
+            dur = self.latency.step(prefill_tokens, pairs, batch, self.decode_ctx, context)
             end = now + dur
             for job, _ in chunks:
                 if job.kv_done_at > now:  # layer-wise: the last layer's compute follows its KV

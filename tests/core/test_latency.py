@@ -8,6 +8,7 @@ fitted output: they bound what the constants may be, so a bad refit fails here.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -204,6 +205,24 @@ def test_chunked_prefill_equals_sum_of_chunk_steps(name: str, n: int, c: int, ch
         total += m.step(take, take * (c + done + take * 0.5), 0, 0)
         done += take
     assert total == pytest.approx(float(m.prefill(float(n), float(c), chunk)), rel=1e-9)
+
+
+@given(n=st.integers(min_value=1, max_value=50_000), c=cached, chunk=st.integers(64, 16_384))
+def test_a_server_profiles_context_reads_are_paid_by_each_chunk(n: int, c: int, chunk: int) -> None:
+    """With `prefill_ctx_s`, every chunk also pays for the context before it: prefill() is
+    still the sum of the engine's chunk passes, and the term adds exactly that reading."""
+    m = replace(MODELS[DEFAULT_LATENCY], prefill_ctx_s=1.36e-6)
+    total, read, done = 0.0, 0, 0
+    while done < n:
+        take = min(chunk, n - done)
+        total += m.step(take, take * (c + done + take * 0.5), 0, 0, c + done)
+        read += c + done
+        done += take
+    prefill = m.prefill_scalar(float(n), float(c), chunk)
+    assert total == pytest.approx(prefill, rel=1e-9)
+    assert float(m.prefill(float(n), float(c), chunk)) == pytest.approx(prefill, rel=1e-12)
+    without = MODELS[DEFAULT_LATENCY].prefill_scalar(float(n), float(c), chunk)
+    assert prefill - without == pytest.approx(1.36e-6 * read, rel=1e-6, abs=1e-12)
 
 
 @models

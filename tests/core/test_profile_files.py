@@ -55,13 +55,16 @@ def test_a_latency_profile_file_is_read_and_checked(tmp_path: Path) -> None:
     assert (loaded.name, loaded.step_s) == ("my-gpu", 0.01)
     assert loaded.prefill_token_s == load_latency().prefill_token_s
     assert loaded.request_overhead_s == 0.0  # the GPU profiles time passes only
-    path.write_text(json.dumps({**mine, "request_overhead_s": 0.02}))
-    assert load_latency(str(path)).request_overhead_s == 0.02
+    assert loaded.prefill_ctx_s == 0.0
+    path.write_text(json.dumps({**mine, "request_overhead_s": 0.02, "prefill_ctx_s": 1e-6}))
+    server = load_latency(str(path))
+    assert (server.request_overhead_s, server.prefill_ctx_s) == (0.02, 1e-6)
     for bad, message in (
         ({**mine, "step_s": 0}, "step_s must be positive"),
         ({**mine, "attn_pair_s": -1e-9}, "attn_pair_s must be finite and >= 0"),
         ({**mine, "decode_seq_s": "fast"}, "decode_seq_s must be a number"),
         ({**mine, "request_overhead_s": -0.1}, "request_overhead_s must be finite and >= 0"),
+        ({**mine, "prefill_ctx_s": True}, "prefill_ctx_s must be a number"),
         ({**mine, "kv_capacity_tokens": 0}, "kv_capacity_tokens must be a positive integer"),
         ({k: v for k, v in mine.items() if k != "gpu"}, "missing gpu"),
     ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -80,18 +81,25 @@ def assert_identical(a: Any, b: Any, where: str = "") -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
-def cluster_of(n: int, chunk: int, roles: tuple[Role, ...] = ()) -> ClusterState:
+def cluster_of(
+    n: int, chunk: int, roles: tuple[Role, ...] = (), prefill_ctx_s: float = 0.0
+) -> ClusterState:
     # Two instances a node: slots sit at every distance, so each transfer row differs.
     topology = TopologyConfig(instances_per_node=2, nodes_per_rack=2, racks_per_spine=2)
     config = ClusterConfig(n_instances=n, chunk_tokens=chunk, topology=topology, roles=roles)
-    return build_cluster(config)
+    cluster = build_cluster(config)
+    if prefill_ctx_s:  # a server profile's term (the GPU profiles have none)
+        latency = replace(cluster.cost.latency, prefill_ctx_s=prefill_ctx_s)
+        cluster.cost = replace(cluster.cost, latency=latency)
+    return cluster
 
 
 @st.composite
 def scenes(draw: st.DrawFn) -> tuple[ClusterState, RequestView]:
     """A cluster with drawn loads and a request view with drawn hits and candidates."""
     n = draw(sizes)
-    cluster = cluster_of(n, draw(st.sampled_from([16, 512, 8192])))
+    chunk = draw(st.sampled_from([16, 512, 8192]))
+    cluster = cluster_of(n, chunk, prefill_ctx_s=draw(st.sampled_from([0.0, 1.36e-6])))
     for slot in range(n):
         report = LoadReport(
             draw(st.integers(0, 50_000)),
@@ -321,8 +329,8 @@ def test_each_kind_of_argument_is_refused_as_the_kernels_always_have() -> None:
     # vectors, then the slot, then the transfer matrices' rows.
     cost, hits = cluster_of(3, 8192).cost, np.zeros(3)
     consts = cost.kernel_constants
-    with pytest.raises(TypeError, match="constants: a tuple of 7 numbers"):
-        _scoring.ttft(1.0, hits, hits, hits, hits, None, consts[:6])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="constants: a tuple of 8 numbers"):
+        _scoring.ttft(1.0, hits, hits, hits, hits, None, consts[:7])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be real number"):  # the number before the slot
         _scoring.moving(9, hits, cost.setup_s, cost.s_per_byte, "kv")  # type: ignore[arg-type]
     assert _scoring.moving(9, np.arange(3), cost.setup_s, cost.s_per_byte, 1.0) is NotImplemented  # type: ignore[arg-type]

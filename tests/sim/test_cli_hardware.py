@@ -46,6 +46,7 @@ DEFAULT_CONFIG = {
         "decode_ctx_s": 4.547e-08,
         "kv_capacity_tokens": 467280,
         "request_overhead_s": 0.0,
+        "prefill_ctx_s": 0.0,
     },
     "kv_capacity_tokens": 467280,
     "block_size": 512,

@@ -88,6 +88,21 @@ def test_a_profiles_request_overhead_delays_admission_by_exactly_that() -> None:
     assert j.first_token_at == pytest.approx(0.015 + LAT.prefill(2000.0, 0.0, 512), rel=1e-12)
 
 
+def test_a_turn_on_a_cached_prefix_pays_for_reading_it_once_per_pass() -> None:
+    # vLLM's CPU build: a few new tokens on a long cached prefix cost more than the pairs say.
+    reads = dataclasses.replace(LAT, prefill_ctx_s=1.36e-6)
+    ttfts = []
+    for latency in (LAT, reads):
+        eng = Engine(0, EngineSpec(BS, 4000, 512, 64, layers=32), latency)
+        first = job(1, prompt=1024, output=1)
+        drive(eng, [(0.0, first)])
+        turn = job(2, prompt=1124, output=1, hashes=(*first.hashes, 7, 8, 9, 10, 11, 12), at=1.0)
+        drive(eng, [(1.0, turn)])
+        assert turn.cached_tokens == 1024
+        ttfts.append(turn.first_token_at - 1.0)
+    assert ttfts[1] - ttfts[0] == pytest.approx(1.36e-6 * 1024, rel=1e-6)
+
+
 def test_decode_runs_one_token_per_pass_as_one_macro_step() -> None:
     eng = engine()
     j = job(1, prompt=100, output=50)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvsched.core.latency import context_read
 from tools.fit_latency.engine_fit import (
+    CachedProbe,
     DecodeProbe,
     PrefillProbe,
     fit_engine,
@@ -18,6 +20,7 @@ from tools.fit_latency.profiles import Constants
 TRUE = Constants(4e-3, 30e-6, 2e-9, 50e-6, 20e-9, 65_536)
 OVERHEAD_S = 2e-3
 CHUNK = 2048
+PREFILL_CTX_S = 1.4e-6  # what vLLM's CPU build pays per cached token a chunk reads
 
 
 def prefill_probe(n: int) -> PrefillProbe:
@@ -46,6 +49,32 @@ def test_exact_timings_give_back_the_constants_and_the_overhead() -> None:
     assert predicted_s(fit, 4096, 0, CHUNK) == pytest.approx(prefill_probe(4096).latency_s)
     on_cache = predicted_s(fit, 1024, 16384, CHUNK) - predicted_s(fit, 1024, 0, CHUNK)
     assert on_cache == pytest.approx(TRUE.attn_pair_s * 1024 * 16384)
+
+
+def cached_probe(cached: int, new: int) -> CachedProbe:
+    k = passes(new, CHUNK)
+    pairs = new * (cached + new / 2)
+    read = PREFILL_CTX_S * context_read(k, cached, CHUNK)
+    latency = OVERHEAD_S + TRUE.step_s * k + TRUE.step(new, pairs, 0, 0) - TRUE.step_s + read
+    return CachedProbe(cached, new, latency)
+
+
+def test_turns_on_a_cached_prefix_fit_what_reading_it_costs() -> None:
+    # The fresh prompts' chunks read context too: the term prices every probe alike.
+    prefill = [PrefillProbe(n, cached_probe(0, n).latency_s) for n in (32, 1024, 4096, 16384)]
+    cached = [cached_probe(c, n) for c in (2048, 16384) for n in (32, 1024, 4096)]
+    decode = [decode_probe(b, c) for b in (1, 4, 16) for c in (256, 4096)]
+    fit = fit_engine(prefill, decode, chunk_tokens=CHUNK, kv_capacity_tokens=1, cached=cached)
+    assert fit.prefill_ctx_s == pytest.approx(PREFILL_CTX_S, rel=1e-6)
+    assert fit.constants.attn_pair_s == pytest.approx(TRUE.attn_pair_s, rel=1e-6)
+    assert fit.overhead_s == pytest.approx(OVERHEAD_S, rel=1e-6)
+    assert fit.prefill_max_rel_err < 1e-9
+    turn = cached_probe(16384, 256)  # a shape it was not fitted on
+    assert predicted_s(fit, 256, 16384, CHUNK) == pytest.approx(turn.latency_s, rel=1e-9)
+    # Fitted on fresh prompts alone, the same engine's turns come out too cheap.
+    fresh = fit_engine(prefill, decode, chunk_tokens=CHUNK, kv_capacity_tokens=1)
+    assert fresh.prefill_ctx_s == 0.0
+    assert predicted_s(fresh, 256, 16384, CHUNK) < 0.9 * turn.latency_s
 
 
 def test_a_prompt_over_the_chunk_pays_the_fixed_cost_of_each_pass() -> None:

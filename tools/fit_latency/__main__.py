@@ -116,18 +116,21 @@ async def _fit_engine(args: argparse.Namespace, out: Path) -> int:
         cached = await probes.cached(plan.cached)
     chunk = args.chunk_tokens
     fit = fit_engine(
-        prefill, decode, chunk_tokens=chunk, kv_capacity_tokens=shape.kv_capacity_tokens
+        prefill,
+        decode,
+        chunk_tokens=chunk,
+        kv_capacity_tokens=shape.kv_capacity_tokens,
+        cached=cached,
     )
     method = (
         f"Timed on {args.engine} (idle, {args.repeats} runs per probe, median): one request "
         f"alone of {', '.join(map(str, plan.prefill))} fresh prompt tokens and one output token "
-        f"(prefill), and {', '.join(map(str, plan.batches))} requests at once of "
+        "and of new tokens on a cached prefix ("
+        + ", ".join(f"{c}+{n}" for c, n in plan.cached)
+        + f") (prefill), and {', '.join(map(str, plan.batches))} requests at once of "
         f"{' and '.join(map(str, plan.contexts))} prompt tokens, with {SHORT_OUTPUT} and "
         f"{LONG_OUTPUT} output tokens (decode: the difference per token is one pass); "
-        f"{chunk} prompt tokens per pass; capacity from vllm:cache_config_info; "
-        "checked, not fitted: one request alone of new tokens on a cached prefix ("
-        + ", ".join(f"{c}+{n}" for c, n in plan.cached)
-        + ") "
+        f"{chunk} prompt tokens per pass; capacity from vllm:cache_config_info "
         "(python -m tools.fit_latency --engine URL; tools/fit_latency/engine_fit.py)"
     )
     checks = {
@@ -136,7 +139,7 @@ async def _fit_engine(args: argparse.Namespace, out: Path) -> int:
         **{f"prefill_{p.tokens}_measured_s": p.latency_s for p in prefill},
         **{f"decode_b{d.batch}_c{d.context}_measured_s": d.step_s for d in decode},
     }
-    for probe in cached:  # not fitted: the fit against an agent turn's shape
+    for probe in cached:  # the fit against an agent turn's shape
         name = f"cached_{probe.cached}_new_{probe.new}"
         checks[f"{name}_measured_s"] = probe.latency_s
         checks[f"{name}_fitted_s"] = predicted_s(fit, probe.new, probe.cached, chunk)
@@ -156,6 +159,7 @@ async def _fit_engine(args: argparse.Namespace, out: Path) -> int:
         checks=checks,
         dtype="",
         request_overhead_s=fit.overhead_s,
+        prefill_ctx_s=fit.prefill_ctx_s,
     )
     print_profile(doc)
     print(f"  wrote {write_json(doc, out)}")

@@ -23,9 +23,9 @@ from services.messenger.vllm_engine import cache_config
 from tools.fit_latency.engine_fit import CachedProbe, DecodeProbe, PrefillProbe
 
 PREFILL_TOKENS = (32, 256, 1024, 2048, 4096, 8192, 16384, 32768)
-# Prompts on a cached prefix (cached, new tokens), the shape of an agent's next turn: not
-# fitted, checked against the fit (the prefill probes' prompts are all new tokens).
-CACHED_PREFILLS = ((4096, 1024), (16384, 256), (16384, 1024), (16384, 4096), (32768, 1024))
+# Prompts on a cached prefix (cached, new tokens), the shape of an agent's next turn: they
+# fit what reading a cached prefix costs beside its attention pairs (`prefill_ctx_s`).
+CACHED_PREFILLS = tuple((c, n) for c in (2048, 8192, 16384, 32768) for n in (32, 256, 1024, 4096))
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_CONTEXTS = (256, 4096)
 SHORT_OUTPUT, LONG_OUTPUT = 8, 72

@@ -22,10 +22,18 @@ def profile_json(
     tp: int = 1,
     dtype: str = "bf16",
     request_overhead_s: float = 0.0,
+    prefill_ctx_s: float = 0.0,
 ) -> dict[str, Any]:
     r = k.rounded()
     all_checks = {**checks, **examples(r)}
-    overhead = {"request_overhead_s": sig(request_overhead_s)} if request_overhead_s else {}
+    server = {  # the terms a profile fitted to a running server may add (0: left out)
+        key: sig(value)
+        for key, value in (
+            ("request_overhead_s", request_overhead_s),
+            ("prefill_ctx_s", prefill_ctx_s),
+        )
+        if value
+    }
     return {
         "name": name,
         "model": model,
@@ -38,7 +46,7 @@ def profile_json(
         "decode_seq_s": r.decode_seq_s,
         "decode_ctx_s": r.decode_ctx_s,
         "kv_capacity_tokens": r.kv_capacity_tokens,
-        **overhead,
+        **server,
         "sources": sources,
         "method": method,
         "checks": {key: v if v.is_integer() else sig(v) for key, v in all_checks.items()},
@@ -64,6 +72,8 @@ def print_profile(doc: dict[str, Any]) -> None:
     for key, (mult, unit) in units.items():
         print(f"  {key:<18} {doc[key] * mult:>10.4g} {unit}")
     print(f"  {'kv_capacity_tokens':<18} {doc['kv_capacity_tokens']:>10,d}")
+    if "prefill_ctx_s" in doc:
+        print(f"  {'prefill_ctx_s':<18} {doc['prefill_ctx_s'] * 1e9:>10.4g} ns/ctx token")
     if "request_overhead_s" in doc:
         print(f"  {'request_overhead_s':<18} {doc['request_overhead_s'] * 1e3:>10.4g} ms")
     print("  checks:")
