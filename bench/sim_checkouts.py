@@ -2,11 +2,12 @@
 
 `bench.sim_speed`'s replay (the Mooncake conversation trace, whole when ../shared is beside
 the repository, 8 instances, open loop, load 1, the compiled index) run by each checkout's
-own code in a child process, the two taking turns round by round (the order reversed every
-round) so that both see the same machine; each policy's speed is the median over the
-rounds, given as simulated seconds per wall second for each checkout and as this checkout's
-ratio to the other's, and the same per CPU second the replay used (steadier when
-other work shares the machine). Both checkouts must have the compiled index built in place.
+own code in a fresh child process for each policy (nothing one replay leaves on the heap
+slows the next), the two taking turns policy by policy (the order reversed every round) so
+that both see the same machine; each policy's speed is the median over the rounds, given as
+simulated seconds per wall second for each checkout and as this checkout's ratio to the
+other's, and the same per CPU second the replay used (steadier when other work shares the
+machine). Both checkouts must have the compiled index built in place.
 
     .venv/bin/python -m bench.sim_checkouts ../main [--rounds 3] [--policies all]
 """
@@ -89,10 +90,11 @@ def main() -> None:
     simulated: dict[tuple[str, str], float] = {}
     for r in range(args.rounds):
         order = ("base", "this") if r % 2 == 0 else ("this", "base")
-        for name in order:
-            for spec, (sim_s, wall_s, cpu_s) in run_round(
-                checkouts[name], trace, args.instances, specs
-            ).items():
+        for spec in specs:
+            for name in order:
+                [(sim_s, wall_s, cpu_s)] = run_round(
+                    checkouts[name], trace, args.instances, (spec,)
+                ).values()
                 walls.setdefault((name, spec), []).append(wall_s)
                 cpus.setdefault((name, spec), []).append(cpu_s)
                 simulated[(name, spec)] = sim_s
