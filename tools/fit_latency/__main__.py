@@ -101,7 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 async def _fit_engine(args: argparse.Namespace, out: Path) -> int:
     """Probe the engine at `args.engine`, fit, print and write the profile."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+    # Idle connections are dropped before uvicorn's 5 s keep-alive ends: a connection the
+    # server closes as a probe reuses it fails that probe (ServerDisconnectedError).
+    connector = aiohttp.TCPConnector(keepalive_timeout=2)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         probes = EngineProbes(
             http,
             args.engine,
