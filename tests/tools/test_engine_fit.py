@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from kvsched.core.latency import context_read
+from kvsched.core.latency import context_read, load_latency
 from tools.fit_latency.engine_fit import (
     CachedProbe,
     DecodeProbe,
@@ -15,6 +17,7 @@ from tools.fit_latency.engine_fit import (
     passes,
     predicted_s,
 )
+from tools.fit_latency.output import profile_json, write_json
 from tools.fit_latency.profiles import Constants
 
 TRUE = Constants(4e-3, 30e-6, 2e-9, 50e-6, 20e-9, 65_536)
@@ -98,3 +101,24 @@ def test_too_few_probes_are_refused_saying_what_is_missing() -> None:
     decode = [decode_probe(b, 256) for b in (1, 2, 4)]
     with pytest.raises(ValueError, match="three prompt lengths"):
         fit_engine(prefill[:2], decode, chunk_tokens=CHUNK, kv_capacity_tokens=1)
+
+
+def test_a_profiles_warm_example_pays_the_cached_context_it_reads(tmp_path: Path) -> None:
+    """The profile's worked example of 1,000 new tokens on 100K cached is what the loaded
+    profile prices it at, `prefill_ctx_s` included (it is most of such a turn on a CPU)."""
+    k = Constants(6.3e-3, 1.5e-5, 4.7e-9, 5.5e-5, 1.0e-7, 4_194_304)
+    doc = profile_json(
+        name="cpu",
+        model="m",
+        gpu="g",
+        k=k,
+        sources=[],
+        method="",
+        checks={},
+        dtype="",
+        prefill_ctx_s=2.5e-6,
+    )
+    warm = doc["checks"]["example_1000_on_100k_cached_s"]
+    priced = load_latency(str(write_json(doc, tmp_path))).prefill_scalar(1000, 100_000)
+    assert warm == pytest.approx(priced, rel=1e-3)
+    assert warm > k.step(1000, 1000 * 100_500, 0, 0) + 0.2  # the read: 0.25 s of it

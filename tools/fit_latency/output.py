@@ -25,7 +25,7 @@ def profile_json(
     prefill_ctx_s: float = 0.0,
 ) -> dict[str, Any]:
     r = k.rounded()
-    all_checks = {**checks, **examples(r)}
+    all_checks = {**checks, **examples(r, sig(prefill_ctx_s))}
     server = {  # the terms a profile fitted to a running server may add (0: left out)
         key: sig(value)
         for key, value in (

@@ -68,11 +68,13 @@ class Constants:
         )
 
 
-def examples(k: Constants) -> dict[str, float]:
-    """The README's worked examples (seconds)."""
+def examples(k: Constants, prefill_ctx_s: float = 0.0) -> dict[str, float]:
+    """The README's worked examples (seconds), one pass each; `prefill_ctx_s`: a running
+    server's cost per token of cached context the pass reads (`LatencyModel.prefill_ctx_s`)."""
+    warm = k.step(1000, 1000 * (100_000 + 500), 0, 0) + prefill_ctx_s * 100_000
     return {
         "example_2000_cold_s": k.step(2000, 2000 * 1000, 0, 0),
-        "example_1000_on_100k_cached_s": k.step(1000, 1000 * (100_000 + 500), 0, 0),
+        "example_1000_on_100k_cached_s": warm,
         "example_101k_cold_s": k.step(101_000, 101_000 * 50_500, 0, 0),
         "example_decode_b32_4k_s": k.step(0, 0, 32, 32 * 4096),
     }
