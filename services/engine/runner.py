@@ -53,19 +53,32 @@ class Request:
     loaded_tokens: int = 0  # loaded from the node's pool just before it was queued
     generated: int = 0
     done: bool = False
+    # Its prompt's blocks are queued for the node's pool, or being saved there. vLLM's
+    # connector copies a step's blocks within the step, so a request it has ended has its KV
+    # in the pool (committed, or landing: an export waits for those); here the save runs off
+    # the step loop, so the last token waits for it (a session's KV moved right after its
+    # turn ends is read from the pool, and would be cut at the blocks saved so far).
+    saving: bool = False
     error: str | None = None
     _waiter: asyncio.Future[None] | None = None
 
+    @property
+    def visible(self) -> int:
+        """The tokens a client may have: all generated, but the last while `saving`."""
+        if self.saving and self.generated >= self.job.output:
+            return max(self.job.output - 1, 0)
+        return self.generated
+
     async def wait(self, seen: int) -> int:
-        """Wait until more than `seen` tokens exist or the request is done; returns how many
-        exist. Raises `ApiError` 503 when the engine stopped before the request finished."""
-        while self.generated <= seen and not self.done:
+        """Wait until more than `seen` tokens are visible or the request ended; returns how
+        many are. Raises `ApiError` 503 when the engine stopped before the request finished."""
+        while self.error is None and self.visible <= seen and not (self.done and not self.saving):
             waiter = asyncio.get_running_loop().create_future()
             self._waiter = waiter
             await waiter
         if self.error is not None:
             raise unavailable(self.error)
-        return self.generated
+        return self.visible
 
     def _notify(self) -> None:
         waiter, self._waiter = self._waiter, None
@@ -140,6 +153,10 @@ class LiveEngine:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._task = self._saver = None
+        while not self._saves.empty():  # saves that will not run now: their last tokens go
+            request = self._saves.get_nowait()
+            request.saving = False
+            request._notify()
         self._fail_all("the engine is shutting down")
         self.transfers.close()
         if self.pool is not None:
@@ -308,6 +325,7 @@ class LiveEngine:
             if request is None:
                 continue
             if self.pool is not None and self.pool.attached and job.hashes:
+                request.saving = True
                 self._saves.put_nowait(request)  # (none queue up while there is no pool)
             m.ttft.observe(max(end - job.arrival, 0.0))
             m.queries.inc(job.prompt)
@@ -355,6 +373,9 @@ class LiveEngine:
                 )
             except Exception:  # a bug here must not stop the engine from saving again
                 log.exception("saving blocks into the KV pool failed")
+            finally:
+                request.saving = False
+                request._notify()
 
     def _finish(self, job: Job) -> None:
         if self.requests.pop(job.rid, None) is not None:

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -114,9 +114,11 @@ def local_cluster(
     *flags: str,
     time_scale: float = TIME_SCALE,
     start_timeout_s: float = START_TIMEOUT_S,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[LocalCluster]:
-    """`kvsched up` with `flags` (engines at `time_scale`, leases of `INSTANCE_TTL_S`), its
-    spans sent to an in-process OTLP receiver; stopped with SIGINT on exit."""
+    """`kvsched up` with `flags` (engines at `time_scale`, leases of `INSTANCE_TTL_S`) and
+    `extra_env` added to its environment, its spans sent to an in-process OTLP receiver; stopped
+    with SIGINT on exit."""
     otlp = OtlpReceiver()
     otlp.start()
     endpoints_file = tmp / "endpoints.json"
@@ -129,6 +131,7 @@ def local_cluster(
         # tests do not expect; the shedding has its own tests (tests/router/test_fallback.py).
         KVSCHED_ROUTER_PLACEMENT_TIMEOUT="1.0",
     )
+    env.update(extra_env or {})
     args = [sys.executable, "-m", "services.launcher", "--endpoints-file", str(endpoints_file)]
     args += ["--run-dir", str(tmp / "run"), "--time-scale", str(time_scale)]
     args += ["--instance-ttl", str(INSTANCE_TTL_S), *flags]

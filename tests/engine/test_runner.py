@@ -138,6 +138,22 @@ async def test_a_load_from_the_pool_costs_its_model_time_overlapped_with_the_pre
     assert job.first_token_at > job.kv_done_at
 
 
+async def test_a_requests_last_token_comes_once_its_prompt_is_saved_in_the_pool(
+    start_engine: Any,
+) -> None:
+    """As with vLLM's connector, whose step copies its blocks into the pool: a session's KV
+    read from the pool right after its turn ends is whole, not cut at what was saved yet."""
+    async with served_pool() as pool:
+        engine = await start_engine(instance_id="e-0", kv_pool_socket=str(pool.socket))
+        link = engine.live.pool
+        assert link is not None
+        await wait_for(lambda: link.attached, 5.0, message="attached to the pool")
+        request = engine.live.submit(prompt(6, 40 * BS + 5), 1)
+        async with asyncio.timeout(30):
+            assert await request.wait(0) == 1
+        assert not request.saving and pool.pool.usage().blocks == 40
+
+
 async def test_blocks_loaded_from_the_pool_are_charged_their_host_link_time(
     start_engine: Any,
 ) -> None:
