@@ -21,6 +21,7 @@ from kvsched.sim.compare import (
 )
 from kvsched.sim.hardware import add_hardware_arguments, hardware_from_args
 from kvsched.sim.knee import KneeRun, KneeSearch, run_knees
+from kvsched.sim.knee_seeds import SeedParts, code_digest, file_digest, run_key
 from kvsched.sim.report import write_report
 from kvsched.sim.tiers import NVME_GEN4_READ, PCIE_GEN5_ACHIEVED, TierConfig, TierSize
 from kvsched.sim.traces import transform
@@ -82,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         "rest are replayed at the reference load only",
     )
     kp.add_argument("--jobs", type=int, default=1, help="processes sharing the searches")
-    kp.add_argument("--out", type=Path, required=True, help="directory for knee.json")
+    kp.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory for knee.json, and seeds/ with each finished seed (a run with the "
+        "same flags and code goes on from them)",
+    )
     kp.add_argument("--quiet", action="store_true")
     add_tier_arguments(kp)
     add_hardware_arguments(kp)
@@ -339,6 +346,19 @@ def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...], tuple[
     return run, cmp.policies, searched
 
 
+# Flags that change how a knee run goes, not what it finds.
+RUN_ONLY_FLAGS = frozenset({"out", "jobs", "quiet", "seeds", "command", "trace"})
+
+
+def seed_parts(args: argparse.Namespace) -> SeedParts:
+    """Where this run's finished seeds are kept (`<out>/seeds`), keyed by every other flag,
+    the trace file's bytes and the simulator's code."""
+    settings = {k: v for k, v in vars(args).items() if k not in RUN_ONLY_FLAGS}
+    trace = Path(args.trace)
+    settings["trace_sha256"] = file_digest(trace) if trace.is_file() else str(trace)
+    return SeedParts(args.out / "seeds", run_key(settings, code_digest()))
+
+
 def run_knee_command(
     run: KneeRun, policies: tuple[str, ...], searched: tuple[str, ...], args: argparse.Namespace
 ) -> int:
@@ -353,7 +373,19 @@ def run_knee_command(
                 file=sys.stderr,
             )
 
-    report = run_knees(run, policies, jobs=args.jobs, progress=tick, searched=searched)
+    kept = seed_parts(args)
+    finished = kept.load(run.seeds)
+    if finished and not args.quiet:
+        print(f"seeds {', '.join(map(str, finished))} kept from an earlier run", file=sys.stderr)
+    report = run_knees(
+        run,
+        policies,
+        jobs=args.jobs,
+        progress=tick,
+        searched=searched,
+        finished=finished,
+        on_seed=kept.save,
+    )
     report["config"] = config_section(run.base, replay_config(run.base))
     report["trace"] = {
         "path": str(args.trace),

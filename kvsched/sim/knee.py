@@ -14,14 +14,15 @@ Afterwards every policy is replayed once more at the reference load, the highest
 the reference policies (the best baseline) on that seed, for TTFT, APC and the hotspot index
 there; a policy left out of the searches (`searched`) is only replayed there. One seed's
 searches run side by side, sharing each prepared trace among the searches that probe its
-load; `jobs` processes share the seeds.
+load; `jobs` processes share the seeds, and a seed's part of the report, once done, can be
+kept (`on_seed`) so a stopped run goes on from the seeds it finished (`finished`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -244,19 +245,33 @@ def _seed_task(args: tuple[KneeRun, tuple[str, ...], tuple[str, ...], int]) -> d
 def run_knees(
     run: KneeRun,
     policies: Sequence[str],
+    *,
     jobs: int = 1,
     progress: Callable[[str], None] | None = None,
     searched: Sequence[str] | None = None,
+    finished: Mapping[int, dict[str, Any]] | None = None,
+    on_seed: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The knee of every policy of `searched` (default: all) on every seed, then every policy
-    at each seed's reference load; `jobs` processes share the seeds. Returns the `knee`
-    report: per seed and policy the search (none for a policy not searched: its goodput and
-    knee loads None) and the reference row."""
+    at each seed's reference load; `jobs` processes share the seeds. The seeds in `finished`
+    (their parts of an earlier report of this run) are not searched again; `on_seed` is told
+    each other seed's part as soon as it is done. Returns the `knee` report: per seed and
+    policy the search (none for a policy not searched: its goodput and knee loads None) and
+    the reference row."""
     searched = tuple(policies if searched is None else searched)
     if not set(run.reference) & set(searched):
         raise ValueError("no reference baseline is searched: nothing sets the reference load")
-    tasks = [(run, tuple(policies), searched, seed) for seed in run.seeds]
-    done = _map(_seed_task, tasks, jobs, progress, lambda t: f"seed {t[3]}")
+    finished = finished or {}
+    tasks = [(run, tuple(policies), searched, s) for s in run.seeds if s not in finished]
+
+    def done(task: tuple[Any, ...], part: dict[str, Any]) -> None:
+        if on_seed is not None:
+            on_seed(task[3], part)
+        if progress is not None:
+            progress(f"seed {task[3]}")
+
+    parts = dict(zip((t[3] for t in tasks), _map(_seed_task, tasks, jobs, done), strict=True))
+    parts |= {seed: finished[seed] for seed in run.seeds if seed in finished}
     return {
         "search": {
             "lo": run.search.lo,
@@ -269,7 +284,7 @@ def run_knees(
         "reference_policies": list(run.reference),
         "policies": list(policies),
         "searched": list(searched),
-        "seeds": {str(t[3]): seed for t, seed in zip(tasks, done, strict=True)},
+        "seeds": {str(seed): parts[seed] for seed in run.seeds},
     }
 
 
@@ -277,22 +292,21 @@ def _map(
     fn: Callable[[Any], Any],
     tasks: list[Any],
     jobs: int,
-    progress: Callable[[str], None] | None,
-    label: Callable[[Any], str],
+    done: Callable[[Any, Any], None],
 ) -> list[Any]:
+    """`fn` of every task, in the tasks' order; `done(task, result)` as each ends."""
     if jobs <= 1 or len(tasks) <= 1:
         out = []
         for task in tasks:
             out.append(fn(task))
-            if progress is not None:
-                progress(label(task))
+            done(task, out[-1])
         return out
     # A fresh process per task: nothing a replay allocated outlives it.
     with ProcessPoolExecutor(max_workers=jobs, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(fn, task) for task in tasks]
-        results = []
-        for task, future in zip(tasks, futures, strict=True):
-            results.append(future.result())
-            if progress is not None:
-                progress(label(task))
+        futures = {pool.submit(fn, task): k for k, task in enumerate(tasks)}
+        results: list[Any] = [None] * len(tasks)
+        for future in as_completed(futures):
+            k = futures[future]
+            results[k] = future.result()
+            done(tasks[k], results[k])
         return results

@@ -3,11 +3,16 @@ it to the tolerance, fractional copies keep the start window; a small search end
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from kvsched.sim import cli
 from kvsched.sim.compare import Comparison
 from kvsched.sim.knee import KneeRun, KneeSearch, find_knee, run_knees
+from kvsched.sim.knee_seeds import SeedParts, code_digest, run_key
 from kvsched.sim.traces import transform
 from tests.conftest import SLICES
 from tests.sim.test_sweep import agentic
@@ -131,3 +136,47 @@ def test_kvsched_knee_refuses_what_it_cannot_search(capsys: pytest.CaptureFixtur
             cli.main(["knee", "--trace", trace, "--out", "unused", *extra])
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_run_goes_on_from_the_seeds_it_kept() -> None:
+    run = two_policies((0, 1))
+    policies = run.base.policies
+    kept: dict[int, dict[str, Any]] = {}
+    whole = run_knees(run, policies, on_seed=kept.__setitem__)
+    assert set(kept) == {0, 1} and whole["seeds"] == {str(s): p for s, p in kept.items()}
+    marker = {"reference_load": -1.0}  # no search makes this: the kept part is taken as it is
+    searched: list[int] = []
+    resumed = run_knees(
+        run, policies, finished={0: marker}, on_seed=lambda s, _: searched.append(s)
+    )
+    assert resumed["seeds"] == {"0": marker, "1": whole["seeds"]["1"]}
+    assert searched == [1]
+
+
+def test_kvsched_knee_keeps_each_seed_and_a_changed_run_searches_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(SLICES / "weka_cc_agentic_sample.jsonl.xz")
+    flags = ["knee", "--trace", trace, "--out", str(tmp_path), "--sessions", "0:2",
+             "--instances", "2", "--policies", "round_robin,least_loaded", "--reference",
+             "round_robin", "--bracket", "1:2", "--tolerance", "0.5", "--seeds", "0"]  # fmt: skip
+    assert cli.main(flags) == 0
+    first = json.loads((tmp_path / "knee.json").read_text())
+    assert [p.name for p in (tmp_path / "seeds").iterdir()] == ["0.json"]
+    capsys.readouterr()
+    assert cli.main([*flags, "--jobs", "2"]) == 0  # how it runs is not what it finds
+    assert "seeds 0 kept" in capsys.readouterr().err
+    assert json.loads((tmp_path / "knee.json").read_text())["seeds"] == first["seeds"]
+    parser = cli.build_parser()
+    kept = cli.seed_parts(parser.parse_args(flags)).key
+    assert cli.seed_parts(parser.parse_args([*flags, "--seeds", "0,1", "--quiet"])).key == kept
+    assert cli.seed_parts(parser.parse_args([*flags, "--instances", "3"])).key != kept
+
+
+def test_a_kept_seed_of_another_run_or_unreadable_is_not_taken(tmp_path: Path) -> None:
+    parts = SeedParts(tmp_path, run_key({"load": 1}, code_digest()))
+    parts.save(0, {"reference_load": 2.0})
+    (tmp_path / "1.json").write_text("{not json")
+    assert parts.load((0, 1, 2)) == {0: {"reference_load": 2.0}}
+    assert SeedParts(tmp_path, run_key({"load": 2}, code_digest())).load((0,)) == {}
+    assert run_key({"load": 1}, "other code") != parts.key
