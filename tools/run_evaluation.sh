@@ -35,7 +35,7 @@ mkdir -p out/eval
 # load over five seeds, then every policy replayed at each seed's best peer's goodput load.
 # Without and with the node pool (a DRAM tier of 2.25x the node's GPU KV, Mooncake's ratio
 # below; there the knees of `elastic`, `ear` and the two best peers). Without the tier: 117
-# minutes of one core. With it: more than 37 minutes of a core for each seed (not yet run to
+# minutes of one core. With it: more than 70 minutes of a core for each seed (not yet run to
 # its end); a tier search's process peaks near 10.5 GB (two fit in 24 GB, three do not). Each
 # finished seed is kept under its --out (seeds/): run again, a group goes on from those.
 # `tools/eval_tables.py --knee out/eval/knee_memory`.
