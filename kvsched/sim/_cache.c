@@ -29,6 +29,7 @@ typedef struct {
     int32_t lock;     /* requests holding a prefix through this block */
     uint32_t gen;     /* bumped on eviction: stale heap entries */
     uint64_t born;    /* the commit that created it (which blocks a commit stored) */
+    uint64_t walked;  /* the touch_prefix run that set it and its ancestors to walk_now */
     uint8_t alive;
 } Node;
 
@@ -49,6 +50,8 @@ typedef struct {
     Entry *heap;
     Py_ssize_t heap_len, heap_cap;
     uint64_t seq, commits;
+    uint64_t walks;  /* touch_prefix runs: a run ends with any other call that touches or locks */
+    double walk_now; /* the run's `now` */
     PyObject *events; /* list, since the last drain */
     PyObject *stored_type, *removed_type; /* BlocksStored, BlocksRemoved */
 } Cache;
@@ -189,6 +192,7 @@ static int Cache_init(Cache *c, PyObject *args, PyObject *kwds) {
     memset(c->table, 0xff, (size_t)size * sizeof(int32_t)); /* NIL everywhere */
     for (Py_ssize_t i = 0; i < total; i++) c->nodes[i].parent = (int32_t)(i + 1 < total ? i + 1 : NIL);
     c->free_head = 0;
+    c->walks = 1; /* a node's `walked` starts at 0: in no run */
     c->mask = size - 1;
     c->total = c->free = total;
     Py_INCREF(stored);
@@ -322,6 +326,7 @@ static PyObject *lock_walk(Cache *c, PyObject *args, PyObject *kwds, int step) {
         return NULL;
     int32_t node;
     if (lookup_nth(c, hashes, n, &node) < 0) return NULL;
+    c->walks += 1;
     while (node != NIL) {
         Node *nd = &c->nodes[node];
         if (step > 0 && nd->lock == 0) c->locked_nodes += 1;
@@ -342,6 +347,43 @@ static PyObject *Cache_lock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
 
 static PyObject *Cache_unlock_prefix(Cache *c, PyObject *args, PyObject *kwds) {
     return lock_walk(c, args, kwds, -1);
+}
+
+/* touch_prefix: lock_prefix then unlock_prefix, in one walk that stops at the first ancestor
+ * this run of touches already set (its own ancestors were set with it). A run is the
+ * touch_prefix calls at one `now` with no other lock, unlock or commit between them: within
+ * it nothing else sets an access time or a lock, and a live node's ancestors never change, so
+ * the walk it skips would only write `now` where `now` already is. A node tier's write-backs
+ * touch the whole chain of every block a GPU evicts, leaf after leaf of one long chain at one
+ * time: the full walks made those quadratic in the chain's length. */
+static PyObject *Cache_touch_prefix(Cache *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "touch_prefix(hashes, n, now)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    double now = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    int32_t node;
+    if (lookup_nth(c, args[0], n, &node) < 0) return NULL;
+    if (node == NIL) Py_RETURN_NONE;
+    if (now != c->walk_now) {
+        c->walks += 1;
+        c->walk_now = now;
+    }
+    Node *end = &c->nodes[node];
+    end->last_access = now;
+    if (end->lock == 0 && end->children == 0 && heap_push(c, node) < 0) return NULL;
+    end->walked = c->walks;
+    /* the nodes above have a child each (the walk's own path), so none becomes evictable */
+    node = end->parent;
+    while (node != NIL && c->nodes[node].walked != c->walks) {
+        Node *nd = &c->nodes[node];
+        nd->last_access = now;
+        nd->walked = c->walks;
+        node = nd->parent;
+    }
+    Py_RETURN_NONE;
 }
 
 static int evict(Cache *c, Py_ssize_t pages) {
@@ -491,6 +533,7 @@ static PyObject *Cache_commit(Cache *c, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = start; i < end; i++)
         if (hash_at(items, i, &h) < 0) goto fail;
     c->commits += 1;
+    c->walks += 1;
     Py_ssize_t used = 0, relocked = 0;
     for (Py_ssize_t i = start; i < end; i++) {
         hash_at(items, i, &h);
@@ -633,6 +676,7 @@ static PyMethodDef Cache_methods[] = {
      NULL},
     {"unlock_prefix", (PyCFunction)(void (*)(void))Cache_unlock_prefix,
      METH_VARARGS | METH_KEYWORDS, NULL},
+    {"touch_prefix", (PyCFunction)(void (*)(void))Cache_touch_prefix, METH_FASTCALL, NULL},
     {"reserve", (PyCFunction)Cache_reserve, METH_O, NULL},
     {"release", (PyCFunction)Cache_release, METH_O, NULL},
     {"commit", (PyCFunction)(void (*)(void))Cache_commit, METH_FASTCALL, NULL},

@@ -76,6 +76,7 @@ class EngineCache(Protocol):
     def unlock_prefix(
         self, hashes: Sequence[int], n: int, now: float, *, touch: bool = True
     ) -> None: ...
+    def touch_prefix(self, hashes: Sequence[int], n: int, now: float, /) -> None: ...
     def reserve(self, pages: int, /) -> bool: ...
     def release(self, pages: int, /) -> None: ...
     def commit(
@@ -205,6 +206,13 @@ class PrefixCache:
                 if node.children == 0:
                     self._push_lru(node)
             node = node.parent
+
+    def touch_prefix(self, hashes: Sequence[int], n: int, now: float) -> None:
+        """A use of the first `n` cached blocks of `hashes` that nobody goes on holding (a node
+        tier's write-back of blocks it has): `lock_prefix` then `unlock_prefix`. The compiled
+        cache does it in one walk that skips what the same `now`'s touches already set."""
+        self.lock_prefix(hashes, n, now)
+        self.unlock_prefix(hashes, n, now)
 
     # ---- pages -------------------------------------------------------------------------
 

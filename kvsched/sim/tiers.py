@@ -138,10 +138,12 @@ class ChainBook:
                 at.setdefault(h, (i, pos))
         self._chains = chains
 
-    def chain(self, block: int) -> Sequence[int]:
-        """The blocks from the root up to and including `block`."""
+    def chain(self, block: int) -> tuple[Sequence[int], int]:
+        """A chain through `block` and its length up to it: the blocks from the root up to and
+        including `block` are its first n (not sliced: the chains run to thousands of blocks,
+        and the tiers take a prefix length)."""
         i, pos = self._at[block]
-        return self._chains[i][: pos + 1]
+        return self._chains[i], pos + 1
 
 
 @dataclass(slots=True)
@@ -163,16 +165,13 @@ class _Level:
         self.written_blocks = 0
         self.loaded_blocks = 0
 
-    def write(self, chain: Sequence[int], now: float) -> int:
-        """Keep `chain` (every block of it, ancestors first); returns the blocks it copied
+    def write(self, chain: Sequence[int], n: int, now: float) -> int:
+        """Keep `chain[:n]` (every block of it, ancestors first); returns the blocks it copied
         (0 when it holds them all already, or cannot make room)."""
         store = self.store
-        n = len(chain)
         have = store.match(chain, n)
-        if have == n:
-            if n:  # a use: the chain is most recently used again
-                store.lock_prefix(chain, n, now)
-                store.unlock_prefix(chain, n, now)
+        if have == n:  # a use: the chain is most recently used again
+            store.touch_prefix(chain, n, now)
             return 0
         store.lock_prefix(chain, have, now)  # its ancestors must survive the eviction
         if not store.reserve(n - have):
@@ -182,11 +181,6 @@ class _Level:
         store.unlock_prefix(chain, n, now)
         self.written_blocks += n - have
         return n - have
-
-    def touch(self, hashes: Sequence[int], n: int, now: float) -> None:
-        if n:
-            self.store.lock_prefix(hashes, n, now)
-            self.store.unlock_prefix(hashes, n, now)
 
     def events(self) -> list[CacheEvent]:
         """The store's moves since the last call, in this tier's medium."""
@@ -239,7 +233,7 @@ class NodeTier:
         dram, book = self.dram, self._book
         copied = 0
         for h in hashes:
-            copied += dram.write(book.chain(h), now)
+            copied += dram.write(*book.chain(h), now)
         if copied:
             self._book_pcie(slot, copied, now)
         moves = dram.events()
@@ -253,7 +247,7 @@ class NodeTier:
         for e in dram_moves:
             if isinstance(e, BlocksRemoved):
                 for h in e.hashes:
-                    copied += self.ssd.write(self._book.chain(h), now)
+                    copied += self.ssd.write(*self._book.chain(h), now)
         if copied:
             self._ssd_free = self._book_ssd(copied, now)[1]
         self._pending.extend(self.ssd.events())
@@ -277,14 +271,14 @@ class NodeTier:
         from DRAM where it has them, else from the SSD through DRAM's link, layer by layer.
         Books the links and marks the blocks used."""
         dram_hit = min(self.in_dram(hashes, end), end)
-        self.dram.touch(hashes, dram_hit, now)
+        self.dram.store.touch_prefix(hashes, dram_hit, now)
         from_dram = max(dram_hit - start, 0)
         from_ssd = end - max(dram_hit, start)
         self.dram.loaded_blocks += from_dram
         ssd_done = now
         if from_ssd > 0:
             assert self.ssd is not None
-            self.ssd.touch(hashes, end, now)
+            self.ssd.store.touch_prefix(hashes, end, now)
             self.ssd.loaded_blocks += from_ssd
             _, ssd_done = self._book_ssd(from_ssd, now)
         first, last = self._book_pcie(slot, end - start, now)

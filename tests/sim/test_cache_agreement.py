@@ -60,7 +60,7 @@ class Pair:
 
 
 paths = st.lists(st.integers(0, 2), min_size=1, max_size=7).map(tuple)
-ops = st.lists(st.tuples(paths, st.integers(0, 3), st.booleans(), st.integers(0, 2)), max_size=60)
+ops = st.lists(st.tuples(paths, st.integers(0, 3), st.booleans(), st.integers(0, 3)), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
@@ -80,6 +80,9 @@ def test_the_compiled_cache_agrees_with_the_reference(
         if kind == 2 and hit:  # a copy's read: not a use
             both("lock_prefix", hashes, hit, now, touch=False)
             copies.append((hashes, hit))
+        elif kind == 3:  # a tier's write-back of what it has: the leaf, then its ancestors
+            for n in range(hit, 0, -1):
+                both("touch_prefix", hashes, n, now)
         else:
             both("lock_prefix", hashes, hit, now)
             if both("reserve", len(hashes) - hit + extra):
@@ -134,6 +137,24 @@ def test_evictions_come_out_oldest_leaf_first() -> None:
     assert both("reserve", 3)
     assert both("drain_events") == [BlocksRemoved((2, 1, 4))]
     both.check()
+
+
+def test_a_touch_after_an_older_use_between_touches_sets_the_whole_path_again() -> None:
+    """The compiled touch skips the ancestors its run of touches at one time already set; a
+    use in between, even at another time, ends the run."""
+    both = Pair(8)
+    hashes = [1, 2, 3, 4]
+    assert both("reserve", 4)
+    both("commit", hashes, 0, 4, 0, 1.0)
+    both("unlock_prefix", hashes, 4, 1.0)
+    both("touch_prefix", hashes, 4, 5.0)
+    both("lock_prefix", hashes, 2, 3.0)  # a late-stamped use sets the first two back to 3
+    both("unlock_prefix", hashes, 2, 3.0)
+    both("touch_prefix", hashes, 3, 5.0)
+    assert both.fast.snapshot()[1][3] == 5.0
+    both.check()
+    assert both("reserve", 8)
+    assert both("drain_events") == [BlocksRemoved((4, 3, 2, 1))]
 
 
 def test_bad_calls_are_refused_alike() -> None:
