@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsched.core.latency import load_latency
-from kvsched.sim.traces import Trace, TraceCall, ideal_apc, matched_blocks
+from kvsched.sim.traces import Trace, TraceCall, ceiling, ideal_apc, matched_blocks
 from kvsched.sim.traces.ceiling import ideal_hits, ttft_floor
 
 BT = 16
@@ -51,6 +54,16 @@ def test_hits_are_remembered_per_trace_and_scope() -> None:
     assert ideal_hits(TINY, scope="session") == (0, 0, 48, 63)
     # Another trace object has hits of its own.
     assert ideal_hits(make_trace([("a", 53, (1, 2, 3))] * 2)) == (0, 48)
+
+
+def test_remembered_hits_do_not_keep_their_trace_alive() -> None:
+    trace = make_trace([("a", 53, (1, 2, 3))] * 2)
+    assert ideal_hits(trace) == ideal_hits(trace, scope="session") == (0, 48)
+    alive = weakref.ref(trace)
+    del trace
+    gc.collect()
+    assert alive() is None
+    assert all(held() is not None for held, _ in ceiling._HITS.values())  # its entries went
 
 
 def test_known_answers() -> None:

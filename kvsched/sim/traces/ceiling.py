@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -14,11 +14,12 @@ from kvsched.sim.traces.model import Trace
 
 Scope = Literal["global", "session"]
 
-# The hits of the traces asked about last: a report asks for them once per ceiling and once
-# per policy row, and one pass over a long agentic trace takes seconds. Holding the trace
-# keeps its id from being reused while cached.
-_RECENT: OrderedDict[tuple[int, str], tuple[Trace, tuple[int, ...]]] = OrderedDict()
-_RECENT_SIZE = 4
+# The hits of each trace asked about, for as long as the trace lives: a report asks for them
+# once per ceiling and once per policy row, and one pass over a long agentic trace takes
+# seconds. Keyed by the trace's id, the entry going with the trace (a weak reference's
+# callback), so the cache never keeps a trace alive: holding the last four kept four of a
+# knee search's traces, gigabytes each at its loads, in every search process.
+_HITS: dict[tuple[int, str], tuple[weakref.ref[Trace], tuple[int, ...]]] = {}
 
 
 def matched_blocks(ids: Sequence[int], seen: set[int] | frozenset[int]) -> int:
@@ -52,20 +53,18 @@ def ideal_hits(trace: Trace, *, scope: Scope = "global") -> tuple[int, ...]:
     scope "global": a block is matched when any earlier call had that id; scope "session": only
     earlier calls of the same session count (calls with session "" never hit). Blocks are
     counted as listed in `block_ids`. O(total block ids) the first time for a trace, then
-    remembered (for the last few traces).
+    remembered while the trace lives.
 
     Raises ValueError for an unknown scope."""
     if scope not in ("global", "session"):
         raise ValueError(f"scope must be 'global' or 'session', got {scope!r}")
     key = (id(trace), scope)
-    found = _RECENT.get(key)
-    if found is not None and found[0] is trace:
-        _RECENT.move_to_end(key)
+    found = _HITS.get(key)
+    if found is not None and found[0]() is trace:
         return found[1]
     hits = _walk(trace, scope)
-    _RECENT[key] = (trace, hits)
-    if len(_RECENT) > _RECENT_SIZE:
-        _RECENT.popitem(last=False)
+    # the callback runs as the trace is freed, before its id can name another trace
+    _HITS[key] = (weakref.ref(trace, lambda _: _HITS.pop(key, None)), hits)
     return hits
 
 
