@@ -35,15 +35,16 @@ mkdir -p out/eval
 # load over five seeds, then every policy replayed at each seed's best peer's goodput load.
 # Without and with the node pool (a DRAM tier of 2.25x the node's GPU KV, Mooncake's ratio
 # below; there the knees of `elastic`, `ear` and the two best peers). Without the tier: 117
-# minutes of one core. With it: more than 70 minutes of a core for each seed (not yet run to
-# its end); a tier search's process peaks near 10.5 GB (two fit in 24 GB, three do not). Each
+# minutes of one core. With it the knees lie near load 80 (seed 1: 78 met, 87.75 missed), where
+# a replay carries 7.3 copies of each session: more than 93 minutes of a core for each seed, so
+# several hours of both cores in all (not yet run to its end). Each
 # finished seed is kept under its --out (seeds/): run again, a group goes on from those.
 # `tools/eval_tables.py --knee out/eval/knee_memory`.
 MEMORY=(--trace "$W" --sessions 180:360 --repeat 2 --load 24 --warmup 0.15 --max-gap 300
     --instances 4 --gpu-memory 40 --bracket 40:52 --quiet --policies all)
 memory_bound() {
     $K knee "${MEMORY[@]}" --search "$PEERS,ear,elastic" --out out/eval/knee_memory &
-    $K knee "${MEMORY[@]}" --search llmd,dynamo,ear,elastic --dram-tier 2.25 \
+    $K knee "${MEMORY[@]}" --search llmd,dynamo,ear,elastic --dram-tier 2.25 --bracket 78:98 \
         --out out/eval/knee_memory_tier &
     wait
 }
