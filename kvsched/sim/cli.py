@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     kp.add_argument(
         "--tolerance", type=float, default=0.02, help="stop at hi - lo <= this x lo (0.02)"
     )
+    kp.add_argument(
+        "--full-probes",
+        action="store_true",
+        help="replay a probe that misses to its end, for its figures (by default it stops once "
+        "its miss is certain: the same knee, far sooner)",
+    )
     kp.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (0,1,2,3,4)")
     kp.add_argument(
         "--reference",
@@ -328,7 +334,7 @@ def knee_run(args: argparse.Namespace) -> tuple[KneeRun, tuple[str, ...], tuple[
         raise ValueError("kvsched knee searches closed-loop replays (session traces)")
     lo, sep, hi = args.bracket.partition(":")
     try:
-        search = KneeSearch(float(lo), float(hi), args.tolerance)
+        search = KneeSearch(float(lo), float(hi), args.tolerance, stop_early=not args.full_probes)
         seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
     except ValueError as exc:
         raise ValueError(f"--bracket LO:HI and --seeds N,N,...: {exc}") from None

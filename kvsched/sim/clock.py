@@ -18,12 +18,13 @@ ARRIVE, STEP, WAKE, TRANSFER_DONE, PREFETCH_DUE = 0, 1, 2, 3, 4
 class EventQueue:
     """The pending events, and `now`: the time of the event being handled."""
 
-    __slots__ = ("_heap", "_seq", "now")
+    __slots__ = ("_heap", "_seq", "handled", "now")
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0  # the tie-break: never equal, so kinds and payloads are never compared
         self.now = 0.0
+        self.handled = 0  # events handled, those of a run a handler ended by raising included
 
     def __bool__(self) -> bool:
         return bool(self._heap)
@@ -48,14 +49,17 @@ class EventQueue:
             self._heap[:] = kept  # in place: `run` holds the list
         return dropped
 
-    def run(self, handlers: Sequence[Callable[[Any], None]]) -> int:
-        """Handle every event, those that handlers push included, until none is left:
-        `handlers[kind](payload)` with `now` at the event's time. Returns how many ran."""
+    def run(self, handlers: Sequence[Callable[[Any], None]]) -> None:
+        """Handle every event, those that handlers push included, until none is left or a
+        handler raises: `handlers[kind](payload)` with `now` at the event's time. Adds how
+        many ran to `handled`."""
         heap, pop = self._heap, heapq.heappop
         count = 0
-        while heap:  # `pop`, inlined: this loop runs once per simulated event
-            t, _, kind, payload = pop(heap)
-            self.now = t
-            count += 1
-            handlers[kind](payload)
-        return count
+        try:
+            while heap:  # `pop`, inlined: this loop runs once per simulated event
+                t, _, kind, payload = pop(heap)
+                self.now = t
+                count += 1
+                handlers[kind](payload)
+        finally:
+            self.handled += count

@@ -7,8 +7,9 @@ so the sessions' start window keeps its length and the sessions in flight reach 
 at every load, as the grid sweep's `--sweep-scale-repeat` does with whole copies. Starting
 from a bracket [lo, hi] (widened by factors of 1.5 when lo misses or hi meets the target), the
 search halves it until hi − lo ≤ tolerance × lo: `goodput_load` is then the last load met,
-`knee_load` the first missed. A policy's attainment is not strictly monotone in load (a seed's
-start times shift with it), so the search finds a knee, the first crossing it brackets.
+`knee_load` the first missed; a probe's replay stops as soon as its miss is certain. A
+policy's attainment is not strictly monotone in load (a seed's start times shift with it),
+so the search finds a knee, the first crossing it brackets.
 
 Afterwards every policy is replayed once more at the reference load, the highest goodput of
 the reference policies (the best baseline) on that seed, for TTFT, APC and the hotspot index
@@ -49,6 +50,7 @@ ROW_KEYS = (
     "migrations",
     "rejected",
 )
+_STOPPED = {"stopped_early": True}  # what a load not replayed counts as: no full row there
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class KneeSearch:
     hi: float
     tolerance: float = 0.02  # stop when hi - lo <= tolerance * lo
     target: float = GOODPUT_ATTAINMENT
+    # A probe's replay stops once it cannot reach the target (`SloVerdict`): the verdict is
+    # the same, and a probe far past the knee costs a fraction of its full replay. Its row
+    # then holds only the attainment it could still have reached, marked `stopped_early`.
+    stop_early: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.lo < self.hi:
@@ -158,14 +164,24 @@ class KneeRun:
         return replace(self.base, trace=self.trace_at(load, seed), load=load, seed=seed)
 
 
-def replay_rows(run: KneeRun, specs: Sequence[str], load: float, seed: int) -> list[dict[str, Any]]:
+def replay_rows(
+    run: KneeRun, specs: Sequence[str], load: float, seed: int, *, probe: bool = False
+) -> list[dict[str, Any]]:
     """Each of `specs` replayed at `load` on one trace prepared once, summarised: the row's
-    keys in ROW_KEYS and the sessions in flight per instance."""
+    keys in ROW_KEYS and the sessions in flight per instance. A `probe` of a search that
+    stops early ends a replay once it misses the target: its row is then `stopped_early`,
+    with the attainment bound its only figure."""
     cmp, prepared = _prepared(run, load, seed)
     config = replay_config(cmp)
+    stop_below = run.search.target if probe and run.search.stop_early else None
     rows = []
     for spec in specs:
-        row = summarize(run_replay(prepared, spec, config), cmp.trace, config)
+        result = run_replay(prepared, spec, config, stop_below=stop_below)
+        if result.attainment_bound is not None:
+            bound = {"slo_attainment": result.attainment_bound, "stopped_early": True}
+            rows.append({**dict.fromkeys(ROW_KEYS), "sessions_per_instance": None, **bound})
+            continue
+        row = summarize(result, cmp.trace, config)
         out = {key: row.get(key) for key in ROW_KEYS}
         inflight = out["steady_inflight_sessions"]
         out["sessions_per_instance"] = (
@@ -198,7 +214,7 @@ def search_seed(
     while asked:
         load = min(asked.values())
         here = [spec for spec in searched if asked.get(spec) == load]
-        for spec, row in zip(here, replay_rows(run, here, load, seed), strict=True):
+        for spec, row in zip(here, replay_rows(run, here, load, seed, probe=True), strict=True):
             rows[spec][f"{load:g}"] = row
             value = row["slo_attainment"]
             try:
@@ -210,7 +226,8 @@ def search_seed(
     reference = max(peers, default=0.0)
     apc_ceiling = reference_apc_ceiling(run, reference, seed) if reference > 0 else None
     key = f"{reference:g}"
-    missing = [spec for spec in policies if key not in rows[spec]]
+    # A probe that stopped early at the reference load is replayed there in full.
+    missing = [spec for spec in policies if rows[spec].get(key, _STOPPED).get("stopped_early")]
     if reference > 0 and missing:
         for spec, row in zip(missing, replay_rows(run, missing, reference, seed), strict=True):
             rows[spec][key] = row
@@ -278,6 +295,7 @@ def run_knees(
             "hi": run.search.hi,
             "tolerance": run.search.tolerance,
             "target": run.search.target,
+            "stop_early": run.search.stop_early,
             "base_load": run.base.load,
             "base_repeat": run.base.repeat,
         },

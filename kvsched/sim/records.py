@@ -65,3 +65,6 @@ class ReplayResult:
     events: int
     tiers: dict[str, int] | None = None  # the node tiers' counters, summed; None when off
     wall_s: float = 0.0
+    # Set when the run stopped with its attainment target out of reach: the most it could
+    # still have attained then (`SloVerdict`).
+    attainment_bound: float | None = None

@@ -31,8 +31,10 @@ from kvsched.sim.migrations import MigrationTracker
 from kvsched.sim.network import Network
 from kvsched.sim.prepare import PreparedTrace
 from kvsched.sim.records import ReplayConfig, ReplayResult, Req
+from kvsched.sim.summary import measured_calls
 from kvsched.sim.tiers import NodeTier, build_tiers
 from kvsched.sim.transfers import Transfers
+from kvsched.sim.verdict import SloVerdict, TargetOutOfReach
 
 
 class Replay:
@@ -123,16 +125,30 @@ class Replay:
         self._version = [0] * cluster_cfg.n_instances  # per engine: its current step's number
         self._done_count = 0
         self._progress: Callable[[float], None] | None = None  # hears the share of calls done
-        self.events = 0
+        self.verdict: SloVerdict | None = None  # set by a run told to stop below a target
 
     # ---- event loop --------------------------------------------------------------------
 
-    def run(self, progress: Callable[[float], None] | None = None) -> ReplayResult:
-        """Replay the whole trace; `progress` hears the share of calls done as it grows."""
+    def run(
+        self,
+        progress: Callable[[float], None] | None = None,
+        stop_below: float | None = None,
+    ) -> ReplayResult:
+        """Replay the whole trace; `progress` hears the share of calls done as it grows. With
+        `stop_below`, stop as soon as SLO attainment cannot reach it (`SloVerdict`): the
+        result's `attainment_bound` then says so, and its calls are partly replayed."""
         config = self.config
         self.arrivals.schedule(config.load, config.closed_loop, self.cluster.n, config.seed)
         clock = self.clock
         self._progress = progress
+        if stop_below is not None:
+            measured = measured_calls(self.prepared.trace, config, self.arrivals.group_start)
+            self.verdict = SloVerdict(
+                measured.tolist(),
+                [call.output_tokens for call in self.calls],
+                self.cluster.config.slo,
+                stop_below,
+            )
         # Indexed by the event kinds of `kvsched.sim.clock`: ARRIVE, STEP, WAKE, TRANSFER_DONE,
         # PREFETCH_DUE.
         handlers: tuple[Callable[[Any], None], ...] = (
@@ -142,7 +158,11 @@ class Replay:
             self.transfers.landed,
             self.transfers.prefetch_due,
         )
-        self.events += clock.run(handlers)
+        bound = None
+        try:
+            clock.run(handlers)
+        except TargetOutOfReach:
+            bound = self.verdict.attainment_bound if self.verdict else None
         self.hotspot.finish(clock.now)
         return ReplayResult(
             reqs=self.reqs,
@@ -154,8 +174,9 @@ class Replay:
             transfers=self.transfers.stats,
             group_start=self.arrivals.group_start,
             end_time=clock.now,
-            events=self.events,
+            events=clock.handled,
             tiers=self._tier_stats(),
+            attainment_bound=bound,
         )
 
     def _tier_stats(self) -> dict[str, int] | None:
@@ -232,6 +253,8 @@ class Replay:
         self._kick(slot)
 
     def _finish_rejected(self, req: Req) -> None:
+        if self.verdict is not None:
+            self.verdict.refused(req.call)
         req.rejected = True
         req.done = True
         req.finished_at = self.clock.now
@@ -294,6 +317,8 @@ class Replay:
                 continue
             req = self.reqs[job.rid]
             req.first_token_at = now
+            if self.verdict is not None:
+                self.verdict.first_token(job.rid, now - req.arrival)
             req.local_hit = job.local_hit_tokens
             req.tier_hit = job.tier_hit_tokens
             req.transfer_hit = job.cached_tokens - job.local_hit_tokens - job.tier_hit_tokens
@@ -306,6 +331,9 @@ class Replay:
 
     def _complete(self, req: Req) -> None:
         now = self.clock.now
+        if self.verdict is not None:
+            first = req.first_token_at
+            self.verdict.finished(req.call, first - req.arrival, now - first)
         req.finished_at = now
         req.done = True
         self._call_done()
@@ -335,11 +363,12 @@ def run_replay(
     spec: str,
     config: ReplayConfig,
     progress: Callable[[float], None] | None = None,
+    stop_below: float | None = None,
 ) -> ReplayResult:
-    """Replay `prepared` through the policy `spec`, timing it; the run must end at a finite
-    time."""
+    """Replay `prepared` through the policy `spec`, timing it (`Replay.run`); the run must end
+    at a finite time."""
     started = time.perf_counter()
-    result = Replay(prepared, spec, config).run(progress)
+    result = Replay(prepared, spec, config).run(progress, stop_below)
     result.wall_s = time.perf_counter() - started
     if not math.isfinite(result.end_time):
         raise RuntimeError("replay ended at a non-finite time")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from kvsched.sim.clock import EventQueue
 from kvsched.sim.meters import HotspotMeter
 
@@ -24,9 +26,23 @@ def test_run_handles_events_in_time_order_those_pushed_meanwhile_included() -> N
     clock.push(2.0, 1, "b")
     clock.push(1.0, 0, "a")
     clock.push(3.0, 0, "d")
-    assert clock.run((first, second)) == 4
+    clock.run((first, second))
     assert seen == [(1.0, 0, "a"), (2.0, 1, "b"), (2.0, 1, "c"), (3.0, 0, "d")]
-    assert not clock and clock.now == 3.0
+    assert not clock and clock.now == 3.0 and clock.handled == 4
+
+
+def test_a_handler_that_raises_ends_the_run_and_its_event_counts() -> None:
+    clock = EventQueue()
+    for t in (1.0, 2.0, 3.0):
+        clock.push(t, 0, t)
+
+    def stop_at_two(payload: float) -> None:
+        if payload == 2.0:
+            raise LookupError
+
+    with pytest.raises(LookupError):
+        clock.run((stop_at_two,))
+    assert clock.handled == 2 and clock.now == 2.0 and clock  # the event at 3.0 is left
 
 
 def _reference(n: int, chunk: int, changes: list[tuple[float, int, float]]) -> dict[str, float]:

@@ -4,6 +4,7 @@ it to the tolerance, fractional copies keep the start window; a small search end
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,32 @@ def test_every_policys_knee_and_the_reference_rows() -> None:
             assert entry["rows"][f"{good:g}"]["slo_attainment"] >= 0.9
     # Shared among processes, the searches find the same (each replay is deterministic).
     assert run_knees(run, policies, jobs=2)["seeds"] == report["seeds"]
+
+
+def test_a_probe_that_misses_stops_early_and_the_search_finds_the_same_knees() -> None:
+    full = two_policies((0,))
+    full = replace(full, search=replace(full.search, stop_early=False))
+    policies = full.base.policies
+    whole = run_knees(full, policies)["seeds"]["0"]
+    early = run_knees(two_policies((0,)), policies)["seeds"]["0"]
+    assert early["reference_load"] == whole["reference_load"]
+    stopped = 0
+    for name, entry in early["policies"].items():
+        other = whole["policies"][name]
+        assert entry["goodput_load"] == other["goodput_load"] > 0
+        assert entry["knee_load"] == other["knee_load"]
+        assert entry["at_reference"] == other["at_reference"]
+        assert [load for load, _ in entry["probes"]] == [load for load, _ in other["probes"]]
+        for load, row in entry["rows"].items():
+            measured = other["rows"][load]["slo_attainment"]
+            if row.get("stopped_early"):  # the most it could still reach, and below target
+                stopped += 1
+                assert measured <= row["slo_attainment"] < 0.9 and row["ttft_p90"] is None
+            else:
+                assert row == other["rows"][load]
+    assert stopped > 0
+    rows = [row for entry in whole["policies"].values() for row in entry["rows"].values()]
+    assert not any(row.get("stopped_early") for row in rows)
 
 
 def test_a_policy_not_searched_is_replayed_at_the_reference_load_only() -> None:

@@ -99,7 +99,8 @@ def test_the_clock_drops_the_pending_events_of_one_kind_and_keeps_the_rest_in_or
     assert clock.discard(PREFETCH_DUE) == 2 and clock.discard(PREFETCH_DUE) == 0
     seen: list[float] = []
     handlers = [seen.append] * 5
-    assert clock.run(handlers) == 2
+    clock.run(handlers)
+    assert clock.handled == 2
     assert seen == [2.0, 3.0] and clock.now == 3.0
 
 
