@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from bench.common import percentile
 from bench.prefix_workload import draw_chains, draw_loads, draw_prompt
-from kvsched.core import recording, scoring
+from kvsched.core import recording
 from kvsched.core.cluster import ClusterConfig, ClusterState, build_cluster
 from kvsched.core.decision import RequestInfo
 from kvsched.core.index import PrefixIndex, Tier
@@ -64,10 +64,11 @@ POLICIES = (
 
 
 def build(
-    spec: str, rng: random.Random, pure: bool, pooled: bool = False
+    spec: str, rng: random.Random, build_: Build, pooled: bool = False
 ) -> tuple[ClusterState, Policy, list[list[int]]]:
-    cluster = build_cluster(ClusterConfig(n_instances=N, block_size=BLOCK, speculative_ttl_s=1.0))
-    cluster.index = PrefixIndex(N, pure=pure)
+    config = ClusterConfig(n_instances=N, block_size=BLOCK, speculative_ttl_s=1.0)
+    cluster = build_cluster(config, pure=build_.pure_scoring)
+    cluster.index = PrefixIndex(N, pure=build_.pure_index)
     node_of = cluster.cost.topology.node_of
     chains: list[list[int]] = []
     for slot, chain in draw_chains(rng, TOTAL_BLOCKS, N):
@@ -123,7 +124,7 @@ BUILDS = (
 def timed_decisions(
     cluster: ClusterState, policy: Policy, reqs: list[RequestInfo], seed: int
 ) -> list[float]:
-    """Each decision's time, on one cluster with the process's scoring (bench.index_scale)."""
+    """Each decision's time, on one cluster with its own scoring (bench.index_scale)."""
     times = []
     play = random.Random(seed + 1)
     for i, req in enumerate(reqs):
@@ -142,7 +143,7 @@ def interleaved_decisions(
     runs = []
     for build_ in builds:
         rng = random.Random(seed)
-        cluster, policy, chains = build(spec, rng, build_.pure_index, pooled)
+        cluster, policy, chains = build(spec, rng, build_, pooled)
         runs.append((build_, cluster, policy, random.Random(seed + 1)))
         reqs = requests(chains, count, rng)
     # What the builds hold lives to the end: keep the collector's full passes off it (they
@@ -154,8 +155,7 @@ def interleaved_decisions(
     decided: list[list[tuple[int, str, str]]] = [[] for _ in runs]
     try:
         for start in range(0, len(reqs), STRIDE):
-            for k, (build_, cluster, policy, play) in enumerate(runs):
-                scoring.select(build_.pure_scoring)
+            for k, (_, cluster, policy, play) in enumerate(runs):
                 for i in range(start, min(start + STRIDE, len(reqs))):
                     now = i * 0.01  # 100 decisions a second: speculative entries live 1 s
                     t = time.perf_counter()
@@ -164,7 +164,6 @@ def interleaved_decisions(
                     ttft = repr(decision.estimated_ttft_s)
                     decided[k].append((decision.instance, decision.rule, ttft))
     finally:
-        scoring.select(None)
         gc.unfreeze()
     if any(d != decided[0] for d in decided):
         raise AssertionError(f"{spec}: the builds decided differently")
@@ -219,14 +218,10 @@ def main(argv: list[str] | None = None) -> None:
 def profile(spec: str, seed: int, count: int) -> None:
     """Print where `spec`'s decisions spend their time, index and scoring compiled."""
     rng = random.Random(seed)
-    cluster, policy, chains = build(spec, rng, pure=False)
+    cluster, policy, chains = build(spec, rng, BUILDS[-1])
     reqs = requests(chains, count, rng)
-    scoring.select(pure=False)
     profiler = cProfile.Profile()
-    try:
-        profiler.runcall(timed_decisions, cluster, policy, reqs, seed)
-    finally:
-        scoring.select(None)
+    profiler.runcall(timed_decisions, cluster, policy, reqs, seed)
     print(f"profile of {spec} ({count} decisions, compiled), by own time:")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(16)
 

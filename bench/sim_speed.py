@@ -3,9 +3,10 @@
 Replays the Mooncake conversation trace (the whole public file when ../shared is beside the
 repository, else the shipped 3,000-row slice) on 8 simulated instances, open loop, load 1.
 Two baselines are measured in the same run: `round_robin` (the cheapest placement), and each
-policy with the pure-Python prefix index (`KVSCHED_PURE_INDEX=1`) beside the compiled one
-(the default); each policy's speed is printed as absolute simulated/wall seconds (compiled
-index) and as ratios to both. `--pure` runs the pure-Python index only.
+policy on the core's references (the pure-Python prefix index and numpy scoring:
+`ReplayConfig.pure`) beside its compiled kernels (the default); each policy's speed is
+printed as absolute simulated/wall seconds (compiled) and as ratios to both. `--pure` runs
+the references only.
 
     .venv/bin/python -m bench.sim_speed [--repeats 3] [--policies all] [--pure]
 """
@@ -13,12 +14,11 @@ index) and as ratios to both. `--pure` runs the pure-Python index only.
 from __future__ import annotations
 
 import argparse
-import os
 import time
+from dataclasses import replace
 
 from bench.common import REPO, SHARED
 from kvsched.core.cluster import ClusterConfig
-from kvsched.core.holdings import PURE_ENV
 from kvsched.sim.compare import expand_policies
 from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.records import ReplayConfig
@@ -32,7 +32,7 @@ def speed(
     prepared: PreparedTrace, spec: str, config: ReplayConfig, repeats: int, pure: bool
 ) -> tuple[float, float, float]:
     """Simulated seconds per wall second (median of `repeats` runs) and the simulated span."""
-    os.environ[PURE_ENV] = "1" if pure else "0"  # build_cluster's index follows it
+    config = replace(config, pure=pure)
     runs = [run_replay(prepared, spec, config) for _ in range(repeats)]
     wall = sorted(r.wall_s for r in runs)[len(runs) // 2]
     return runs[0].end_time / wall, runs[0].end_time, wall
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", default="all")
     parser.add_argument("--instances", type=int, default=8)
-    parser.add_argument("--pure", action="store_true", help="the pure-Python index only")
+    parser.add_argument("--pure", action="store_true", help="the core's references only")
     args = parser.parse_args()
     full = SHARED / "traces" / "conversation_trace.jsonl"
     path = full if full.exists() else REPO / "data" / "traces" / "mooncake_conversation_head.jsonl"

@@ -1,4 +1,5 @@
-"""`kvsched/core` stays pure: no I/O frameworks, no clocks, no module-level randomness."""
+"""`kvsched/core` stays pure: no I/O frameworks, no clocks, no environment, no module-level
+randomness and no process-wide switches."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ FORBIDDEN_MODULES = {
     "socket",
     "zmq",
     "threading",
+    "os",  # the environment (and files): what a core object runs on is given to it
 }
 RANDOM_OK = {"Random"}  # a seeded instance is passed in; the module's own functions are not
 
@@ -68,10 +70,26 @@ def test_core_calls_no_module_level_random() -> None:
     assert offenders == []
 
 
+def _globals(tree: ast.AST) -> list[str]:
+    return [name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names]
+
+
+def test_core_keeps_no_process_wide_switch() -> None:
+    # State is the objects' own (a cluster's kernels, its index): no function rebinds a
+    # module's global for every caller in the process.
+    offenders = [
+        f"{path.name}: global {name}"
+        for path in sorted(CORE.rglob("*.py"))
+        for name in _globals(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert offenders == []
+
+
 def test_layering_check_catches_a_violation(tmp_path: Path) -> None:
     # The checks above must be able to fail: feed them a bad module.
-    bad = ast.parse("import time\nimport random\nx = random.random()\n")
-    assert "time" in _imports(bad)
+    bad = ast.parse("import time\nimport os\nimport random\nx = random.random()\n")
+    assert {"time", "os"} <= set(_imports(bad))
+    assert _globals(ast.parse("def f():\n    global active\n    active = 1\n")) == ["active"]
     assert any(
         isinstance(n, ast.Attribute)
         and n.attr == "random"

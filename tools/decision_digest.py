@@ -64,8 +64,11 @@ def digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def digests(path: Path, policies: Sequence[str]) -> dict[str, dict[str, str]]:
-    """{policy: {"decisions": …, "policies_row": …}} for one trace file."""
+def digests(
+    path: Path, policies: Sequence[str], *, pure: bool = False
+) -> dict[str, dict[str, str]]:
+    """{policy: {"decisions": …, "policies_row": …}} for one trace file, on the core's
+    compiled kernels or, when `pure`, its references."""
     trace, fmt = load_trace(build_parser().parse_args(["replay", "--trace", str(path)]))
     cmp = Comparison(
         trace=trace,
@@ -73,6 +76,7 @@ def digests(path: Path, policies: Sequence[str]) -> dict[str, dict[str, str]]:
         policies=tuple(policies),
         instances=8,
         closed_loop=DEFAULT_MODE[fmt] == "closed",
+        pure=pure,
     )
     report = run_comparison(cmp, None, figures=False)
     config: ReplayConfig = replay_config(cmp)

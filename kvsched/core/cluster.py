@@ -17,6 +17,7 @@ from kvsched.core.index import PrefixIndex
 from kvsched.core.latency import DEFAULT_LATENCY, load_latency
 from kvsched.core.load import LoadTracker
 from kvsched.core.models import DEFAULT_MODEL, model_config
+from kvsched.core.scoring import load_kernels
 from kvsched.core.sessions import SessionTable
 from kvsched.core.topology import LinkClass, Topology, TopologyConfig
 
@@ -150,13 +151,20 @@ class ClusterState:
         self.sessions.unbind_host(slot)
 
 
-def build_cluster(config: ClusterConfig) -> ClusterState:
-    """The one constructor of cluster state (simulator and services alike)."""
+def build_cluster(config: ClusterConfig, *, pure: bool = False) -> ClusterState:
+    """The one constructor of cluster state (simulator and services alike): its prefix index
+    and scoring compiled, or their references when `pure` (the same decisions, slower)."""
     latency = load_latency(config.latency_profile)
     model = model_config(config.model)
     topology = Topology.build(config.n_instances, config.topology)
     cost = CostModel(
-        latency, model, topology, config.block_size, config.chunk_tokens, config.pool_link
+        latency,
+        model,
+        topology,
+        config.block_size,
+        config.chunk_tokens,
+        config.pool_link,
+        kernels=load_kernels(pure),
     )
     capacity_tokens = config.kv_capacity_tokens or latency.kv_capacity_tokens
     capacity_blocks = capacity_tokens // config.block_size
@@ -166,7 +174,7 @@ def build_cluster(config: ClusterConfig) -> ClusterState:
         cost=cost,
         roles=roles,
         capacity_blocks=capacity_blocks,
-        index=PrefixIndex(config.n_instances),
+        index=PrefixIndex(config.n_instances, pure=pure),
         load=LoadTracker(config.n_instances, capacity_blocks),
         sessions=SessionTable(),
         alive=np.ones(config.n_instances, dtype=bool),

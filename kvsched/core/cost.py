@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core import scoring
 from kvsched.core.cost_model import CostModel
 from kvsched.core.decision import RequestId, TransferKind, TransferPlan
 from kvsched.core.latency import context_read
@@ -42,7 +41,7 @@ def ttft_terms(
     for every slot; the view's `eligible` mask says which were candidates. The numpy below is
     the reference; the compiled kernels compute the same floats."""
     queue = load.pending_prefill_s
-    kernels = scoring.active
+    kernels = cost.kernels
     out = (
         NotImplemented
         if kernels is None
@@ -110,7 +109,7 @@ def pool_load(
     prefill) / L, so the TTFT grows by max(load − prefill, 0) + min(load, prefill) / L over
     the prefill alone. A pool-only prefix thus costs more than the same prefix in GPU memory
     and, while its load is faster than recomputing it, less than a cold start. Pure."""
-    kernels = scoring.active
+    kernels = cost.kernels
     if kernels is not None:
         out = kernels.pool_load(pool_tokens, prefill_s, cost.pool_constants)
         if out is not NotImplemented:
@@ -129,7 +128,7 @@ def moving_terms(
     """Estimated TTFT on every slot if the host's part of the prompt moved there first, on the
     critical path (a session's migration on its turn)."""
     hits = view.hit_tokens
-    kernels = scoring.active
+    kernels = cost.kernels
     if kernels is not None:
         out = kernels.moving(host, hits, cost.setup_s, cost.s_per_byte, cost.kernel_constants[6])
         if out is not NotImplemented:
@@ -180,7 +179,7 @@ def isolated_floor_s(view: RequestView, terms: dict[str, FloatVec]) -> float:
     alone = terms["prefill_s"] + terms["transfer_s"]
     if view.pool_tokens is not None:
         alone = alone + terms["load_wait_s"]
-    return masked_min(alone, view.eligible)
+    return masked_min(alone, view.eligible, kernels=view.kernels)
 
 
 # ---- fetching a prefix from its holder -------------------------------------------------------
@@ -197,7 +196,7 @@ class PrefixFetch(NamedTuple):
 
 def fetch_from(cost: CostModel, holder: int, hits: FloatVec, fetch: BoolVec) -> PrefixFetch:
     """The slots in `fetch` copy `holder`'s prefix (of `hits[holder]` tokens) first."""
-    kernels = scoring.active
+    kernels = cost.kernels
     if kernels is not None:
         out = kernels.fetch_from(
             holder, hits, fetch, cost.setup_s, cost.s_per_byte, cost.kernel_constants[6]
@@ -216,7 +215,7 @@ def fetch_when_cheaper(
     prefill."""
     n = float(prompt_tokens)
     own_s = cost.prefill_one(int(n - hits[holder]), int(hits[holder]))
-    kernels = scoring.active
+    kernels = cost.kernels
     if kernels is not None:
         out = kernels.fetch_when_cheaper(
             holder, n, hits, eligible, cost.setup_s, cost.s_per_byte, cost.kernel_constants, own_s

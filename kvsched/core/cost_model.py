@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from kvsched.core.latency import LatencyModel
 from kvsched.core.models import ModelConfig
+from kvsched.core.scoring import Kernels
 from kvsched.core.topology import LinkClass, Topology
 
 FloatVec = npt.NDArray[np.float64]
@@ -42,6 +43,9 @@ class CostModel:
     chunk_tokens: int
     # What a load from the node's pool (the CPU tier) into GPU memory costs.
     pool_link: LinkClass = field(default_factory=default_pool_link)
+    # The compiled scoring kernels every scoring function given this model runs, or None for
+    # the numpy reference (`scoring.load_kernels`): the same floats either way.
+    kernels: Kernels | None = field(default=None, compare=False, repr=False)
     # [src, dst] link setup seconds and seconds per byte (0 on the diagonal).
     setup_s: FloatVec = field(init=False, repr=False)
     s_per_byte: FloatVec = field(init=False, repr=False)

@@ -82,7 +82,7 @@ def rejection(
         decode_instance=-1,
         cached_tokens=0,
         fetched_tokens=0,
-        estimated_ttft_s=masked_min(terms["ttft_s"], view.eligible)
+        estimated_ttft_s=masked_min(terms["ttft_s"], view.eligible, kernels=view.kernels)
         if "ttft_s" in terms
         else float("nan"),
         rule=rule,

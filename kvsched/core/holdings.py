@@ -5,10 +5,10 @@ links between blocks, and the chain match — in two implementations with one in
 tests. `kvsched.core._holdings.Holdings` is the same thing compiled from C (built by pip from
 `_holdings.c`): an open-addressing table keyed by the u64 hash with one holder word per block
 and tier, about 39 bytes a block (8-9 times less than the reference) and 1.5-2.5 times as fast
-to match (`bench.index_memory`). `make_holdings` picks one: the compiled one
-unless asked for the reference (`pure=True`, or the environment variable
-`KVSCHED_PURE_INDEX=1` when `pure` is not given). The two agree on every result; the order of
-the lists `blocks_of` and `subtree_of` return is unspecified (callers treat them as sets).
+to match (`bench.index_memory`). `make_holdings` picks one: the compiled one unless asked
+for the reference (`pure=True`, which `build_cluster` passes on). The two agree on every
+result; the order of the lists `blocks_of` and `subtree_of` return is unspecified (callers
+treat them as sets).
 
 Invariants (`kvsched.core.index` relies on them): a block is linked under the parent it was
 first stored with while some slot holds it in some tier; `remove` of a block drops its
@@ -18,7 +18,6 @@ store, absent removal, cascaded removal) are counted, never raised.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -31,7 +30,6 @@ Snapshot = tuple[
     tuple[dict[int, int], ...], dict[int, int | None], dict[int, list[int]], tuple[list[int], ...]
 ]
 N_TIERS = 3
-PURE_ENV = "KVSCHED_PURE_INDEX"
 
 
 class BlockHoldings(Protocol):
@@ -96,16 +94,8 @@ def iter_bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def pure_by_default() -> bool:
-    """Whether the environment asks for the reference implementation."""
-    return os.environ.get(PURE_ENV, "") not in ("", "0")
-
-
-def make_holdings(n_slots: int, pure: bool | None = None) -> BlockHoldings:
-    """Block holdings for `n_slots` slots: the compiled ones, or the reference when `pure`
-    (None: as `KVSCHED_PURE_INDEX` says)."""
-    if pure is None:
-        pure = pure_by_default()
+def make_holdings(n_slots: int, pure: bool = False) -> BlockHoldings:
+    """Block holdings for `n_slots` slots: the compiled ones, or the reference when `pure`."""
     if pure:
         return PyHoldings(n_slots)
     try:
@@ -114,7 +104,8 @@ def make_holdings(n_slots: int, pure: bool | None = None) -> BlockHoldings:
         raise ImportError(
             "kvsched's compiled prefix index (kvsched.core._holdings) is not built: reinstall "
             "kvsched with pip (scripts/setup, or pip install -e .), which compiles it with the "
-            f"machine's C compiler, or set {PURE_ENV}=1 to use the pure-Python reference"
+            "machine's C compiler, or run the pure-Python reference (a cluster built with "
+            "pure=True: the Conductor's --pure-kernels)"
         ) from exc
     return Holdings(n_slots)
 

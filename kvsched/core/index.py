@@ -62,9 +62,9 @@ class _Claim:
 class PrefixIndex:
     """Block holdings per (instance slot, tier) and speculative placements; see the module
     docstring for the invariants. `pure` picks the reference block store over the compiled
-    one (None: as the environment variable `KVSCHED_PURE_INDEX` says; `holdings.py`)."""
+    one (`holdings.py`)."""
 
-    def __init__(self, n_slots: int, *, pure: bool | None = None) -> None:
+    def __init__(self, n_slots: int, *, pure: bool = False) -> None:
         if n_slots <= 0:
             raise ValueError("an index needs at least one instance slot")
         self.n_slots = n_slots

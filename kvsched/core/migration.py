@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState
 from kvsched.core.cost import (
     copy_price,
@@ -46,7 +45,7 @@ class MigrationPlanner:
         pending prefill tokens than the host (never a busier or too small instance)."""
         load = self.cluster.load
         pending = load.pending_prefill_tokens
-        kernels = scoring.active
+        kernels = self.cluster.cost.kernels
         if kernels is not None:
             free, bs = load.free_blocks, self.cluster.block_size
             found = kernels.candidates(eligible, free, bs, context_tokens, pending, host)
@@ -83,7 +82,7 @@ class MigrationPlanner:
             rule = "host hot: migrate to least pending"
             return self.move_now(view, host, target, rule, refuse=refuse)
         moving = moving_terms(self.cluster.cost, self.cluster.load, view, host)
-        target = argmin_eligible(moving["ttft_s"], candidates)
+        target = argmin_eligible(moving["ttft_s"], candidates, kernels=view.kernels)
         if moving["ttft_s"][target] + self.min_gain_s >= terms["ttft_s"][host]:
             rule = "host busy, moving does not pay: stay"
             return placement_unless_refused(view, host, rule, terms, refuse, moving=moving)
@@ -161,7 +160,7 @@ class MigrationPlanner:
         est = next_turn_ttft_s(cluster.cost, cluster.load, session, held, host=host, gap_s=gap_s)
         est[host] += penalty_s
         if self.by_ttft:
-            target = argmin_eligible(est, candidates)
+            target = argmin_eligible(est, candidates, kernels=cluster.cost.kernels)
         else:
             target = least_pending(cluster, candidates)
         if est[target] + self.min_gain_s >= est[host]:

@@ -6,16 +6,17 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState
 from kvsched.core.request_view import BoolVec, FloatVec
+from kvsched.core.scoring import Kernels
 
 
-def argmin_eligible(values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec) -> int:
+def argmin_eligible(
+    values: FloatVec, eligible: BoolVec, *tiebreaks: FloatVec, kernels: Kernels | None
+) -> int:
     """Index of the smallest value among eligible slots; ties go to the later keys, then the
     lowest slot. Deterministic: no random tie-break. (The numpy below is the reference; the
-    compiled kernels pick the same slot.)"""
-    kernels = scoring.active
+    compiled `kernels`, where given, pick the same slot.)"""
     if kernels is not None:
         out = kernels.argmin(values, eligible, tiebreaks)
         if out is not NotImplemented:
@@ -39,9 +40,9 @@ def any_of(mask: BoolVec, rng: Random) -> int:
     return int(slots[rng.randrange(len(slots))]) if len(slots) > 1 else int(slots[0])
 
 
-def masked_min(values: FloatVec, mask: BoolVec) -> float:
-    """The smallest of `values` where `mask` is set (ValueError when none is)."""
-    kernels = scoring.active
+def masked_min(values: FloatVec, mask: BoolVec, *, kernels: Kernels | None) -> float:
+    """The smallest of `values` where `mask` is set (ValueError when none is); the compiled
+    `kernels`, where given, find the same."""
     if kernels is not None:
         out = kernels.masked_min(values, mask)
         if out is not NotImplemented:
@@ -55,7 +56,11 @@ def least_pending(cluster: ClusterState, mask: BoolVec) -> int:
     sessions bound, then the lowest slot."""
     load = cluster.load
     return argmin_eligible(
-        load.pending_prefill_tokens, mask, load.in_flight, bound_per_slot(cluster)
+        load.pending_prefill_tokens,
+        mask,
+        load.in_flight,
+        bound_per_slot(cluster),
+        kernels=cluster.cost.kernels,
     )
 
 

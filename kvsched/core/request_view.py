@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.core import scoring
 from kvsched.core.cluster import ClusterState, Role
 from kvsched.core.decision import RequestInfo
 from kvsched.core.index import Tier
+from kvsched.core.scoring import Kernels
 
 FloatVec = npt.NDArray[np.float64]
 BoolVec = npt.NDArray[np.bool_]
@@ -25,6 +25,7 @@ class RequestView:
     hit_blocks: FloatVec  # leading prompt blocks held (GPU or its node pool; speculative too)
     hit_tokens: FloatVec  # the same in tokens, capped so one prompt token is always computed
     max_blocks: int  # most blocks any placement can reuse (prompt − 1 tokens, whole blocks)
+    kernels: Kernels | None  # the cluster's scoring kernels (`CostModel.kernels`)
     # Of `hit_tokens`, those beyond the GPU hit that only the node's pool holds: loaded over
     # the host link before they are used (`cost.pool_load`). None when no slot has any.
     pool_tokens: FloatVec | None = None
@@ -42,7 +43,7 @@ class RequestView:
     @property
     def best_slot(self) -> int:
         """Slot with the longest hit among eligible ones (lowest slot on ties), -1 if none."""
-        kernels = scoring.active
+        kernels = self.kernels
         if kernels is not None:
             best_ = kernels.best_slot(self.hit_blocks, self.eligible)
             if best_ is not NotImplemented:
@@ -70,7 +71,7 @@ def request_view(cluster: ClusterState, req: RequestInfo, now: float) -> Request
     index = cluster.index
     pooled = index.match(req.block_hashes, Tier.CPU, max_blocks)
     in_gpu = index.match(req.block_hashes, Tier.GPU, max_blocks)
-    kernels = scoring.active
+    kernels = cluster.cost.kernels
     if kernels is not None:
         blocks, tokens, pool = kernels.hit_vectors(cluster.n, (pooled, in_gpu), bs, cap)
     else:
@@ -86,7 +87,7 @@ def request_view(cluster: ClusterState, req: RequestInfo, now: float) -> Request
         eligible &= able
     # No pool-only tokens (every trace without a node pool): None, which keeps those
     # decisions' floats exactly what they were before the tier was priced.
-    return RequestView(req, eligible, blocks, tokens, max_blocks, pool, adapter_s, able)
+    return RequestView(req, eligible, blocks, tokens, max_blocks, kernels, pool, adapter_s, able)
 
 
 def tier_terms(cluster: ClusterState, view: RequestView) -> dict[str, FloatVec]:

@@ -94,8 +94,11 @@ class Scheduler:
         empty: bool = False,
         max_sessions_per_tenant: int = 0,
         runs_engine_orders: bool = False,
+        pure: bool = False,
     ) -> None:
-        """`runs_engine_orders`: the caller executes the plans stock vLLM cannot
+        """`pure`: the reference prefix index and scoring rather than the compiled ones (the
+        same decisions; `build_cluster`).
+        `runs_engine_orders`: the caller executes the plans stock vLLM cannot
         (`ENGINE_ORDERS`: PREFETCH and RETAIN; the simulator does); otherwise `finish` drops
         them before opening them.
         `empty`: start with no live instance (they join with `add_instance`).
@@ -103,7 +106,7 @@ class Scheduler:
         past it forgets that tenant's least recently touched idle session (`sessions`)."""
         if max_sessions_per_tenant < 0:
             raise ValueError("max_sessions_per_tenant must be 0 (no cap) or positive")
-        self.cluster: ClusterState = build_cluster(config)
+        self.cluster: ClusterState = build_cluster(config, pure=pure)
         self.cluster.sessions.max_per_tenant = max_sessions_per_tenant
         if empty:
             self.cluster.alive[:] = False

@@ -7,15 +7,15 @@ kernels are active, hands the same inputs to one C loop instead (a dozen numpy c
 a microsecond each become one). The kernels compute bit-identical floats (see `_scoring.c` for
 why), so a decision never depends on which runs; the property tests hold them to it.
 
-The compiled kernels are active unless the environment variable `KVSCHED_PURE_SCORING=1` asks
-for the reference when this module is imported, or `select(pure=True)` does later (the
-benches compare both in one run). The choice is the process's: policies read it, they do not
-change it.
+Which runs is the cluster's choice, made when it is built (`build_cluster(pure=...)`, which
+puts `load_kernels`' answer in its `CostModel.kernels`): the scoring functions take it from
+the cost model or the request view they are given, and nothing here reads the environment
+or keeps a process-wide switch, so two clusters in one process (the benches compare both)
+can score each its own way.
 """
 
 from __future__ import annotations
 
-import os
 from types import NotImplementedType
 from typing import Protocol
 
@@ -30,7 +30,6 @@ Constants = tuple[float, float, float, float, float, float, float, float]
 # The pool link's setup_s and seconds per byte, kv_bytes_per_token, layers
 # (`CostModel.pool_constants`)
 PoolConstants = tuple[float, float, float, float]
-PURE_ENV = "KVSCHED_PURE_SCORING"
 
 
 class Kernels(Protocol):
@@ -130,16 +129,8 @@ class Kernels(Protocol):
         """(load, load_wait) of `cost.pool_load`."""
 
 
-def pure_by_default() -> bool:
-    """Whether the environment asks for the reference scoring."""
-    return os.environ.get(PURE_ENV, "") not in ("", "0")
-
-
-def load_kernels(pure: bool | None = None) -> Kernels | None:
-    """The compiled kernels, or None for the reference when `pure` (None: as
-    `KVSCHED_PURE_SCORING` says). Changes nothing."""
-    if pure is None:
-        pure = pure_by_default()
+def load_kernels(pure: bool = False) -> Kernels | None:
+    """The compiled kernels, or None for the numpy reference when `pure`. Changes nothing."""
     if pure:
         return None
     try:
@@ -148,22 +139,7 @@ def load_kernels(pure: bool | None = None) -> Kernels | None:
         raise ImportError(
             "kvsched's compiled scoring (kvsched.core._scoring) is not built: reinstall kvsched "
             "with pip (scripts/setup, or pip install -e .), which compiles it with the machine's "
-            f"C compiler, or set {PURE_ENV}=1 to use the numpy reference"
+            "C compiler, or run the numpy reference (a cluster built with pure=True: the "
+            "Conductor's --pure-kernels)"
         ) from exc
     return _scoring
-
-
-# The kernels every scoring function in this process uses (None: the reference).
-active: Kernels | None = load_kernels()
-
-
-def select(pure: bool | None) -> None:
-    """Make the compiled kernels (or, when `pure`, the reference; None: as the environment
-    says) the ones every scoring function in this process uses from now on."""
-    global active  # noqa: PLW0603  (the process's one switch, as the module docstring says)
-    active = load_kernels(pure)
-
-
-def compiled() -> bool:
-    """Whether the compiled kernels are active."""
-    return active is not None

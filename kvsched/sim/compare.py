@@ -49,6 +49,7 @@ class Comparison:
     # Closed loop: the trace with k copies of each session; given, the sweep scales the copies
     # with the load so the sessions' start window keeps its length (kvsched.sim.sweep).
     sweep_repeat_trace: Callable[[int], Trace] | None = None
+    pure: bool = False  # the core's references rather than its compiled kernels (`ReplayConfig`)
 
 
 def expand_policies(text: str) -> tuple[str, ...]:
@@ -93,6 +94,7 @@ def replay_config(cmp: Comparison) -> ReplayConfig:
         closed_loop=cmp.closed_loop,
         warmup_fraction=cmp.warmup_fraction,
         tier=cmp.tier,
+        pure=cmp.pure,
     )
 
 

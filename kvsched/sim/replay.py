@@ -67,6 +67,7 @@ class Replay:
             max_prompt_tokens=config.max_model_len or model_config(cluster_cfg.model).max_model_len,
             transfer_prefix="sim",
             runs_engine_orders=True,
+            pure=config.pure,
         )
         self.cluster = core.cluster
         self.scheduler: SchedulerPort = scheduler or core

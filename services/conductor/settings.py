@@ -59,6 +59,9 @@ class ConductorSettings:
     # its new one: `kvsched.core.sessions`); 0: no cap.
     max_sessions_per_tenant: int = 100_000
     time_scale: float = 1.0  # wall seconds per policy second (engines running faster than real)
+    # The core's pure-Python index and numpy scoring rather than its compiled kernels: the
+    # same decisions, slower (where the C extensions could not be built).
+    pure_kernels: bool = False
     execute_transfers: bool = True  # order planned transfers from the Messengers
     transfer_timeout_s: float = 5.0  # a transfer's deadline: this many wall seconds ...
     transfer_timeout_factor: float = 10.0  # ... plus this multiple of its estimated time
@@ -165,6 +168,13 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "time-scale", d.time_scale, "wall seconds per policy second, as the engines run")
     _flag(
         p,
+        "pure-kernels",
+        d.pure_kernels,
+        "the core's pure-Python index and numpy scoring instead of its compiled kernels (the "
+        "same decisions, slower)",
+    )
+    _flag(
+        p,
         "execute-transfers",
         d.execute_transfers,
         "order planned KV transfers from the Messengers (off: an executor of your own runs them "
@@ -246,6 +256,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         max_sessions=a.max_sessions,
         max_sessions_per_tenant=a.max_sessions_per_tenant,
         time_scale=a.time_scale,
+        pure_kernels=a.pure_kernels,
         execute_transfers=a.execute_transfers,
         transfer_timeout_s=a.transfer_timeout,
         transfer_timeout_factor=a.transfer_timeout_factor,

@@ -52,10 +52,11 @@ class ConductorState:
         max_prompt_tokens: int = 131_072,
         max_sessions_per_tenant: int = 0,
         observer: Callable[[Holder], IndexObserver] | None = None,
+        pure: bool = False,
     ) -> None:
         """`transfer_prefix` names the transfer orders of the core. `observer`, given who
         holds each slot, builds what the core tells of every change it applies (the etcd
-        records)."""
+        records). `pure`: the core's references for its compiled index and scoring."""
         self.instances: dict[str, Instance] = {}
         self.by_slot: list[str | None] = [None] * config.n_instances
         self._nodes: dict[str, int] = {}
@@ -68,6 +69,7 @@ class ConductorState:
             transfer_prefix=transfer_prefix,
             observer=observer(self.holder) if observer is not None else None,
             empty=True,  # slots fill as instances register
+            pure=pure,
         )
 
     @property

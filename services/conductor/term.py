@@ -47,6 +47,7 @@ class Term:
             max_prompt_tokens=settings.max_prompt_tokens,
             max_sessions_per_tenant=settings.max_sessions_per_tenant,
             observer=records,
+            pure=settings.pure_kernels,
         )
         return Term(state, outbox, EventCursors(state, outbox), transfer_prefix, persist_blocks)
 

@@ -7,9 +7,6 @@ with nothing applied."""
 
 from __future__ import annotations
 
-import os
-from unittest import mock
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +15,6 @@ from clients.python import pack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
 from kvsched.core.events import BlocksRemoved, BlocksStored
-from kvsched.core.holdings import PURE_ENV
 from kvsched.core.index import Tier
 from kvsched.core.packed import PackedHashes
 from kvsched.core.requests import RequestError
@@ -48,8 +44,8 @@ Script = list[tuple[int, bool, bool, list[tuple[object, ...]]]]
 
 
 def term(*, pure: bool) -> Term:
-    with mock.patch.dict(os.environ, {PURE_ENV: "1" if pure else "0"}):
-        t = Term.build(ConductorSettings(max_instances=N, policy="elastic"), "test")
+    settings = ConductorSettings(max_instances=N, policy="elastic", pure_kernels=pure)
+    t = Term.build(settings, "test")
     assert t.state.cluster.index.compiled is not pure
     for slot in range(N):
         spec = InstanceSpec(IID[slot], f"http://{slot}", f"node-{slot}", Role.BOTH)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsched.core._holdings import Holdings
-from kvsched.core.holdings import PURE_ENV, BlockHoldings, PyHoldings, make_holdings
+from kvsched.core.holdings import BlockHoldings, PyHoldings, make_holdings
 from kvsched.core.index import PrefixIndex
 from kvsched.core.packed import pack
 
@@ -173,12 +173,8 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         make_holdings(0, pure=False)
 
 
-def test_the_environment_picks_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PURE_ENV, "1")
-    assert not PrefixIndex(2).compiled
-    assert PrefixIndex(2, pure=False).compiled
-    monkeypatch.setenv(PURE_ENV, "0")
-    assert PrefixIndex(2).compiled
+def test_an_index_is_compiled_unless_asked_for_the_reference() -> None:
+    assert PrefixIndex(2).compiled and not PrefixIndex(2, pure=True).compiled
 
 
 def test_many_holders_beyond_64_slots() -> None:

@@ -4,8 +4,7 @@ floats and the same picks, function by function and decision by decision for eve
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +31,7 @@ from kvsched.core.pickers import argmin_eligible, masked_min
 from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
 from kvsched.core.policies.elastic import cold_score
 from kvsched.core.request_view import RequestView, hit_vectors, request_view
+from kvsched.core.scoring import Kernels
 from kvsched.core.topology import TopologyConfig
 
 # Finite, never -0.0 (numpy's own loops may order signed zeros differently; no score makes one).
@@ -41,24 +41,19 @@ seconds = st.floats(0.0, 10.0).map(lambda x: x + 0.0)
 sizes = st.integers(1, 80)
 
 
-@contextmanager
-def kernels(pure: bool) -> Iterator[None]:
-    """Run with the reference (`pure`) or the compiled kernels, then restore the choice."""
-    before = scoring.compiled()
-    scoring.select(pure)
-    try:
-        yield
-    finally:
-        scoring.select(not before)
+COMPILED = scoring.load_kernels()
+KERNELS = (None, COMPILED)  # the reference, then the compiled kernels
 
 
-def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
-    """`fn`'s result with the reference kernels and with the compiled ones."""
-    with kernels(pure=True):
-        reference = fn()
-    with kernels(pure=False):
-        compiled = fn()
-    return reference, compiled
+def both(fn: Callable[[Kernels | None], Any]) -> tuple[Any, Any]:
+    """`fn`'s result with the reference kernels (None) and with the compiled ones."""
+    return fn(None), fn(COMPILED)
+
+
+def scoring_with(kernels: Kernels | None, cluster: ClusterState, view: RequestView) -> RequestView:
+    """`cluster` made to score with `kernels` (its cost model's), and `view` with them."""
+    cluster.cost = replace(cluster.cost, kernels=kernels)
+    return replace(view, kernels=kernels)
 
 
 def assert_identical(a: Any, b: Any, where: str = "") -> None:
@@ -82,12 +77,17 @@ def assert_identical(a: Any, b: Any, where: str = "") -> None:
 
 
 def cluster_of(
-    n: int, chunk: int, roles: tuple[Role, ...] = (), prefill_ctx_s: float = 0.0
+    n: int,
+    chunk: int,
+    roles: tuple[Role, ...] = (),
+    prefill_ctx_s: float = 0.0,
+    *,
+    pure: bool = False,
 ) -> ClusterState:
     # Two instances a node: slots sit at every distance, so each transfer row differs.
     topology = TopologyConfig(instances_per_node=2, nodes_per_rack=2, racks_per_spine=2)
     config = ClusterConfig(n_instances=n, chunk_tokens=chunk, topology=topology, roles=roles)
-    cluster = build_cluster(config)
+    cluster = build_cluster(config, pure=pure)
     if prefill_ctx_s:  # a server profile's term (the GPU profiles have none)
         latency = replace(cluster.cost.latency, prefill_ctx_s=prefill_ctx_s)
         cluster.cost = replace(cluster.cost, latency=latency)
@@ -118,7 +118,7 @@ def scenes(draw: st.DrawFn) -> tuple[ClusterState, RequestView]:
     req = RequestInfo(1, prompt, draw(st.integers(0, 4096)), (), "s")
     # Some of the hits only in the node's pool (loaded over the host link), or none anywhere.
     pool = np.minimum(draw(vec), hits) if draw(st.booleans()) else None
-    return cluster, RequestView(req, eligible, hits / 16, hits, 0, pool)
+    return cluster, RequestView(req, eligible, hits / 16, hits, 0, None, pool)
 
 
 @settings(deadline=None)  # an example builds a cluster: its time varies on a shared machine
@@ -130,10 +130,15 @@ def test_ttft_terms_are_bit_identical(
     transfer = None
     if with_transfer:
         transfer = np.array(data.draw(st.lists(seconds, min_size=cluster.n, max_size=cluster.n)))
-    ref, got = both(lambda: ttft_terms(cluster.cost, cluster.load, view, view.hit_tokens, transfer))
-    assert_identical(ref, got, "terms")
-    floors = both(lambda: isolated_floor_s(view, got))
-    assert_identical(*floors, "floor")
+
+    def run(kernels: Kernels | None) -> tuple[dict[str, Any], float]:
+        scored = scoring_with(kernels, cluster, view)
+        terms = ttft_terms(cluster.cost, cluster.load, scored, scored.hit_tokens, transfer)
+        return terms, isolated_floor_s(scored, terms)
+
+    ref, got = both(run)
+    assert_identical(ref[0], got[0], "terms")
+    assert_identical(ref[1], got[1], "floor")
 
 
 @settings(deadline=None)
@@ -143,18 +148,24 @@ def test_moving_and_fetching_terms_are_bit_identical(
 ) -> None:
     cluster, view = scene
     slot = data.draw(st.integers(0, cluster.n - 1))
-    cost, load, hits = cluster.cost, cluster.load, view.hit_tokens
-    assert_identical(*both(lambda: moving_terms(cost, load, view, slot)), "moving")
-    prompt = view.req.prompt_tokens
-    cheaper = both(lambda: fetch_when_cheaper(cost, slot, prompt, hits, view.eligible))
-    assert_identical(tuple(cheaper[0]), tuple(cheaper[1]), "fetch_when_cheaper")
+    load, hits, prompt = cluster.load, view.hit_tokens, view.req.prompt_tokens
     planner = MigrationPlanner(cluster, by_ttft=True, t_hot_tokens=0.0, min_gain_s=0.0)
     context = data.draw(st.integers(0, 2_000_000))
-    found = both(lambda: planner.candidates(view.eligible, slot, context))
-    assert_identical(*found, "candidates")
     fetch = np.array(data.draw(st.lists(st.booleans(), min_size=cluster.n, max_size=cluster.n)))
-    given_fetch = both(lambda: fetch_from(cost, slot, hits, fetch))
-    assert_identical(tuple(given_fetch[0]), tuple(given_fetch[1]), "fetch_from")
+
+    def run(kernels: Kernels | None) -> dict[str, Any]:
+        scored = scoring_with(kernels, cluster, view)
+        cost = cluster.cost
+        return {
+            "moving": moving_terms(cost, load, scored, slot),
+            "fetch_when_cheaper": tuple(
+                fetch_when_cheaper(cost, slot, prompt, hits, scored.eligible)
+            ),
+            "candidates": planner.candidates(scored.eligible, slot, context),
+            "fetch_from": tuple(fetch_from(cost, slot, hits, fetch)),
+        }
+
+    assert_identical(*both(run), "terms")
 
 
 @settings(deadline=None)
@@ -170,18 +181,22 @@ def test_cold_scores_and_best_slots_are_identical(
     capacity = data.draw(st.sampled_from([0.0, 50_000.0, 1e9]))
     pending = cluster.load.pending_prefill_s
 
-    def score() -> tuple[Any, ...]:
+    def score(kernels: Kernels | None) -> tuple[Any, ...]:
         out = cold_score(
             terms, pending, view.eligible, resident=resident, context_tokens=context,
-            capacity_tokens=capacity,
+            capacity_tokens=capacity, kernels=kernels,
         )  # fmt: skip
         return (*out, out[1] is view.eligible)  # none fits: the eligible mask itself
 
     assert_identical(*both(score), "cold_score")
     # Few distinct hits, so the longest is often tied.
     few = data.draw(st.lists(st.sampled_from([0.0, 1.0, 3.0]), min_size=n, max_size=n))
-    tied = RequestView(view.req, view.eligible, np.array(few), np.array(few) * 16, 0)
-    assert_identical(*both(lambda: (view.best_slot, tied.best_slot)), "best_slot")
+    tied = RequestView(view.req, view.eligible, np.array(few), np.array(few) * 16, 0, None)
+
+    def best(kernels: Kernels | None) -> tuple[int, int]:
+        return replace(view, kernels=kernels).best_slot, replace(tied, kernels=kernels).best_slot
+
+    assert_identical(*both(best), "best_slot")
 
 
 @st.composite
@@ -202,14 +217,16 @@ def test_picks_are_the_same_ties_and_all(
     eligible = np.array(mask)
     keys = arrays[1 : 1 + n_keys]
     if not eligible.any():
-        for pure in (True, False):
-            with kernels(pure), pytest.raises(ValueError):
-                argmin_eligible(arrays[0], eligible, *keys)
-            with kernels(pure), pytest.raises(ValueError):
-                masked_min(arrays[0], eligible)
+        for kernels in KERNELS:
+            with pytest.raises(ValueError):
+                argmin_eligible(arrays[0], eligible, *keys, kernels=kernels)
+            with pytest.raises(ValueError):
+                masked_min(arrays[0], eligible, kernels=kernels)
         return
-    assert_identical(*both(lambda: argmin_eligible(arrays[0], eligible, *keys)), "argmin")
-    assert_identical(*both(lambda: masked_min(arrays[0] - arrays[1], eligible)), "min")
+    argmin = both(lambda kernels: argmin_eligible(arrays[0], eligible, *keys, kernels=kernels))
+    assert_identical(*argmin, "argmin")
+    least = both(lambda kernels: masked_min(arrays[0] - arrays[1], eligible, kernels=kernels))
+    assert_identical(*least, "min")
 
 
 @settings(max_examples=50, deadline=None)
@@ -226,7 +243,12 @@ def test_request_views_are_identical(n: int, data: st.DataObject) -> None:
         cluster.index.speculate(data.draw(slots), base[: data.draw(st.integers(1, 40))], 1.0)
     prompt = data.draw(st.integers(1, 50 * 16))
     req = RequestInfo(1, prompt, 16, (*base, 99, 98), None)
-    ref, got = both(lambda: request_view(cluster, req, 0.0))
+
+    def view(kernels: Kernels | None) -> RequestView:
+        cluster.cost = replace(cluster.cost, kernels=kernels)
+        return request_view(cluster, req, 0.0)
+
+    ref, got = both(view)
     for name in ("eligible", "hit_blocks", "hit_tokens", "max_blocks", "pool_tokens"):
         assert_identical(getattr(ref, name), getattr(got, name), name)
 
@@ -261,7 +283,9 @@ def test_pool_loads_are_identical(
         np.array(data.draw(st.lists(tokens, min_size=n, max_size=n))), view.hit_tokens
     )
     prefill = np.array(data.draw(st.lists(seconds, min_size=n, max_size=n)))
-    ref, got = both(lambda: pool_load(cluster.cost, pool, prefill))
+    ref, got = both(
+        lambda kernels: pool_load(replace(cluster.cost, kernels=kernels), pool, prefill)
+    )
     assert_identical(ref, got, "pool load")
     load, wait = ref
     assert (wait <= load).all()  # the prefill hides some of the load, never adds to it
@@ -302,11 +326,10 @@ def test_other_vectors_fall_back_to_the_reference() -> None:
     values = np.array([3, 1, 2, 1])
     eligible = np.array([True, True, True, True])
     strided = np.array([5.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.0])[::2]
-    for pure in (True, False):
-        with kernels(pure):
-            assert argmin_eligible(values, eligible) == 1
-            assert argmin_eligible(strided, eligible, strided) == 3
-            assert masked_min(strided, eligible) == 0.5
+    for kernels in KERNELS:
+        assert argmin_eligible(values, eligible, kernels=kernels) == 1
+        assert argmin_eligible(strided, eligible, strided, kernels=kernels) == 3
+        assert masked_min(strided, eligible, kernels=kernels) == 0.5
     assert _scoring.masked_min(values, eligible) is NotImplemented
     assert _scoring.argmin(strided, eligible, ()) is NotImplemented
 
@@ -349,11 +372,12 @@ def test_each_kind_of_argument_is_refused_as_the_kernels_always_have() -> None:
     assert _scoring.pool_load(np.arange(3), hits, pool) is NotImplemented  # type: ignore[arg-type]
 
 
-def place_all(spec: str, seed: int) -> list[tuple[Any, ...]]:
-    """Every decision of `spec` on a busy 16-instance cluster, with all of its terms."""
+def place_all(spec: str, seed: int, *, pure: bool) -> list[tuple[Any, ...]]:
+    """Every decision of `spec` on a busy 16-instance cluster, with all of its terms, the core
+    compiled or (`pure`) its references."""
     rng = random.Random(seed)
     name, params = parse_spec(spec)
-    cluster = cluster_of(16, 8192, POLICIES[name].roles(16, params))
+    cluster = cluster_of(16, 8192, POLICIES[name].roles(16, params), pure=pure)
     policy = make_policy(spec, cluster)
     chains = [[rng.getrandbits(64) for _ in range(64)] for _ in range(12)]
     for chain in chains:
@@ -382,16 +406,16 @@ def place_all(spec: str, seed: int) -> list[tuple[Any, ...]]:
 
 @pytest.mark.parametrize("spec", ALL_POLICIES)
 def test_every_policy_decides_bit_identically(spec: str) -> None:
-    ref, got = both(lambda: place_all(spec, 7))
+    ref, got = both(lambda kernels: place_all(spec, 7, pure=kernels is None))
     assert_identical(tuple(ref), tuple(got), spec)
     assert any(row[0] != "" and not row[2] for row in ref[1::3]), "no placement was made"
 
 
-def test_the_environment_picks_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(scoring.PURE_ENV, "1")
-    assert scoring.load_kernels() is None
-    assert scoring.load_kernels(pure=False) is _scoring  # an explicit choice wins
-    monkeypatch.setenv(scoring.PURE_ENV, "0")
-    assert scoring.load_kernels() is _scoring
-    monkeypatch.delenv(scoring.PURE_ENV)
-    assert scoring.load_kernels() is _scoring
+def test_a_cluster_scores_as_it_was_built_and_keeps_it_as_its_cost_model_changes() -> None:
+    assert COMPILED is _scoring and scoring.load_kernels(pure=True) is None
+    pure, compiled = cluster_of(4, 8192, pure=True), cluster_of(4, 8192)
+    assert pure.cost.kernels is None and not pure.index.compiled
+    assert compiled.cost.kernels is _scoring and compiled.index.compiled
+    compiled.add_instance(3, Role.BOTH, node=0)  # a new topology: a new cost model
+    measured = compiled.cost.with_measured_transfer(0, 3, 1 << 20, 0.01)
+    assert compiled.cost.kernels is measured.kernels is _scoring

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvsched.core import scoring
-from kvsched.core.holdings import PURE_ENV
 from kvsched.sim import cache
 from tools.decision_digest import POLICIES, SLICES, TRACES, digests
 
@@ -40,13 +38,11 @@ def test_the_replay_decides_and_reports_as_pinned(
     pure: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The compiled index, scoring and simulator cache must decide as the references do.
-    monkeypatch.setenv(PURE_ENV, pure)
     monkeypatch.setenv(cache.PURE_ENV, pure)
-    monkeypatch.setattr(scoring, "active", scoring.load_kernels(pure == "1"))
     assert set(PINNED) == set(TRACES)
     for name in TRACES:
         got = {
             spec: (pair["decisions"], pair["policies_row"])
-            for spec, pair in digests(SLICES / name, POLICIES).items()
+            for spec, pair in digests(SLICES / name, POLICIES, pure=pure == "1").items()
         }
         assert got == PINNED[name], name

@@ -41,14 +41,14 @@ class CacheAware(Policy):
             hi - lo > self.param("balance_abs_threshold")
             and hi > self.param("balance_rel_threshold") * lo
         ):
-            slot = argmin_eligible(load, eligible, self.cluster.load.running)
+            slot = argmin_eligible(load, eligible, self.cluster.load.running, kernels=view.kernels)
             return placement(view, slot, "imbalanced: shortest queue", terms)
         prompt = max(view.req.prompt_tokens, 1)
         best = float(np.max(np.where(eligible, view.hit_tokens, 0.0)))
         if best / prompt > self.param("cache_threshold"):
-            slot = argmin_eligible(-view.hit_tokens, eligible, load)
+            slot = argmin_eligible(-view.hit_tokens, eligible, load, kernels=view.kernels)
             return placement(view, slot, "longest prefix match", terms)
         tree = np.array(self.cluster.index.block_counts(), dtype=float)
         terms["cached_blocks"] = tree
-        slot = argmin_eligible(tree, eligible, load)
+        slot = argmin_eligible(tree, eligible, load, kernels=view.kernels)
         return placement(view, slot, "low match: smallest cache", terms)

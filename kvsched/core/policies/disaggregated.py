@@ -53,7 +53,10 @@ class _Disaggregated(Policy):
         need = view.req.prompt_tokens + view.req.output_tokens
         tbt = tbt_s(cluster.cost, load, view)
         room = pool & (load.free_blocks * cluster.block_size >= need)
-        slot = argmin_eligible(tbt, room if room.any() else pool, load.decode_tokens, load.running)
+        candidates = room if room.any() else pool
+        slot = argmin_eligible(
+            tbt, candidates, load.decode_tokens, load.running, kernels=view.kernels
+        )
         return slot, np.where(pool, tbt, np.nan)
 
 
@@ -138,7 +141,9 @@ class Mooncake(_Disaggregated):
         else:  # nothing held anywhere: nothing to fetch
             cached, transfer = view.hit_tokens.copy(), np.zeros(cluster.n)
         terms = ttft_terms(cluster.cost, cluster.load, view, cached, transfer)
-        slot = argmin_eligible(terms["ttft_s"], view.eligible, cluster.load.in_flight)
+        slot = argmin_eligible(
+            terms["ttft_s"], view.eligible, cluster.load.in_flight, kernels=view.kernels
+        )
         if self.param("colocated"):
             decode = slot
             tbt = np.where(view.eligible, tbt_s(cluster.cost, cluster.load, view), np.nan)

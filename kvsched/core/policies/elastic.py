@@ -54,7 +54,7 @@ from random import Random
 
 import numpy as np
 
-from kvsched.core import admission, scoring
+from kvsched.core import admission
 from kvsched.core.cluster import Role
 from kvsched.core.cost import (
     fetch_plan,
@@ -85,6 +85,7 @@ from kvsched.core.prefetch import (
 from kvsched.core.replication import hot_prefix_copy
 from kvsched.core.request_view import BoolVec, FloatVec, RequestView
 from kvsched.core.residency import ResidentSessions
+from kvsched.core.scoring import Kernels
 from kvsched.core.sessions import NO_HOST, Session
 
 
@@ -96,15 +97,16 @@ def cold_score(
     resident: FloatVec,
     context_tokens: int,
     capacity_tokens: float,
+    kernels: Kernels | None,
 ) -> tuple[FloatVec, BoolVec]:
     """(c)'s score of every slot for a cold start, and the slots to pick from: those whose
     active sessions leave room for the new context (all eligible ones when none does).
     Recomputing what another instance holds also delays whoever queues behind it: a request
     arriving at a busy instance waits, so the extra prefill over the cheapest slot's is
     charged at the share of instances busy now (for Poisson arrivals, the chance of finding
-    one busy). The numpy below is the reference; the compiled kernel computes the same."""
+    one busy). The numpy below is the reference; the compiled `kernels`, where given, compute
+    the same."""
     ttft, prefill = terms["ttft_s"], terms["prefill_s"]
-    kernels = scoring.active
     if kernels is not None:
         out = kernels.cold_score(
             ttft, prefill, pending_s, eligible, resident, context_tokens, capacity_tokens
@@ -112,7 +114,7 @@ def cold_score(
         if out is not NotImplemented:
             return out
     busy_share = float(np.mean(pending_s[eligible] > 0))
-    extra = prefill - masked_min(prefill, eligible)
+    extra = prefill - masked_min(prefill, eligible, kernels=kernels)
     score: FloatVec = ttft + busy_share * extra
     fits = eligible & (resident + context_tokens <= capacity_tokens)
     return score, fits if fits.any() else eligible
@@ -215,7 +217,7 @@ class Elastic(Policy):
         """(g): a call that arrived while another of its session runs (an agent's parallel
         calls) goes where it is estimated to start first, by `min_gain_s` over the host, and
         the session stays bound to its host. None: the host is as good."""
-        slot = argmin_eligible(terms["ttft_s"], view.eligible)
+        slot = argmin_eligible(terms["ttft_s"], view.eligible, kernels=view.kernels)
         if (
             slot == host
             or terms["ttft_s"][slot] + self.param("min_gain_s") >= terms["ttft_s"][host]
@@ -253,8 +255,11 @@ class Elastic(Policy):
             resident=resident,
             context_tokens=context,
             capacity_tokens=self._capacity_tokens,
+            kernels=view.kernels,
         )
-        slot = argmin_eligible(terms["score_s"], pool, resident, cluster.load.in_flight)
+        slot = argmin_eligible(
+            terms["score_s"], pool, resident, cluster.load.in_flight, kernels=view.kernels
+        )
         terms["resident_tokens"] = resident.copy()
         # Counts the reuse (and may reset its count) whether or not the request is refused.
         replica = self._replicate(view, best, slot, now) if best >= 0 else None
@@ -330,12 +335,12 @@ class Elastic(Policy):
         if not estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
             return None
         terms = dict(placed_terms)
-        best = masked_min(terms["ttft_s"], view.eligible)
+        best = masked_min(terms["ttft_s"], view.eligible, kernels=view.kernels)
         if session is not None and session.host != NO_HOST:
             # Moving the KV is an option.
             if moving is None:
                 moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
-            best = min(best, masked_min(moving["ttft_s"], view.eligible))
+            best = min(best, masked_min(moving["ttft_s"], view.eligible, kernels=view.kernels))
         slo = self.cluster.config.slo
         refusal = admission.check(best, isolated_floor_s(view, terms), slo, waited_s=waited)
         if refusal is None:

@@ -27,5 +27,5 @@ class LMetric(Policy):
         score = new_tokens * batch
         terms = ttft_terms(self.cluster.cost, load, view, view.hit_tokens)
         terms.update(new_tokens=new_tokens, batch=batch.copy(), score=score)
-        slot = argmin_eligible(score, view.eligible, new_tokens, batch)
+        slot = argmin_eligible(score, view.eligible, new_tokens, batch, kernels=view.kernels)
         return placement(view, slot, "min new tokens × batch size", terms)
