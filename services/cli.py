@@ -6,6 +6,8 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from kvsched import __version__
+
 # subcommand -> (module whose `main(argv) -> int` runs it, one-line help)
 COMMANDS = {
     "replay": ("kvsched.sim.cli", "replay a trace through one or more policies (simulator)"),
@@ -27,7 +29,7 @@ SIMULATOR = {"replay", "knee"}
 
 
 def usage() -> str:
-    lines = [f"usage: kvsched {{{','.join(COMMANDS)}}} ...", ""]
+    lines = [f"usage: kvsched [--version] {{{','.join(COMMANDS)}}} ...", ""]
     lines += [f"  {name:<10}  {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "`kvsched COMMAND --help` lists a command's flags."]
     return "\n".join(lines) + "\n"
@@ -37,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help"}:
         print(usage(), end="")
+        return 0
+    if args[0] == "--version":
+        print(f"kvsched {__version__}")
         return 0
     if args[0] not in COMMANDS:
         print(usage(), end="", file=sys.stderr)

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TextIO
 
 from kvsched.core.cluster import SloConfig
 from kvsched.core.topology import TopologyConfig
@@ -22,6 +21,7 @@ from kvsched.sim.compare import (
 from kvsched.sim.hardware import add_hardware_arguments, hardware_from_args
 from kvsched.sim.knee import KneeRun, KneeSearch, run_knees
 from kvsched.sim.knee_seeds import SeedParts, code_digest, file_digest, run_key
+from kvsched.sim.progress import ProgressBar
 from kvsched.sim.report import write_report
 from kvsched.sim.tiers import NVME_GEN4_READ, PCIE_GEN5_ACHIEVED, TierConfig, TierSize
 from kvsched.sim.traces import transform
@@ -232,27 +232,6 @@ def repeated(trace: Trace, fmt: str, args: argparse.Namespace, times: int) -> Tr
     if scale != 1.0:
         trace = transform.scale_tokens(trace, scale)
     return trace
-
-
-class ProgressBar:
-    """One line on stderr per policy, redrawn at most ten times a second."""
-
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.last = 0.0
-
-    def __call__(self, name: str, frac: float) -> None:
-        now = time.monotonic()
-        if frac < 1.0 and now - self.last < 0.1:
-            return
-        self.last = now
-        width = 30
-        filled = int(frac * width)
-        end = "\n" if frac >= 1.0 else ""
-        self.stream.write(
-            f"\r{name[:28]:<28} [{'#' * filled}{'.' * (width - filled)}] {frac:6.1%}{end}"
-        )
-        self.stream.flush()
 
 
 def parse_loads(text: str | None) -> tuple[float, ...]:

@@ -1,4 +1,4 @@
-"""How every service process runs around its own work: log lines in one format, the event
+"""How every service process runs around its own work: its log lines (`logs`), the event
 loop (uvloop, else asyncio's own: `event_loop`), the process's tracer provider (from
 `OTEL_*`, global, flushed at exit), waiting for SIGINT or SIGTERM before shutting down
 gracefully, and a one-line message rather than a traceback when it cannot start."""
@@ -17,9 +17,9 @@ from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.logs import LogSettings, configure_logging
 from services.common.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing
 
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 Serve = Callable[[TracerProvider], Awaitable[None]]
 # `asyncio` runs a service on asyncio's own event loop even where uvloop imports (to compare
 # the two, or to step around a uvloop fault); anything else, or unset: uvloop when it imports.
@@ -46,10 +46,6 @@ def event_loop(env: Mapping[str, str] = os.environ) -> tuple[str, Runner]:
     return "asyncio", asyncio.run
 
 
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-
-
 async def until_stopped() -> None:
     """Return once the process receives SIGINT or SIGTERM (on the running loop)."""
     stop = asyncio.Event()
@@ -69,13 +65,15 @@ def freeze_heap() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-def run_service(name: str, serve: Serve, *, fails_with: tuple[type[Exception], ...] = ()) -> int:
-    """Run `serve(provider)` on a new loop of `event_loop()` and return the exit status.
-    `provider` is the process's global tracer provider, for service `kvsched-<name>`, shut
-    down (its spans flushed) once `serve` returns. An exception in `fails_with` (a taken
-    port, an unreadable file) ends the process with `kvsched <name>: <what>` on stderr and
-    status 1."""
-    configure_logging()
+def run_service(
+    name: str, serve: Serve, logs: LogSettings, *, fails_with: tuple[type[Exception], ...] = ()
+) -> int:
+    """Run `serve(provider)` on a new loop of `event_loop()`, logging as `logs` says, and
+    return the exit status. `provider` is the process's global tracer provider, for service
+    `kvsched-<name>`, shut down (its spans flushed) once `serve` returns. An exception in
+    `fails_with` (a taken port, an unreadable file) ends the process with `kvsched <name>:
+    <what>` on stderr and status 1."""
+    configure_logging(logs)
     loop_name, run = event_loop()
     if loop_name != "uvloop":
         log.info("kvsched %s runs on asyncio's own event loop, not uvloop", name)

@@ -29,7 +29,7 @@ async def serve(settings: ConductorSettings, provider: TracerProvider) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse(argv)
-    return run_service("conductor", partial(serve, settings), fails_with=(OSError,))
+    return run_service("conductor", partial(serve, settings), settings.log, fails_with=(OSError,))
 
 
 if __name__ == "__main__":

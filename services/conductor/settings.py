@@ -15,6 +15,7 @@ from services.common import block_hashes
 from services.common.admin_token import read_admin_token
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint, process_id
+from services.common.logs import LogSettings, add_log_flags, read_log_settings
 from services.common.store import EtcdSettings
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
@@ -73,6 +74,7 @@ class ConductorSettings:
     # The admin HTTP API's bearer token (`/api/...` but /api/leader); None: open to all.
     admin_token: str | None = field(default=None, repr=False)
     otlp_endpoint: str | None = None
+    log: LogSettings = field(default_factory=LogSettings)
 
     @property
     def url(self) -> str:
@@ -205,6 +207,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     MESSENGER_TLS.add(_flag, p)
     add_insecure(_flag, p)
     _flag(p, "admin-token-file", "", "file holding the admin HTTP API's bearer token")
+    add_log_flags(_flag, p)
     a = p.parse_args(argv)
     if a.time_scale <= 0:
         p.error("--time-scale must be positive")
@@ -266,4 +269,5 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         messenger_tls=messenger_tls,
         admin_token=admin_token,
         otlp_endpoint=otlp_endpoint(),
+        log=read_log_settings(p, a),
     )

@@ -48,7 +48,10 @@ async def serve(settings: EngineSettings, provider: TracerProvider) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse(argv)
     return run_service(
-        "engine", partial(serve, settings), fails_with=(ValueError, OSError, zmq.ZMQError)
+        "engine",
+        partial(serve, settings),
+        settings.log,
+        fails_with=(ValueError, OSError, zmq.ZMQError),
     )
 
 

@@ -30,6 +30,7 @@ from services.common.chat_prompt import load_chat_template
 from services.common.flags import env_flags, otlp_endpoint, pairs, process_id
 from services.common.kv_events import Shape
 from services.common.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
+from services.common.logs import LogSettings, add_log_flags, read_log_settings
 from services.common.openai_api import DEFAULT_MODEL
 
 ENV = "KVSCHED_ENGINE_"
@@ -67,6 +68,7 @@ class EngineSettings:
     seed: int = 0
     shutdown_grace_s: float = 5.0  # SIGTERM: how long running streams may still finish
     otlp_endpoint: str | None = None
+    log: LogSettings = field(default_factory=LogSettings)
     kv_memory_dir: str = DEFAULT_KV_MEMORY_DIR  # where the KV memory file lives (shared memory)
     kv_pool_socket: str | None = None  # the node's KV pool (its Messenger's socket); None: none
     # The host link a load from the pool crosses, charged in model time (the cost model's).
@@ -171,6 +173,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "enable-lora", d.enable_lora, "serve LoRA adapters (as vLLM's flag)")
     _flag(p, "max-loras", d.max_loras, "adapters held at once (as vLLM's flag)")
     _flag(p, "lora-modules", "", "NAME=PATH[,...]: adapters registered at start")
+    add_log_flags(_flag, p)
     a = p.parse_args(argv)
     roles = [r.value for r in Role]
     if a.role not in roles:
@@ -207,6 +210,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
             seed=a.seed,
             shutdown_grace_s=a.shutdown_grace,
             otlp_endpoint=otlp_endpoint(),
+            log=read_log_settings(p, a),
             kv_memory_dir=a.kv_memory_dir,
             kv_pool_socket=a.kv_pool_socket or None,
             pool_bandwidth_bytes_per_s=a.pool_bandwidth,

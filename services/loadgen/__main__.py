@@ -21,7 +21,7 @@ from kvsched.core.cluster import SloConfig
 from kvsched.core.latency import load_latency
 from kvsched.core.models import model_config
 from kvsched.core.topology import TopologyConfig
-from kvsched.sim.cli import DEFAULT_MODE, ProgressBar, add_trace_arguments, load_trace
+from kvsched.sim.cli import DEFAULT_MODE, add_trace_arguments, load_trace
 from kvsched.sim.compare import (
     Comparison,
     config_section,
@@ -32,6 +32,7 @@ from kvsched.sim.compare import (
 from kvsched.sim.hardware import HardwareOptions
 from kvsched.sim.meters import HotspotMeter
 from kvsched.sim.prepare import prepare
+from kvsched.sim.progress import ProgressBar
 from kvsched.sim.report import markdown_table, write_report
 from kvsched.sim.summary import measured_calls
 from services.common.openai_api import DEFAULT_MODEL, PromptTokenizer

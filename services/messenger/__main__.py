@@ -26,7 +26,8 @@ async def serve(settings: MessengerSettings, provider: TracerProvider) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service("messenger", partial(serve, parse(argv)))
+    settings = parse(argv)
+    return run_service("messenger", partial(serve, settings), settings.log)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from services.common import block_hashes
 from services.common.block_hashes import BlockHashes
 from services.common.flags import env_flags, otlp_endpoint
+from services.common.logs import LogSettings, add_log_flags, read_log_settings
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
 from services.messenger.engines import EngineTarget, parse_engines
@@ -71,6 +72,7 @@ class MessengerSettings:
     tls: ClientTls | None = None  # towards the Conductors and the other Messengers
     server_tls: ServerTls | None = None  # its own gRPC server's (MessengerService)
     otlp_endpoint: str | None = None
+    log: LogSettings = field(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
         positive = {
@@ -180,6 +182,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
     CLIENT_TLS.add(_flag, p)
     SERVER_TLS.add(_flag, p)
     add_insecure(_flag, p)
+    add_log_flags(_flag, p)
     a = p.parse_args(argv)
     tls = CLIENT_TLS.read(p, a)
     server_tls = SERVER_TLS.read(p, a)
@@ -222,6 +225,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             tls=tls,
             server_tls=server_tls,
             otlp_endpoint=otlp_endpoint(),
+            log=read_log_settings(p, a),
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -35,7 +35,9 @@ async def serve(settings: RouterSettings, provider: TracerProvider) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse(argv)
     # (cannot listen, unreadable keys file, ...)
-    return run_service("router", partial(serve, settings), fails_with=(OSError, ValueError))
+    return run_service(
+        "router", partial(serve, settings), settings.log, fails_with=(OSError, ValueError)
+    )
 
 
 if __name__ == "__main__":

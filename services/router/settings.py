@@ -17,6 +17,7 @@ from services.common.block_hashes import BlockHashes
 from services.common.chat_content_format import ContentFormatOption
 from services.common.chat_prompt import load_chat_template
 from services.common.flags import env_flags, otlp_endpoint, pairs, process_id
+from services.common.logs import LogSettings, add_log_flags, read_log_settings
 from services.common.openai_api import DEFAULT_MODEL
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
@@ -78,6 +79,7 @@ class RouterSettings:
     # process's GIL (`bodies`); 0: every body on the event loop, no worker.
     body_worker_bytes: int = 1 << 20
     otlp_endpoint: str | None = None
+    log: LogSettings = field(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
         if self.api_keys is None and not self.no_auth:
@@ -179,6 +181,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
     )
     _flag(p, "max-body-bytes", d.max_body_bytes, "longest request body (0: from the context)")
     _flag(p, "body-worker-bytes", d.body_worker_bytes, "bodies decoded off the GIL from (0: none)")
+    add_log_flags(_flag, p)
     a = p.parse_args(argv)
     tls = CONDUCTOR_TLS.read(p, a)
     grpc_tls = GRPC_TLS.read(p, a)
@@ -220,6 +223,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             max_body_bytes=a.max_body_bytes,
             body_worker_bytes=a.body_worker_bytes,
             otlp_endpoint=otlp_endpoint(),
+            log=read_log_settings(p, a),
         )
     except ValueError as exc:
         p.error(str(exc))

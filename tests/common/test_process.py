@@ -55,10 +55,11 @@ async def test_a_service_process_runs_on_the_loop_the_environment_names(
 ) -> None:
     code = (
         "import asyncio\n"
+        "from services.common.logs import LogSettings\n"
         "from services.common.process import run_service\n"
         "async def serve(provider):\n"
         "    print(type(asyncio.get_running_loop()).__module__)\n"
-        "raise SystemExit(run_service('test', serve))\n"
+        "raise SystemExit(run_service('test', serve, LogSettings()))\n"
     )
     env = {**os.environ, EVENT_LOOP_ENV: setting}
     out = await run_to_end([sys.executable, "-c", code], cwd=REPO, env=env, timeout_s=60)
