@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,6 @@ from kvsched.core.latency import LatencyModel, load_latency
 from kvsched.core.models import model_config
 from kvsched.core.policies import ALL_POLICIES, parse_spec
 from kvsched.core.topology import DISTANCE_NAMES, TopologyConfig
-from kvsched.sim.figures import write_figures
 from kvsched.sim.hardware import HardwareOptions
 from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.records import ReplayConfig, ReplayResult
@@ -177,13 +177,19 @@ def run_comparison(
         (out / PARTIAL_SWEEP).unlink(missing_ok=True)
         (out / "table.md").write_text(_headline(cmp) + "\n\n" + table + "\n", encoding="utf-8")
         if figures:
-            write_figures(out, rows, results, ttfts, _headline(cmp), goodput=goodput)
+            try:  # matplotlib is the `figures` extra: without it the report is all there is
+                from kvsched.sim.figures import write_figures  # noqa: PLC0415
+            except ImportError:
+                print(NO_FIGURES, file=sys.stderr)
+            else:
+                write_figures(out, rows, results, ttfts, _headline(cmp), goodput=goodput)
         if stream is not None:
             print(f"\nreport: {out / 'report.json'}  figures: {out}", file=stream)
     return report
 
 
 PARTIAL_SWEEP = "goodput.partial.json"
+NO_FIGURES = "figures left out: they need matplotlib (pip install 'kvsched[figures]')"
 
 
 def partial_writer(out: Path | None) -> Callable[[dict[str, Any]], None] | None:

@@ -16,6 +16,7 @@ from services.common.logs import LogSettings, add_log_flags, read_log_settings
 from services.common.tls import ClientTls, ServerTls
 from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
 from services.messenger.engines import EngineTarget, parse_engines
+from services.messenger.transfer import mooncake_backend
 from services.messenger.transfer.factory import BACKENDS
 
 ENV = "KVSCHED_MESSENGER_"
@@ -99,6 +100,8 @@ class MessengerSettings:
             raise ValueError("--conductor needs at least one host:port")
         if self.transfer_backend not in BACKENDS:
             raise ValueError(f"--transfer-backend must be one of {', '.join(BACKENDS)}")
+        if self.transfer_backend == "mooncake" and not mooncake_backend.installed():
+            raise ValueError(mooncake_backend.MISSING)
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError("--mooncake-protocol must be tcp or rdma")
         if self.transfer_io_timeout_s <= 0 or self.max_transfers <= 0:

@@ -144,6 +144,18 @@ def test_the_wheel_holds_the_package_data(installed_wheel: Path) -> None:
         assert (installed_wheel / data).is_file(), f"the wheel lacks {data}"
 
 
+def test_what_only_some_roles_use_is_an_extra(installed_wheel: Path) -> None:
+    """The Mooncake backend (a Messenger's) and matplotlib (the simulator's figures) are
+    extras; the image installs the first."""
+    (metadata,) = installed_wheel.glob("kvsched-*.dist-info/METADATA")
+    needs = [line for line in metadata.read_text().splitlines() if line.startswith("Requires-Dist")]
+    mooncake = [n for n in needs if n.startswith("Requires-Dist: mooncake-transfer-engine")]
+    figures = [n for n in needs if n.startswith("Requires-Dist: matplotlib")]
+    assert len(mooncake) == 1 and mooncake[0].endswith('extra == "mooncake"'), mooncake
+    assert len(figures) == 1 and figures[0].endswith('extra == "figures"'), figures
+    assert '"${whl}[mooncake]"' in DOCKERFILE.read_text(encoding="utf-8")
+
+
 def test_the_wheel_holds_the_compiled_index_and_scoring(installed_wheel: Path) -> None:
     """The prefix index's, the scoring's and the simulator cache's C extensions, built from the
     context's setup.py, and the stubs that type them."""

@@ -7,6 +7,7 @@ import pytest
 from services.common.tls import ClientTls
 from services.messenger.engines import EngineTarget
 from services.messenger.settings import parse
+from services.messenger.transfer import mooncake_backend
 
 
 def test_flags_and_lists() -> None:
@@ -84,3 +85,16 @@ def test_mutual_tls_or_insecure(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert "--serve-tls-client-ca" in err and "--tls-cert" in err and "--insecure" in err
     assert parse(["--engine", "http://h:1", "--insecure"]).server_tls is None
+
+
+def test_the_mooncake_backend_without_its_wheel_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--insecure", "--conductor", "c:1", "--transfer-backend", "mooncake"]
+    assert mooncake_backend.installed()  # the test environment has the extra
+    assert parse(flags).transfer_backend == "mooncake"
+    monkeypatch.setattr(mooncake_backend, "installed", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        parse(flags)
+    assert exit_.value.code == 2
+    assert "pip install 'kvsched[mooncake]'" in capsys.readouterr().err

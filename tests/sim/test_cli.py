@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,17 @@ def test_report_contract_and_figures(tmp_path: Path, capsys: pytest.CaptureFixtu
     for name in ("headline.png", "ttft_cdf.png", "heatmaps/least_loaded.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| elastic:replicate=0 |" in (tmp_path / "table.md").read_text()
+
+
+def test_without_matplotlib_the_report_is_written_and_the_figures_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "kvsched.sim.figures", None)  # its import fails
+    trace = str(SLICES / "mooncake_conversation_head.jsonl")
+    report = replay(tmp_path, "--trace", trace, "--policies", "round_robin", "--max-requests", "50")
+    assert list(report["policies"]) == ["round_robin"]
+    assert "pip install 'kvsched[figures]'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
 
 
 def test_closed_loop_weka_and_open_loop_azure(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -43,6 +44,15 @@ class _Engine(Protocol):
     def batch_transfer_sync_read(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], /
     ) -> int: ...
+
+
+# The wheel is the `mooncake` extra: a Messenger started without it says so at once.
+MISSING = "--transfer-backend mooncake needs the Mooncake wheel: pip install 'kvsched[mooncake]'"
+
+
+def installed() -> bool:
+    """Whether the Mooncake transfer engine's package can be imported here."""
+    return importlib.util.find_spec("mooncake") is not None
 
 
 def _new_engine() -> _Engine:
