@@ -42,7 +42,7 @@ from services.messenger.local_kv import LocalKv
 from services.messenger.metrics import MessengerMetrics
 from services.messenger.pool_server import PoolServer
 from services.messenger.relay import EngineRelay
-from services.messenger.server import MessengerServicer
+from services.messenger.service import MessengerServicer
 from services.messenger.settings import MessengerSettings
 from services.messenger.transfer.factory import make_backend
 from services.messenger.transfer_progress import TransferLimits

@@ -11,7 +11,7 @@ from functools import partial
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.process import freeze_heap, run_service, until_stopped
-from services.router.server import Router
+from services.router.app import Router
 from services.router.settings import RouterSettings, parse
 
 

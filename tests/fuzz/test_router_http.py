@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from services.common.openai_api import DEFAULT_MODEL
 from services.conductor.app import Conductor
-from services.router.server import Router
+from services.router.app import Router
 from tests.fuzz.conftest import fuzz_settings
 from tests.router.conftest import EngineProcess, Stack
 from tests.router.test_errors import openai_error

@@ -25,7 +25,7 @@ from services.common.openai_api import DEFAULT_MODEL
 from services.conductor.app import Conductor
 from services.launcher.ports import free_port
 from services.router.api_keys import new_key
-from services.router.server import Router
+from services.router.app import Router
 from services.router.settings import RouterSettings
 from tests.conductor.conftest import etcd, start_conductor
 from tests.fixtures.poll import wait_for

@@ -21,7 +21,7 @@ from services.common.openai_api import (
     parse_request,
 )
 from services.router.bodies import body_limit
-from services.router.server import Router
+from services.router.app import Router
 from services.router.settings import parse
 from services.router.tokenizer import RouterTokenizer, body_bytes_bound, max_token_bytes
 from tests.fixtures.poll import wait_for

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.router.server import Router
+from services.router.app import Router
 from tests.router.conftest import Stack, chat, completion
 from tests.router.test_errors import openai_error
 

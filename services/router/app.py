@@ -65,7 +65,7 @@ from services.common.telemetry import (
 )
 from services.common.tls import channel_credentials
 from services.router.auth import Authenticator, Tenant
-from services.router.grpc_service import SERVICE_NAME, RouterServicer
+from services.router.service import SERVICE_NAME, RouterServicer
 from services.router.kv_moves import KvMoves
 from services.router.lora import AdapterLoader
 from services.router.metrics import RouterMetrics
