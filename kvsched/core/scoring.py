@@ -104,7 +104,7 @@ class Kernels(Protocol):
         capacity_tokens: float,
         /,
     ) -> tuple[FloatVec, BoolVec] | NotImplementedType:
-        """(score, pool) of `policies.elastic.cold_score` (NotImplemented with no slot
+        """(score, pool) of `policies.elastic_cold_score.cold_score` (NotImplemented with no slot
         eligible)."""
 
     def best_slot(self, hit_blocks: FloatVec, eligible: BoolVec, /) -> int | NotImplementedType:

@@ -24,8 +24,10 @@ from kvsched.core.scheduler import Scheduler, SchedulerPort
 from kvsched.core.turn_host import TransferOutcome, turn_host
 from kvsched.sim.arrivals import Arrivals
 from kvsched.sim.clock import PREFETCH_DUE, STEP, WAKE, EventQueue
-from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind, StepOutcome
+from kvsched.sim.engine import Engine
+from kvsched.sim.engine_state import EngineSpec
 from kvsched.sim.feedback import EngineFeedback
+from kvsched.sim.jobs import Job, JobKind, StepOutcome
 from kvsched.sim.meters import GapHistogram, HotspotMeter
 from kvsched.sim.migrations import MigrationTracker
 from kvsched.sim.network import Network

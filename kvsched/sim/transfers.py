@@ -18,7 +18,8 @@ from kvsched.core.decision import TransferKind, TransferPlan
 from kvsched.core.prefetch import may_start
 from kvsched.core.scheduler import SchedulerPort
 from kvsched.sim.clock import PREFETCH_DUE, TRANSFER_DONE, WAKE, EventQueue
-from kvsched.sim.engine import Engine, Job, JobKind
+from kvsched.sim.engine import Engine
+from kvsched.sim.jobs import Job, JobKind
 from kvsched.sim.migrations import MigrationTracker
 from kvsched.sim.network import Network
 

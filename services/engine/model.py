@@ -10,7 +10,8 @@ from kvsched.core.cluster import build_cluster
 from kvsched.core.latency import LatencyModel
 from kvsched.core.topology import LinkClass
 from kvsched.sim.cache import PrefixCache
-from kvsched.sim.engine import Engine, EngineSpec
+from kvsched.sim.engine import Engine
+from kvsched.sim.engine_state import EngineSpec
 from services.common.openai_api import bad_request
 from services.engine.settings import EngineSettings
 

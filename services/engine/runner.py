@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
 from kvsched.sim.cache import PrefixCache
-from kvsched.sim.engine import Job, JobKind, StepOutcome
+from kvsched.sim.jobs import Job, JobKind, StepOutcome
 from services.common.kv_events import Event
 from services.common.kv_memory import KvMemory
 from services.common.kv_names import EngineNames

@@ -10,7 +10,8 @@ from typing import Any
 
 from kvsched.core.cluster import build_cluster
 from kvsched.core.policies import POLICIES, parse_spec
-from kvsched.sim.engine import Engine, EngineSpec
+from kvsched.sim.engine import Engine
+from kvsched.sim.engine_state import EngineSpec
 from kvsched.sim.meters import HotspotMeter
 from kvsched.sim.migrations import MigrationLog
 from kvsched.sim.records import ReplayConfig, ReplayResult

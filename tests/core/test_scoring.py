@@ -29,7 +29,7 @@ from kvsched.core.load import LoadReport
 from kvsched.core.migration import MigrationPlanner
 from kvsched.core.pickers import argmin_eligible, masked_min
 from kvsched.core.policies import ALL_POLICIES, POLICIES, make_policy, parse_spec
-from kvsched.core.policies.elastic import cold_score
+from kvsched.core.policies.elastic_cold_score import cold_score
 from kvsched.core.request_view import RequestView, hit_vectors, request_view
 from kvsched.core.scoring import Kernels
 from kvsched.core.topology import TopologyConfig

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsched.core.latency import load_latency
-from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind
+from kvsched.sim.engine import Engine
+from kvsched.sim.engine_state import EngineSpec
+from kvsched.sim.jobs import Job, JobKind
 
 LAT = load_latency()
 BS = 16

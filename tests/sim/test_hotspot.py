@@ -10,7 +10,9 @@ import pytest
 
 from kvsched.core.cluster import ClusterConfig
 from kvsched.core.latency import load_latency
-from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind
+from kvsched.sim.engine import Engine
+from kvsched.sim.engine_state import EngineSpec
+from kvsched.sim.jobs import Job, JobKind
 from kvsched.sim.meters import HotspotMeter
 from kvsched.sim.prepare import prepare
 from kvsched.sim.records import ReplayConfig

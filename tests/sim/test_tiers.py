@@ -16,7 +16,9 @@ from kvsched.core.latency import load_latency
 from kvsched.core.scheduler import Scheduler
 from kvsched.sim.cli import main
 from kvsched.sim.compare import Comparison, replay_config
-from kvsched.sim.engine import Engine, EngineSpec, Job, JobKind
+from kvsched.sim.engine import Engine
+from kvsched.sim.engine_state import EngineSpec
+from kvsched.sim.jobs import Job, JobKind
 from kvsched.sim.prepare import prepare
 from kvsched.sim.records import ReplayConfig
 from kvsched.sim.replay import Replay

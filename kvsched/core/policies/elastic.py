@@ -45,79 +45,37 @@ Every TTFT estimate above counts KV tiers: a prefix held only in an instance's n
 DRAM tier) costs the part of its load over the host link that the prefill of the rest does
 not hide (`load_wait_s`, `cost.pool_load`); one in GPU memory costs nothing to reuse. (The
 idle-gap planning of (a) still reads GPU holdings only.)
+
+The policy class here decides and keeps what it alone tracks; (c)'s score is
+`elastic_cold_score`'s, (a)'s and (f)'s plans are `elastic_idle_gap`'s and (e)'s refusal is
+`elastic_admission`'s (beside this module).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from random import Random
 
 import numpy as np
 
-from kvsched.core import admission
-from kvsched.core.cluster import Role
-from kvsched.core.cost import (
-    fetch_plan,
-    fetch_when_cheaper,
-    isolated_floor_s,
-    moving_terms,
-    ttft_terms,
-)
+from kvsched.core.cost import fetch_plan, fetch_when_cheaper, ttft_terms
 from kvsched.core.decision import Completion, Decision, TransferPlan
-from kvsched.core.decision_builders import (
-    Refusal,
-    placement,
-    placement_unless_refused,
-    rejection,
-)
+from kvsched.core.decision_builders import Refusal, placement, placement_unless_refused
 from kvsched.core.hotness import PrefixHeat
-from kvsched.core.index import Tier
 from kvsched.core.migration import MigrationPlanner
-from kvsched.core.pickers import argmin_eligible, least_pending, masked_min
+from kvsched.core.pickers import argmin_eligible, least_pending
 from kvsched.core.policies.base import Policy
-from kvsched.core.prefetch import (
-    GapHistory,
-    PrefetchRule,
-    pool_load_s,
-    prefetch_plan,
-    prefetch_times,
+from kvsched.core.policies.elastic_admission import slo_refusal
+from kvsched.core.policies.elastic_cold_score import cold_score
+from kvsched.core.policies.elastic_idle_gap import (
+    IdleMoveRule,
+    idle_gap_move,
+    idle_gap_prefetch,
 )
+from kvsched.core.prefetch import GapHistory, PrefetchRule
 from kvsched.core.replication import hot_prefix_copy
-from kvsched.core.request_view import BoolVec, FloatVec, RequestView
+from kvsched.core.request_view import FloatVec, RequestView
 from kvsched.core.residency import ResidentSessions
-from kvsched.core.scoring import Kernels
 from kvsched.core.sessions import NO_HOST, Session
-
-
-def cold_score(
-    terms: dict[str, FloatVec],
-    pending_s: FloatVec,
-    eligible: BoolVec,
-    *,
-    resident: FloatVec,
-    context_tokens: int,
-    capacity_tokens: float,
-    kernels: Kernels | None,
-) -> tuple[FloatVec, BoolVec]:
-    """(c)'s score of every slot for a cold start, and the slots to pick from: those whose
-    active sessions leave room for the new context (all eligible ones when none does).
-    Recomputing what another instance holds also delays whoever queues behind it: a request
-    arriving at a busy instance waits, so the extra prefill over the cheapest slot's is
-    charged at the share of instances busy now (for Poisson arrivals, the chance of finding
-    one busy). The numpy below is the reference; the compiled `kernels`, where given, compute
-    the same."""
-    ttft, prefill = terms["ttft_s"], terms["prefill_s"]
-    if kernels is not None:
-        out = kernels.cold_score(
-            ttft, prefill, pending_s, eligible, resident, context_tokens, capacity_tokens
-        )
-        if out is not NotImplemented:
-            return out
-    busy_share = float(np.mean(pending_s[eligible] > 0))
-    extra = prefill - masked_min(prefill, eligible, kernels=kernels)
-    score: FloatVec = ttft + busy_share * extra
-    fits = eligible & (resident + context_tokens <= capacity_tokens)
-    return score, fits if fits.any() else eligible
 
 
 class Elastic(Policy):
@@ -159,6 +117,7 @@ class Elastic(Policy):
         self.resident = ResidentSessions(cluster.n, self.param("active_window_s"))
         self._heat = PrefixHeat()
         self._capacity_tokens = float(cluster.capacity_blocks * cluster.block_size)
+        self._move_rule = IdleMoveRule(self.param("t_cool_s"), self._capacity_tokens)
         self.gaps = GapHistory()
         self._prefetch_rule = PrefetchRule(
             quantile=float(self.param("prefetch_quantile")),
@@ -197,7 +156,9 @@ class Elastic(Policy):
                 terms: dict[str, FloatVec],
                 moving: dict[str, FloatVec] | None,
             ) -> Decision | None:
-                return self._refusal(view, estimated_ttft_s, terms, session, moving)
+                return slo_refusal(
+                    self.cluster, view, estimated_ttft_s, terms, session, moving=moving
+                )
 
         if self.param("fanout") and session.parallel_arrival:
             spill = self._spill(view, host, terms, refuse)
@@ -264,7 +225,7 @@ class Elastic(Policy):
         # Counts the reuse (and may reset its count) whether or not the request is refused.
         replica = self._replicate(view, best, slot, now) if best >= 0 else None
         if self.param("admission"):
-            refused = self._refusal(view, float(terms["ttft_s"][slot]), terms, session)
+            refused = slo_refusal(cluster, view, float(terms["ttft_s"][slot]), terms, session)
             if refused is not None:
                 return refused
         transfers: list[TransferPlan] = []
@@ -317,35 +278,10 @@ class Elastic(Policy):
 
     def _admit(self, view: RequestView, decision: Decision, session: Session | None) -> Decision:
         """(e): refuse only when the cluster as a whole cannot meet the TTFT SLO now."""
-        refused = self._refusal(view, decision.estimated_ttft_s, decision.terms, session)
+        refused = slo_refusal(
+            self.cluster, view, decision.estimated_ttft_s, decision.terms, session
+        )
         return decision if refused is None else refused
-
-    def _refusal(
-        self,
-        view: RequestView,
-        estimated_ttft_s: float,
-        placed_terms: Mapping[str, FloatVec],
-        session: Session | None,
-        moving: dict[str, FloatVec] | None = None,
-    ) -> Decision | None:
-        """(e)'s rejection of a placement estimated at `estimated_ttft_s` and scored by
-        `placed_terms`, or None when it stands; `moving`: the session host's `moving_terms`
-        when the caller has them (computed here otherwise). Changes nothing."""
-        waited = view.req.waited_s
-        if not estimated_ttft_s + waited > self.cluster.config.slo.ttft_s:
-            return None
-        terms = dict(placed_terms)
-        best = masked_min(terms["ttft_s"], view.eligible, kernels=view.kernels)
-        if session is not None and session.host != NO_HOST:
-            # Moving the KV is an option.
-            if moving is None:
-                moving = moving_terms(self.cluster.cost, self.cluster.load, view, session.host)
-            best = min(best, masked_min(moving["ttft_s"], view.eligible, kernels=view.kernels))
-        slo = self.cluster.config.slo
-        refusal = admission.check(best, isolated_floor_s(view, terms), slo, waited_s=waited)
-        if refusal is None:
-            return None
-        return rejection(view, refusal.rule, refusal.retry_after_s, terms)
 
     # ---- completions and idle-gap migration ------------------------------------------------
 
@@ -362,65 +298,16 @@ class Elastic(Policy):
         if not done.ok or session.last_request not in (None, done.request_id):
             return []
         if self.param("idle_migration"):
-            plan = self._idle_migration(session, now)
+            plan = idle_gap_move(
+                self.cluster, self.planner, session, now, self.resident.tokens, rule=self._move_rule
+            )
             if plan is not None:
                 return [plan]
         if self.param("prefetch"):
-            return self._prefetch(session, host, now)
-        return []
-
-    def _prefetch(self, session: Session, host: int, now: float) -> list[TransferPlan]:
-        """(f): load the session's context back from the host's node pool before its next turn
-        (see the module docstring). Changes nothing."""
-        cluster = self.cluster
-        if not session.context_hashes or session.pending_target != NO_HOST:
-            return []
-        if cluster.index.block_count(host, Tier.CPU) <= 0:
-            return []  # no pool on the host's node (or nothing in it yet)
-        load_s = pool_load_s(cluster.cost, session.context_tokens)
-        gaps = self.gaps.gaps(session.session_id)
-        times = prefetch_times(self._prefetch_rule, gaps, now, load_s)
-        return [
-            prefetch_plan(
-                cluster.cost,
-                host,
-                session.context_hashes,
-                session_id=session.session_id,
-                not_before=at,
+            return idle_gap_prefetch(
+                self.cluster, session, host, now, gaps=self.gaps, rule=self._prefetch_rule
             )
-            for at in times
-        ]
-
-    def _idle_migration(self, session: Session, now: float) -> TransferPlan | None:
-        """(a): move a session off a busy or crowded host while its agent is busy."""
-        host, gap = session.host, session.idle_gap_s
-        if host == NO_HOST or gap < 0 or session.pending_target != NO_HOST:
-            return None  # unbound, no gap seen yet, or already moving
-        if session.in_cooldown(now, self.param("t_cool_s")) or not session.context_hashes:
-            return None
-        cluster = self.cluster
-        load = cluster.load
-        resident = self.resident.tokens
-        crowded = resident[host] > self._capacity_tokens
-        if self.param("ttft_target"):
-            busy = load.pending_prefill_s[host] - gap > self.param("min_gain_s")
-        else:
-            busy = load.pending_prefill_tokens[host] > self.param("t_hot_tokens")
-        if not (busy or crowded):
-            return None  # the host will be free, and its memory holds its sessions
-        context = session.context_tokens + max(session.growth_tokens, 0.0)
-        room = resident + context <= self._capacity_tokens
-        # On a crowded host the context may be evicted before the next turn.
-        penalty = 0.0
-        if crowded:
-            overflow = 1.0 - self._capacity_tokens / resident[host]
-            penalty = overflow * cluster.cost.prefill_one(session.prompt_tokens, 0)
-        # Only where the host's model is served (and the session's adapter can be held): the
-        # next turn asks for the same.
-        eligible = cluster.slots_with(Role.BOTH, Role.PREFILL, model=cluster.models[host])
-        if session.adapter:
-            eligible &= cluster.adapters.costs(session.adapter, 0.0, now)[0]
-        return self.planner.during_gap(session, gap, eligible, room, penalty)
+        return []
 
     def after_transfer(self, plan: TransferPlan, moved: bool, now: float) -> None:
         """A moved session's context now counts on its new host."""
