@@ -1,5 +1,5 @@
 """An agent session's prompt, turn by turn: ids and block hashes computed whole (the Router's
-path today) against incrementally (`services.router.prompt_pieces.SessionPrompts`).
+path today) against incrementally (`services.router.session_prompts.SessionPrompts`).
 
 For each tokenizer family (`bench.tokenize.FAMILIES`), a session of `--turns` turns with
 tools: a system prompt and a task, then each turn one tool call and its result (repository
@@ -25,7 +25,8 @@ from bench.common import median_s
 from bench.tokenize import FAMILIES, text_of
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.openai_api import PromptTokenizer, parse_request
-from services.router.prompt_pieces import PieceTokenizer, SessionPrompts
+from services.router.prompt_pieces import PieceTokenizer
+from services.router.session_prompts import SessionPrompts
 
 SALT = "tenant-a"
 TOOLS = [

@@ -1,6 +1,6 @@
-"""One Router process: the OpenAI-compatible HTTP front and its gRPC admin API, from start to
-drain and stop, with the routes; each completion goes through the request pipeline
-(`pipeline`).
+"""One Router process: the OpenAI-compatible HTTP front and its gRPC admin API
+(`admin_server`), from start to drain and stop, with the routes; each completion goes through
+the request pipeline (`pipeline`).
 
 HTTP is aiohttp on uvloop rather than FastAPI/uvicorn: the request body is read once and
 forwarded as bytes (no pydantic model re-validating and re-serialising it on the hot path),
@@ -9,13 +9,13 @@ one mature client and server library the project already uses (the Conductor's a
 so the upstream client pool and the server share an event loop and a dependency.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), `GET
-/v1/models` and `/v1/models/{id}` (every served model), `GET /health` (503 while draining),
-`GET /metrics` (Prometheus). A completion: refused while draining → authenticate (tenant) →
-counted as open until it ends → the pipeline: prepare (read, check, tokenize, hash) → place
-→ settle (the KV it waits for) → relay to the engine → report to the Conductor in the
-background. Every response carries
-`x-kvsched-request-id`, and once placed `x-kvsched-instance` plus `x-kvsched-policy` (the
-Conductor decided) or `x-kvsched-fallback: 1` (the local fallback did).
+/v1/models` and `/v1/models/{id}` (every served model: `model_cards`), `GET /health` (503
+while draining), `GET /metrics` (Prometheus). A completion: refused while draining →
+authenticate (tenant) → counted as open until it ends → the pipeline: prepare (read, check,
+tokenize, hash) → place → settle (the KV it waits for) → relay to the engine → report to the
+Conductor in the background. Every response carries `x-kvsched-request-id`, and once placed
+`x-kvsched-instance` plus `x-kvsched-policy` (the Conductor decided) or
+`x-kvsched-fallback: 1` (the local fallback did).
 
 Errors are OpenAI error JSON: 400, 401, 429 with Retry-After (refused by admission, or shed
 under overload: see `overload`), 502 (the engine failed before
@@ -26,15 +26,12 @@ request it cannot parse: `http_errors`); an engine's own error status passes thr
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final, cast
 
-import grpc
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -43,16 +40,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from clients.python import ConductorClient, Interceptor
-from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
 from services.common.api_errors import unavailable_headers
 from services.common.client_errors import ClientErrorLog
-from services.common.grpc_server import (
-    NOT_SERVING,
-    SERVING,
-    GrpcApi,
-    health_servicer,
-    start_grpc_server,
-)
 from services.common.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
 from services.common.http_site import start_site
 from services.common.openai_api import ApiError, unavailable
@@ -64,18 +53,20 @@ from services.common.telemetry import (
     shutdown_tracing,
 )
 from services.common.tls import channel_credentials
+from services.router.admin_server import AdminServer
 from services.router.auth import Authenticator, Tenant
-from services.router.service import SERVICE_NAME, RouterServicer
+from services.router.client_ids import client_request_id
 from services.router.kv_moves import KvMoves
 from services.router.lora import AdapterLoader
 from services.router.metrics import RouterMetrics
+from services.router.model_cards import ModelCards
 from services.router.overload import BoundedCount, shed
 from services.router.passthrough import ROUTES as PASS_THROUGH
 from services.router.passthrough import PassThrough
 from services.router.pipeline import Pipeline
-from services.router.placement import Placer
-from services.router.prepare import Preparer, client_request_id
-from services.router.proxy import EngineFailed, Upstream
+from services.router.placer import Placer
+from services.router.prepare import Preparer
+from services.router.proxy import Upstream
 from services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -87,8 +78,6 @@ MESSAGES: Final = "/v1/messages"  # Anthropic's Messages API, as vLLM serves it
 RESPONSES: Final = "/v1/responses"
 # A request's work once admitted: (tenant, arrived, our reply headers) -> the response.
 Serve = Callable[[Tenant, float, dict[str, str]], Awaitable[web.StreamResponse]]
-# `/v1/models` asks one instance of each served model, up to this many models.
-_MAX_MODELS_ASKED: Final = 64
 
 
 class Router:
@@ -157,14 +146,15 @@ class Router:
         )
         self.preparer.contexts = self.placer.contexts
         self.passthrough = PassThrough(self.preparer, self.placer, self.upstream, adapters)
-        self.health = health_servicer()
+        self.model_cards = ModelCards(
+            self.preparer, self.placer, self.upstream, auth=self.auth, metrics=self.metrics
+        )
+        self.admin = AdminServer(s, self.tracer)
         self.draining = False
         self.streams_open = 0
         self.requests_served = 0
         self._idle: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
-        self._grpc: grpc.aio.Server | None = None
-        self._started_at = int(time.time())
         self.url = ""  # http://host:port once started
         self.grpc_url = ""  # host:port once started
         # Every error as OpenAI error JSON, aiohttp's own (404, 405, unparsable) included.
@@ -178,8 +168,8 @@ class Router:
                 web.post(CHAT, self.chat_completions),
                 web.post(MESSAGES, self.messages),
                 web.post(RESPONSES, self.responses),
-                web.get("/v1/models", self.models),
-                web.get("/v1/models/{model}", self.model),
+                web.get("/v1/models", self.model_cards.models),
+                web.get("/v1/models/{model}", self.model_cards.model),
                 *(web.post(route, self.pass_through) for route in PASS_THROUGH),
                 web.get("/health", self.health_check),
                 web.get("/metrics", self.prometheus),
@@ -204,7 +194,7 @@ class Router:
             shutdown_timeout=5.0,
         )
         self.url = f"http://{s.listen.rpartition(':')[0]}:{port}"
-        self.grpc_url = await self._start_grpc()
+        self.grpc_url = await self.admin.start(self, serving=not self.draining)
         log.info(
             "Router %s listening on %s (gRPC %s); %s",
             s.router_id,
@@ -213,36 +203,12 @@ class Router:
             f"{self.auth.tenants} tenants" if self.auth.enabled else "no auth",
         )
 
-    async def _start_grpc(self) -> str:
-        listen = self.settings.grpc_listen
-        api = GrpcApi(
-            SERVICE_NAME,
-            partial(rpb_grpc.add_RouterServiceServicer_to_server, RouterServicer(self)),
-        )
-        # Shareable with other processes (grpc's default), as the Router always had it;
-        # mutual TLS (operators' calls only) unless --insecure.
-        self._grpc, port = await start_grpc_server(
-            listen,
-            api,
-            self.health,
-            tracer=self.tracer,
-            reuse_port=True,
-            tls=self.settings.grpc_tls,
-        )
-        await self._set_health()  # not serving while draining
-        return f"{listen.rpartition(':')[0]}:{port}"
-
-    async def _set_health(self) -> None:
-        state = NOT_SERVING if self.draining else SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, state)
-
     async def set_draining(self, draining: bool) -> None:
         """Refuse (or accept again) new requests; open streams are not touched."""
         if draining != self.draining:
             log.info("Router %s %s", self.settings.router_id, "draining" if draining else "resumes")
         self.draining = draining
-        await self._set_health()
+        await self.admin.set_serving(not draining)
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait (up to `timeout_s`) for open ones to finish; returns
@@ -262,8 +228,7 @@ class Router:
         self.draining = True
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._grpc is not None:
-            await self._grpc.stop(1.0)
+        await self.admin.stop(1.0)
         await self.placer.stop()
         await self.upstream.close()
         await self.client.close()
@@ -363,64 +328,6 @@ class Router:
             self._idle.set()
 
     # ---- other routes ----------------------------------------------------------------
-
-    async def models(self, request: web.Request) -> web.Response:
-        """Every served model: the `/v1/models` of one instance of each model the Conductor
-        knows (merged, with a card for each alias), else the configured models."""
-        try:
-            self.auth.tenant_of(request.headers)
-        except ApiError as err:
-            self.metrics.requests.labels("/v1/models", str(err.status)).inc()
-            return err.response()
-        self.metrics.requests.labels("/v1/models", "200").inc()
-        return web.json_response({"object": "list", "data": await self._model_cards()})
-
-    async def model(self, request: web.Request) -> web.Response:
-        """One model's card (`GET /v1/models/{id}`), or OpenAI's 404."""
-        try:
-            self.auth.tenant_of(request.headers)
-            wanted = request.match_info["model"]
-            card = next((c for c in await self._model_cards() if c.get("id") == wanted), None)
-            if card is None:
-                raise ApiError(404, f"The model `{wanted}` does not exist.",
-                               type_="NotFoundError", param="model")  # fmt: skip
-        except ApiError as err:
-            self.metrics.requests.labels("/v1/models/{id}", str(err.status)).inc()
-            return err.response()
-        self.metrics.requests.labels("/v1/models/{id}", "200").inc()
-        return web.json_response(card)
-
-    async def _model_cards(self) -> list[dict[str, object]]:
-        """The model cards of one answering instance of each served model, the configured
-        model's own where none answers, then a card for each alias."""
-        cards: dict[str, dict[str, object]] = {}
-        asked: set[str] = set()
-        for inst in self.placer.instances:
-            if inst.model in asked or len(asked) >= _MAX_MODELS_ASKED:
-                continue
-            with contextlib.suppress(EngineFailed, ValueError, TypeError, KeyError):
-                status, data, _ = await self.upstream.get(inst.url + "/v1/models")
-                if status == 200:
-                    listed = json.loads(data)["data"]
-                    cards |= {c["id"]: c for c in listed if isinstance(c, dict) and "id" in c}
-                    asked.add(inst.model)
-        for name in self.preparer.tokenizers:
-            cards.setdefault(name, self._own_card(name))
-        for module in self.preparer.adapters.values():  # as vLLM lists a loaded one
-            card = {**self._own_card(module.name), "root": module.path}
-            cards.setdefault(module.name, card | {"parent": module.base_model})
-        extra = {alias: {**cards[name], "id": alias, "root": name}
-                 for alias, name in self.preparer.aliases.items() if name in cards}  # fmt: skip
-        return [*cards.values(), *extra.values()]
-
-    def _own_card(self, name: str) -> dict[str, object]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": self._started_at,
-            "owned_by": "kvsched",
-            "max_model_len": self.settings.max_model_len,
-        }
 
     async def health_check(self, request: web.Request) -> web.Response:
         body = {

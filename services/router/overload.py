@@ -16,7 +16,7 @@ Why shed, not fall back, when a placement is late: a Conductor that answers slow
 and a Router deciding alone admits without the SLO estimate (it knows neither the other
 Routers' load nor the engines' queues), so overload turns into requests admitted late and
 client timeouts. The local fallback stays for a Conductor that is really unreachable, under a
-per-instance bound (see `placement`).
+per-instance bound (see `local_placement`).
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ from aiohttp import web
 from kvsched.core.adapters import AdapterChange
 from services.common.openai_api import ApiError, read_json
 from services.router.auth import Tenant
+from services.router.client_ids import client_request_id
 from services.router.lora import AdapterLoader
 from services.router.pipeline import bad_gateway
-from services.router.placement import Placer
-from services.router.prepare import Preparer, client_request_id
+from services.router.placer import Placer
+from services.router.prepare import Preparer
 from services.router.proxy import EngineFailed, EngineRefused, Upstream
 
 ROUTES: Final = ("/tokenize", "/detokenize", "/v1/embeddings")

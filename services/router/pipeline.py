@@ -1,7 +1,7 @@
 """One completion request's way through a Router, in five stages:
 
     prepare  check, tokenize and hash it                              (`prepare`)
-    place    ask the Conductor (or the local fallback) where it runs  (`placement`)
+    place    ask the Conductor (or the local fallback) where it runs  (`placer`)
     settle   wait for the KV the placement moves: where it runs then  (`kv_moves`)
     relay    forward the client's body to that engine, relay its answer (`proxy`); when the
              engine refuses the connection, once more to one other instance the fallback
@@ -30,7 +30,8 @@ from services.router.finish import RequestOutcome, finish_report
 from services.router.kv_moves import Forward, KvMoves
 from services.router.lora import AdapterLoader
 from services.router.metrics import RouterMetrics
-from services.router.placement import Placement, PlacementQuery, Placer
+from services.router.placement import Placement, PlacementQuery
+from services.router.placer import Placer
 from services.router.prepare import Api, Call, Preparer
 from services.router.proxy import EngineFailed, EngineRefused, Relayed, Upstream
 

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, Literal
-from urllib.parse import quote
 
 from aiohttp import web
 from opentelemetry.trace import Tracer
@@ -45,15 +44,22 @@ from services.common.openai_api import (
 from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.bodies import BodyReader, BodyWorker, body_limit
+from services.router.client_ids import (
+    check_session_id,
+    client_request_id,
+    session_header,
+    session_key,
+    session_param,
+)
 from services.router.placement import PlacementQuery
-from services.router.prompt_pieces import PieceTokenizer, SessionPrompts
+from services.router.prompt_pieces import PieceTokenizer
 from services.router.proxy import with_cache_salt
+from services.router.session_prompts import SessionPrompts
 from services.router.settings import RouterSettings
 from services.router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 
-_SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
 # Prompts up to this many characters (or token ids) are tokenized and hashed on the event
 # loop: at most ~80 µs of work (demo tokenizer), less than a pool thread's round trip costs.
 INLINE_PROMPT_CHARS: Final = 256
@@ -67,14 +73,6 @@ Api = Literal["completion", "chat", "messages", "responses"]
 OPENAI_KINDS: Final[dict[Api, Kind | None]] = {
     "completion": "completion", "chat": "chat", "messages": None, "responses": None,
 }  # fmt: skip
-MAX_REQUEST_ID_CHARS: Final = 128
-# Headers that name a request's session, first found first: ours, then what agent CLIs send
-# on every call of a session (Claude Code's; Codex's `session_id` and `conversation_id`,
-# which OpenCode's session-cache plugin sends too). Over any session the body names.
-SESSION_HEADERS: Final = (
-    "x-session-id", "x-claude-code-session-id", "session_id", "x-codex-session-id",
-    "conversation_id",
-)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +223,7 @@ class Preparer:
         header, named = session_header(request)
         session = named or req.session_id
         if session:
-            param = header or _session_param(body)
+            param = header or session_param(body)
             check_session_id(session, self.max_session_id_bytes, param)
         scoped = session_key(tenant.name, session) if session else ""
         if not read.checked:  # (the body worker did it)
@@ -362,54 +360,3 @@ def _small(req: CompletionRequest) -> bool:
     if req.prompt_text is not None:
         return len(req.prompt_text) <= INLINE_PROMPT_CHARS
     return req.prompt_ids is not None and len(req.prompt_ids) <= INLINE_PROMPT_CHARS
-
-
-def client_request_id(request: web.Request) -> str | None:
-    """The client's own `X-Request-Id`, where it is one a header may carry on (printable
-    ASCII, at most `MAX_REQUEST_ID_CHARS`): the engine gets it as its request id, and the
-    client gets it back."""
-    rid = request.headers.get("x-request-id", "")
-    if 0 < len(rid) <= MAX_REQUEST_ID_CHARS and rid.isascii() and rid.isprintable():
-        return rid
-    return None
-
-
-def check_session_id(session: str, max_bytes: int, param: str) -> None:
-    """Raise a 400 for a session id over `max_bytes` UTF-8 bytes (before it is placed, so
-    nothing is bound to it). Any character may be in one: `session_key` makes it a valid
-    header value."""
-    size = len(session.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise bad_request(
-            f"The session id is {size} bytes long (UTF-8); at most {max_bytes} are allowed.",
-            param,
-        )
-
-
-def session_header(request: web.Request) -> tuple[str, str]:
-    """The first of `SESSION_HEADERS` the request carries, and its value; ("", "") for
-    none."""
-    for name in SESSION_HEADERS:
-        value = request.headers.get(name)
-        if value:
-            return name, value
-    return "", ""
-
-
-def _session_param(body: dict[str, Any]) -> str:
-    """Where in the body the request's session id came from, as the error's `param`."""
-    metadata = body.get("metadata")
-    if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str):
-        return "metadata.session_id"
-    return "prompt_cache_key" if body.get("prompt_cache_key") else "user"
-
-
-def session_key(tenant: str, session: str) -> str:
-    """The session id the Conductor and the engine see: scoped by tenant (two tenants' "s1"
-    are different sessions), and percent-encoded where it is not a plain token, so it is a
-    valid header value (`x-session-id` to the engine) equal to what the Conductor is sent."""
-    return f"{_quote(tenant)}/{_quote(session)}"
-
-
-def _quote(text: str) -> str:
-    return quote(text, safe=_SESSION_SAFE, errors="surrogatepass")

@@ -8,7 +8,7 @@ import grpc
 
 from kvsched.api.router.v1 import router_service_pb2 as pb
 from kvsched.api.router.v1 import router_service_pb2_grpc as pb_grpc
-from services.router.placement import Placer
+from services.router.placer import Placer
 from services.router.settings import RouterSettings
 
 Context = grpc.aio.ServicerContext[object, object]

@@ -63,7 +63,7 @@ class RouterSettings:
     drain_timeout_s: float = 30.0  # SIGTERM: how long open streams may take to finish
     tokenizer_threads: int = 4
     # Token ids kept of sessions' previous turns, so a later turn tokenizes and hashes only
-    # what is new (`prompt_pieces`); 0: every turn whole.
+    # what is new (`session_prompts`); 0: every turn whole.
     session_prompt_tokens: int = 1 << 23
     # Overload bounds (see `overload`): beyond each a request gets 429 + Retry-After at once.
     max_in_flight: int = 2048  # completions open at once

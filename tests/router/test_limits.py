@@ -20,8 +20,8 @@ from services.common.openai_api import (
     PromptTokenizer,
     parse_request,
 )
-from services.router.bodies import body_limit
 from services.router.app import Router
+from services.router.bodies import body_limit
 from services.router.settings import parse
 from services.router.tokenizer import RouterTokenizer, body_bytes_bound, max_token_bytes
 from tests.fixtures.poll import wait_for

@@ -10,7 +10,8 @@ import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.router.lora import LoraModule, parse_lora_modules
-from services.router.prompt_pieces import PieceTokenizer, SessionPrompts
+from services.router.prompt_pieces import PieceTokenizer
+from services.router.session_prompts import SessionPrompts
 from services.router.tokenizer import RouterTokenizer
 
 BASE = "tiny-llama"

@@ -17,7 +17,8 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from services.common.openai_api import ApiError
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, fits_instance, shed
-from services.router.placement import KnownInstance, PlacementQuery, Placer
+from services.router.placement import KnownInstance, PlacementQuery
+from services.router.placer import Placer
 from services.router.settings import parse
 from tests.fixtures.poll import wait_for
 from tests.router.conftest import Stack, completion

@@ -1,9 +1,9 @@
-"""Incremental prompt ids and block hashes (`services.router.prompt_pieces`): always exactly
-the ids of tokenizing the whole text and the hashes of hashing them, for the three tokenizer
-families and their own chat templates, over multi-turn chats that append, edit earlier
-messages and change the system prompt, completion texts, salts and hashers; which tokens are
-cut points and why the others are not (with the counterexamples that make them unsafe); the
-LRU bounds; concurrent calls."""
+"""Incremental prompt ids and block hashes (`services.router.prompt_pieces` and
+`session_prompts`): always exactly the ids of tokenizing the whole text and the hashes of
+hashing them, for the three tokenizer families and their own chat templates, over
+multi-turn chats that append, edit earlier messages and change the system prompt,
+completion texts, salts and hashers; which tokens are cut points and why the others are not
+(with the counterexamples that make them unsafe); the LRU bounds; concurrent calls."""
 
 from __future__ import annotations
 
@@ -28,13 +28,8 @@ import bench.session_prompts as bench_session_prompts
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.model_tokenizer import ModelTokenizer
 from services.common.openai_api import PromptTokenizer, parse_request
-from services.router.prompt_pieces import (
-    PieceTokenizer,
-    SessionPrompts,
-    _common_prefix,
-    _trie_pattern,
-    cut_points,
-)
+from services.router.prompt_pieces import PieceTokenizer, _trie_pattern, cut_points
+from services.router.session_prompts import SessionPrompts, _common_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ("demo", "qwen2", "mistral")

@@ -13,10 +13,12 @@ import pytest
 from services.common.openai_api import ApiError
 from services.router import api_keys
 from services.router.auth import ANONYMOUS, Authenticator, Tenant, key_digest
+from services.router.client_ids import session_key
 from services.router.kv_moves import prefill_body
+from services.router.local_placement import rendezvous
 from services.router.metrics import RouterMetrics
-from services.router.placement import KnownInstance, PlacementQuery, Placer, rendezvous
-from services.router.prepare import session_key
+from services.router.placement import KnownInstance, PlacementQuery
+from services.router.placer import Placer
 from services.router.proxy import with_cache_salt
 from services.router.session_hosts import SessionHosts
 from services.router.settings import parse
