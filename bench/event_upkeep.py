@@ -4,9 +4,9 @@
 core (`Scheduler.apply`, no etcd observer), on an index already loaded (`bench.index_scale`).
 
 Two paths, interleaved round by round on the same index: `packed`, the Conductor's path (the
-event's packed bytes go to the compiled store whole, `convert.kv_events`), and `ints`, the
-path before it (the bytes unpacked into a tuple of Python ints the store reads one by one),
-kept here as the baseline.
+event's packed bytes go to the compiled store whole, `kv_event_batches.kv_events`), and
+`ints`, the path before it (the bytes unpacked into a tuple of Python ints the store reads one
+by one), kept here as the baseline.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvsched.core.cluster import ClusterConfig
 from kvsched.core.events import BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import PrefixIndex, Tier
 from kvsched.core.scheduler import Scheduler
-from services.conductor import convert
+from services.conductor import kv_event_batches
 
 EVENT_BLOCKS = 2048  # a 32K-token prompt's blocks at block size 16
 PATHS = ("ints", "packed")
@@ -37,7 +37,8 @@ class EventTimes:
 
 
 def unpacked_events(batch: pb.KvEventBatch) -> list[KvEvent]:
-    """The path before packed events: every hash a Python int (what `convert.kv_events` did)."""
+    """The path before packed events: every hash a Python int (what
+    `kv_event_batches.kv_events` did)."""
     out: list[KvEvent] = []
     for event in batch.events:
         if event.HasField("blocks_stored"):
@@ -79,7 +80,7 @@ def timed_event_paths(
     limit = scheduler.limits.max_blocks
 
     def packed_events(batch: pb.KvEventBatch) -> list[KvEvent]:
-        return convert.kv_events(batch, limit)
+        return kv_event_batches.kv_events(batch, limit)
 
     decode = {"ints": unpacked_events, "packed": packed_events}
     rng = random.Random(f"event_upkeep {seed}")  # not the stream that drew the index

@@ -25,8 +25,9 @@ from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_ser
 from services.common.identity import Identity, Role
 from services.common.pki import make_cluster_pki
 from services.common.tls import ClientTls, ServerTls, aio_channel
+from services.launcher.cluster_options import ClusterOptions
 from services.launcher.credentials import ADMIN, ClusterCredentials
-from services.launcher.plan import ClusterOptions, identities
+from services.launcher.plan import identities
 
 API = GrpcApi("bench.Nothing", lambda server: None)
 

@@ -51,7 +51,8 @@ from bench.common import REPO, percentile
 from bench.grpc_placement.processes import rss_mb
 from services.common.openai_api import PromptTokenizer
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import ClusterOptions, plan_cluster
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import plan_cluster
 from services.launcher.supervisor import Supervisor
 from services.loadgen.client import Outcome, complete
 

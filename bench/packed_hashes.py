@@ -5,10 +5,10 @@ on the same hashes, at both ends of a placement.
     .venv/bin/python -m bench.packed_hashes [--hashes 2048] [--repeats 2000]
 
 * Conductor, hashes out: from a parsed `ScheduleRequest` to the Python ints the core takes
-  (`convert.block_hashes`: the repeated field's list copy, or the packed bytes' length check
-  and one-loop unpack).
+  (`block_hash_fields.block_hashes`: the repeated field's list copy, or the packed bytes'
+  length check and one-loop unpack).
 * Conductor, whole request: the wire bytes parsed and turned into the core's `RequestInfo`
-  (`convert.request_info`), what the Conductor does per placement before it decides.
+  (`placement_messages.request_info`), what the Conductor does per placement before it decides.
 * Router, request out: the prompt's hashes (a list of ints, as the hasher gives them) to a
   serialized `ScheduleRequest` (packing included).
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from clients.python.packed_hashes import pack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.conductor import convert
+from services.conductor import block_hash_fields, placement_messages
 
 BLOCK = 16
 CHUNK = 50  # calls timed together (one call is a few µs: the clock's own cost would show)
@@ -90,13 +90,13 @@ def measure(n: int, repeats: int) -> list[tuple[str, float, float]]:
     messages = {form: _request(hashes, packed=form == "packed") for form in ("rep", "packed")}
     wires = {form: m.SerializeToString() for form, m in messages.items()}
     for form, message in messages.items():  # both give the core the same request
-        assert list(convert.request_info(message, limit).block_hashes) == hashes, form
+        assert list(placement_messages.request_info(message, limit).block_hashes) == hashes, form
 
     def hashes_out(m: pb.ScheduleRequest) -> Callable[[], object]:
-        return lambda: convert.block_hashes(m.block_hashes, m.packed_block_hashes, limit)
+        return lambda: block_hash_fields.block_hashes(m.block_hashes, m.packed_block_hashes, limit)
 
     def request_in(wire: bytes) -> Callable[[], object]:
-        return lambda: convert.request_info(pb.ScheduleRequest.FromString(wire), limit)
+        return lambda: placement_messages.request_info(pb.ScheduleRequest.FromString(wire), limit)
 
     def request_out(packed: bool) -> Callable[[], object]:
         return lambda: _request(hashes, packed=packed).SerializeToString()

@@ -44,7 +44,8 @@ import aiohttp
 
 from services.common.openai_api import PromptTokenizer
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import Child, ClusterOptions, plan_cluster
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import Child, plan_cluster
 from services.launcher.supervisor import Supervisor
 from services.router.tokenizer import RouterTokenizer
 

@@ -14,7 +14,8 @@ import aiohttp
 
 from bench.peer_routers import PEERS, PeerProcess, Worker
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import ClusterOptions, plan_cluster
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import plan_cluster
 from services.launcher.ports import free_port
 from services.launcher.supervisor import Supervisor
 

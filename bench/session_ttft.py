@@ -38,7 +38,8 @@ import aiohttp
 from bench.session_prompts import session
 from services.common.openai_api import PromptTokenizer
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import Child, ClusterOptions, plan_cluster
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import Child, plan_cluster
 from services.launcher.supervisor import Supervisor
 
 PATHS = ("direct", "incremental", "whole")

@@ -44,7 +44,8 @@ from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.models import DEFAULT_MODEL, MINI_MODEL
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.launcher.__main__ import demo_keys
-from services.launcher.plan import ClusterOptions, plan_cluster, pool_socket
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import plan_cluster, pool_socket
 from services.launcher.supervisor import Supervisor
 from services.vllm_connector.pool_client import PoolClient
 

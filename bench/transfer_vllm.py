@@ -45,7 +45,8 @@ import numpy as np
 from bench.transfer import cluster, raw_copy_seconds, saved, transfer_once
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.launcher.plan import ClusterOptions, pool_socket
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import pool_socket
 from services.launcher.ports import Ports
 from services.launcher.vllm import DEFAULT_PYTHON, VllmServer
 

@@ -34,7 +34,7 @@ Latency is send to answer per decision; decisions/s is decisions over the phase'
 (unary: 1 / mean Schedule latency). The baseline is the same decisions in process: after the
 gRPC phases the client replays its own log (every placement, finish and load report in the
 order it sent them, at the wall-clock time it sent them) through an identical Conductor
-`Term` and times `convert.request_info` + `Scheduler.place` per decision (what the
+`Term` and times `placement_messages.request_info` + `Scheduler.place` per decision (what the
 Conductor's handler wraps), and the finish + report work too for the in-process rate.
 Speculative index entries live 5 s on the Conductor (ClusterConfig default), so the
 in-process cost depends on the decision rate: replaying at the same times keeps that

@@ -7,7 +7,7 @@ import time
 from bench.grpc_placement.results import ModeResult, Op
 from bench.grpc_placement.workload import Workload, instance_spec
 from kvsched.core.cluster import Role
-from services.conductor import convert
+from services.conductor import kv_event_batches, placement_messages
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
 from services.conductor.term import Term
@@ -26,14 +26,16 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
         )
         state.add_instance(record)
     for batch in work.batches:
-        cursors.apply(batch.instance_id, batch.sequence, False, convert.kv_events(batch, limit))
+        cursors.apply(
+            batch.instance_id, batch.sequence, False, kv_event_batches.kv_events(batch, limit)
+        )
     clock = time.perf_counter
     for op in log:
         res = results[op.mode]
         req = op.request
         if op.finish is None:
             t = clock()
-            info = convert.request_info(req, limit)
+            info = placement_messages.request_info(req, limit)
             decision = state.scheduler.place(info, op.now)
             dt = clock() - t
             res.base_latencies.append(dt)
@@ -46,12 +48,12 @@ def baseline(policy: str, work: Workload, log: list[Op], results: dict[str, Mode
         else:
             assert op.report is not None
             t = clock()
-            state.scheduler.finish(convert.completion(state, op.finish, op.now), op.now)
+            state.scheduler.finish(placement_messages.completion(state, op.finish, op.now), op.now)
             b = op.report
             # Reports of one instance sent on different streams may be logged out of order:
             # the replay applies them in log order, so it numbers them itself.
             seq = state.instances[b.instance_id].next_sequence
-            cursors.apply(b.instance_id, seq, False, convert.kv_events(b, limit))
+            cursors.apply(b.instance_id, seq, False, kv_event_batches.kv_events(b, limit))
             res.base_work_s += clock() - t
     for res in results.values():
         if res.base_latencies:

@@ -11,6 +11,11 @@ from pathlib import Path
 from bench.grpc_placement.results import ModeResult
 
 PROFILE_HZ = 200
+# The Conductor's modules converting protobuf messages to and from core values.
+_CONVERSIONS = tuple(
+    f"conductor/{name}.py"
+    for name in ("block_hash_fields", "instance_messages", "kv_event_batches", "placement_messages")
+)
 # Where a sampled stack is charged: the innermost frame naming one of these (when it is
 # below the Conductor's own innermost frame), else the Conductor code it runs in (second
 # list), else the grpc core / uvloop (no Python frame).
@@ -20,12 +25,12 @@ _INNER = (
     ("index.expire", ("PrefixIndex.expire",)),
     ("metrics (prometheus_client)", ("prometheus_client",)),
     ("tracing (interceptor, OpenTelemetry)", ("opentelemetry", "common/telemetry/")),
-    # Before the rest of convert.py, which it is part of: its own line in the summary.
+    # Before the rest of the conversions, which it is part of: its own line in the summary.
     (
-        "block hashes out of the message (convert.block_hashes)",
+        "block hashes out of the message (block_hash_fields.block_hashes)",
         ("block_hashes (", "request_info (", "packed_hashes.py"),
     ),
-    ("proto <-> core conversion (convert.py)", ("conductor/convert.py",)),
+    ("proto <-> core conversion (*_messages.py, kv_event_batches.py)", _CONVERSIONS),
     ("protobuf parse of each message (grpc_requests)", ("common/grpc_requests.py",)),
     ("persister + etcd client + watch", ("persist.py", "common/store.py", "replica.py")),
     ("grpc.aio Python layer", ("grpc/aio/", "grpc/_")),

@@ -1,5 +1,6 @@
 """The core's KV events as the Conductor API's `KvEvent` messages (a Messenger sends them;
-the Conductor reads them back in `services.conductor.convert`, with its boundary checks).
+the Conductor reads them back in `services.conductor.kv_event_batches`, with its boundary
+checks).
 Block hashes go packed (`packed_block_hashes`), which the Conductor reads fastest."""
 
 from __future__ import annotations

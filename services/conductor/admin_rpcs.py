@@ -7,7 +7,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.policies import POLICIES
 from kvsched.core.requests import RequestError
 from services.common.store import Put, StoreError
-from services.conductor import convert, keys
+from services.conductor import keys, placement_messages
 from services.conductor.explain import Explainer
 from services.conductor.fencing import TermWriter
 from services.conductor.leadership import Leadership
@@ -38,7 +38,7 @@ class AdminRpcs:
             session = state.session(request.session_id)
         except RequestError as exc:
             await abort(context, exc)
-        return pb.GetSessionResponse(session=convert.session_message(state, session))
+        return pb.GetSessionResponse(session=placement_messages.session_message(state, session))
 
     async def GetPolicy(
         self, request: pb.GetPolicyRequest, context: Context
@@ -72,7 +72,9 @@ class AdminRpcs:
         except RequestError as exc:
             await abort(context, exc)
         return pb.ExplainResponse(
-            decision=convert.decision_message(self.current().state, decision, explain=True),
+            decision=placement_messages.decision_message(
+                self.current().state, decision, explain=True
+            ),
             rejected=decision.rejected,
         )
 

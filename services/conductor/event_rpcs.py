@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
-from services.conductor import convert
+from services.conductor import kv_event_batches
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.mirror import Cursor, MirroredBatches
@@ -44,7 +44,7 @@ class KvEventRpcs:
         metrics = self.metrics
         try:
             term = self.current()
-            events = convert.kv_events(batch, term.state.scheduler.limits.max_blocks)
+            events = kv_event_batches.kv_events(batch, term.state.scheduler.limits.max_blocks)
             nxt = term.cursors.apply(
                 batch.instance_id, batch.sequence, batch.resync, events, merge=batch.merge
             )

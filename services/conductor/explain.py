@@ -8,7 +8,7 @@ from collections.abc import Callable
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.decision import Decision
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.conductor import convert
+from services.conductor import placement_messages
 from services.conductor.term import CurrentTerm
 
 
@@ -27,5 +27,5 @@ class Explainer:
         """The decision `request` would get now, every candidate's costs included; changes
         nothing. Raises RequestError."""
         state = self.current().state
-        req = convert.explain_request(state, request, self.hasher)
+        req = placement_messages.explain_request(state, request, self.hasher)
         return state.scheduler.explain(req, self.clock())

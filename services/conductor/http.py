@@ -15,7 +15,7 @@ from kvsched.core.requests import RequestError
 from services.common.admin_token import bearer_required
 from services.common.api_errors import unavailable_headers
 from services.common.http_site import start_site
-from services.conductor import convert
+from services.conductor import instance_messages, placement_messages
 from services.conductor.explain import Explainer
 from services.conductor.leadership import Leadership
 from services.conductor.term import CurrentTerm
@@ -73,7 +73,7 @@ class AdminHttp:
         state = self.current().state
         rows = []
         for iid in sorted(state.instances, key=lambda i: state.instances[i].slot):
-            status = convert.instance_status(state, iid)
+            status = instance_messages.instance_status(state, iid)
             inst = state.instances[iid]
             rows.append(
                 {
@@ -108,7 +108,7 @@ class AdminHttp:
             s = state.session(request.match_info["session_id"])
         except RequestError as exc:
             return _error(404, str(exc))
-        msg = convert.session_message(state, s)
+        msg = placement_messages.session_message(state, s)
         return web.json_response(
             {
                 "session_id": msg.session_id,

@@ -8,7 +8,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
 from services.common import durations
 from services.common.store import StoreError
-from services.conductor import convert
+from services.conductor import instance_messages
 from services.conductor.leadership import Leadership
 from services.conductor.node_access import require_instance_node, require_node
 from services.conductor.registration import Registrar
@@ -33,14 +33,14 @@ class InstanceRpcs:
         await require_node(context, request.spec.node, f"instance {request.spec.instance_id!r}")
         await require_instance_node(context, self.current().state, request.spec.instance_id)
         try:
-            spec = convert.instance_spec(request.spec)
+            spec = instance_messages.instance_spec(request.spec)
             lease = await self.registrar.register(spec, durations.seconds(request.lease_ttl))
         except RequestError as exc:
             await abort(context, exc)
         except StoreError as exc:
             await etcd_away(context, "etcd is unavailable", exc)
         return pb.RegisterInstanceResponse(
-            instance=convert.instance_status(self.current().state, spec.instance_id),
+            instance=instance_messages.instance_status(self.current().state, spec.instance_id),
             lease_ttl=durations.duration(lease.ttl_s),
         )
 
@@ -86,5 +86,5 @@ class InstanceRpcs:
         state = self.current().state
         ordered = sorted(state.instances, key=lambda iid: state.instances[iid].slot)
         return pb.ListInstancesResponse(
-            instances=[convert.instance_status(state, iid) for iid in ordered]
+            instances=[instance_messages.instance_status(state, iid) for iid in ordered]
         )

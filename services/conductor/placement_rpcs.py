@@ -27,7 +27,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.decision import Decision, TransferPlan
 from kvsched.core.requests import RequestError
 from services.common.store import StoreError
-from services.conductor import convert
+from services.conductor import placement_messages
 from services.conductor.backpressure import OVERLOAD_RETRY_MS, PendingPlacements
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics
@@ -74,7 +74,9 @@ class PlacementRpcs:
         started = time.perf_counter()
         scheduler = self.current().state.scheduler
         try:
-            info = convert.request_info(request, scheduler.limits.max_blocks, self.time_scale)
+            info = placement_messages.request_info(
+                request, scheduler.limits.max_blocks, self.time_scale
+            )
             decision = scheduler.place(info, self.clock())
         except RequestError:
             metrics.decisions.labels("error").inc()
@@ -97,10 +99,14 @@ class PlacementRpcs:
     def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
         """Record a completion; transfers it causes (an idle-gap migration) start at once."""
         state, now = self.current().state, self.clock()
-        plans = list(state.scheduler.finish(convert.completion(state, request, now), now))
+        plans = list(
+            state.scheduler.finish(placement_messages.completion(state, request, now), now)
+        )
         self.metrics.reported_cached_tokens.inc(request.cached_tokens)
         self.transfers.launch(plans)
-        return pb.FinishResponse(transfers=[convert.transfer_message(state, p) for p in plans])
+        return pb.FinishResponse(
+            transfers=[placement_messages.transfer_message(state, p) for p in plans]
+        )
 
     def _annotate(self, decision: Decision) -> None:
         span = trace.get_current_span()
@@ -164,7 +170,7 @@ class PlacementRpcs:
         if rebound:
             await self.durable(context)
         return pb.ScheduleResponse(
-            decision=convert.decision_message(
+            decision=placement_messages.decision_message(
                 self.current().state, decision, landing=landing, explain=request.explain
             )
         )
@@ -191,9 +197,9 @@ class PlacementRpcs:
             except RequestError as exc:
                 return _stream_error(rid, exc), False
             if decision.rejected:
-                rejection = convert.rejection_message(decision)
+                rejection = placement_messages.rejection_message(decision)
                 return pb.ScheduleStreamResponse(request_id=rid, rejection=rejection), False
-            msg = convert.decision_message(
+            msg = placement_messages.decision_message(
                 self.current().state, decision, landing=landing, explain=request.explain
             )
             return pb.ScheduleStreamResponse(request_id=rid, decision=msg), rebound

@@ -3,8 +3,9 @@ bound to slots of the core `Scheduler` (the same object the simulator drives).
 
 No I/O here, and nothing else: the etcd records of what changes are the observer's the
 state is built with (`records`), a batch's place in its instance's sequence is the
-cursors' (`cursors`), the conversion of messages is `convert`'s. Validation happens before
-anything changes, so a refused call leaves the state exactly as it was.
+cursors' (`cursors`), the conversion of messages is `instance_messages`',
+`kv_event_batches`' and `placement_messages`'. Validation happens before anything changes,
+so a refused call leaves the state exactly as it was.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from services.common.log_ids import session_tag
 from services.common.store import StoreError
 from services.common.telemetry import client_interceptors
 from services.common.tls import aio_channel
-from services.conductor import convert
+from services.conductor import placement_messages
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.settings import ConductorSettings
 from services.conductor.term import CurrentTerm
@@ -232,7 +232,7 @@ class TransferRunner:
             raise _Failed("an end of the transfer has no Messenger")
         stub = self._stub(target.spec.messenger_url)
         request = mpb.StartTransferRequest(
-            plan=convert.transfer_message(state, plan),
+            plan=placement_messages.transfer_message(state, plan),
             timeout=durations.duration(deadline_s),
             source_messenger_url=source.spec.messenger_url,
         )

@@ -17,13 +17,8 @@ from services.common.block_hashes import BlockHashes
 from services.common.files import write_private
 from services.common.flags import pairs
 from services.common.openai_api import DEFAULT_MODEL
-from services.launcher.plan import (
-    DEFAULT_BLOCK_SIZE,
-    ENGINES,
-    ClusterOptions,
-    ClusterPlan,
-    plan_cluster,
-)
+from services.launcher.cluster_options import DEFAULT_BLOCK_SIZE, ENGINES, ClusterOptions
+from services.launcher.plan import ClusterPlan, plan_cluster
 from services.launcher.supervisor import StartError, Supervisor
 from services.router.api_keys import new_key
 

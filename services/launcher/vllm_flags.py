@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.common.block_hashes import BlockHashes
-from services.launcher.plan import DEFAULT_BLOCK_SIZE
+from services.launcher.cluster_options import DEFAULT_BLOCK_SIZE
 from services.launcher.vllm import VllmServer
 
 

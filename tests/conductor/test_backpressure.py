@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.conductor import convert, keys
+from services.conductor import keys, placement_messages
 from services.conductor.backpressure import PendingPlacements, PlacementBounds, overloaded_answer
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.records import Outbox
@@ -179,12 +179,14 @@ async def test_a_full_write_behind_refuses_placements_but_not_completions() -> N
 
 def test_the_time_a_request_queued_at_the_router_reaches_admission_in_policy_seconds() -> None:
     request = pb.ScheduleRequest(request_id="r1", prompt_tokens=32, output_tokens=4)
-    assert convert.request_info(request, 64).waited_s == 0.0  # unset: none
+    assert placement_messages.request_info(request, 64).waited_s == 0.0  # unset: none
     request.queued.FromMilliseconds(300)
-    assert convert.request_info(request, 64, time_scale=2.0).waited_s == pytest.approx(0.15)
+    assert placement_messages.request_info(request, 64, time_scale=2.0).waited_s == pytest.approx(
+        0.15
+    )
     request.queued.FromSeconds(-1)
     with pytest.raises(RequestError):
-        convert.request_info(request, 64)
+        placement_messages.request_info(request, 64)
 
 
 async def test_a_stream_ended_under_its_queue_leaves_nothing_pending() -> None:

@@ -19,7 +19,7 @@ from kvsched.core.index import Tier
 from kvsched.core.packed import PackedHashes
 from kvsched.core.requests import RequestError
 from services.common.kv_event_messages import TIER_VALUES
-from services.conductor import convert
+from services.conductor import kv_event_batches
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
 from services.conductor.term import Term
@@ -85,7 +85,7 @@ def message(
 
 
 def apply(t: Term, batch: pb.KvEventBatch) -> int:
-    events = convert.kv_events(batch, t.state.scheduler.limits.max_blocks)
+    events = kv_event_batches.kv_events(batch, t.state.scheduler.limits.max_blocks)
     return t.cursors.apply(
         batch.instance_id, batch.sequence, batch.resync, events, merge=batch.merge
     )
@@ -157,6 +157,6 @@ def test_packed_hashes_reach_the_core_unpacked_only_on_demand() -> None:
         [("stored", [1, 2], 7, Tier.CPU), ("removed", [2], Tier.GPU), ("stored", [3], None, 0)],
         pack=True,
     )
-    stored, removed, _ = convert.kv_events(batch, 8192)
+    stored, removed, _ = kv_event_batches.kv_events(batch, 8192)
     assert type(stored.hashes) is PackedHashes and type(removed.hashes) is PackedHashes  # type: ignore[union-attr]
     assert stored == BlocksStored((1, 2), 7, Tier.CPU) and removed == BlocksRemoved((2,))

@@ -23,7 +23,7 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
 from kvsched.core.decision import Decision
 from kvsched.core.requests import RequestError
-from services.conductor import convert
+from services.conductor import kv_event_batches, placement_messages
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
 from services.conductor.term import Term
@@ -83,9 +83,9 @@ def test_both_forms_give_the_same_request(hashes: list[int], extra: int) -> None
     packed_form = pb.ScheduleRequest(
         request_id="r", prompt_tokens=prompt, packed_block_hashes=packed(hashes)
     )
-    assert convert.request_info(packed_form, MAX_BLOCKS) == convert.request_info(
-        repeated, MAX_BLOCKS
-    )
+    assert placement_messages.request_info(
+        packed_form, MAX_BLOCKS
+    ) == placement_messages.request_info(repeated, MAX_BLOCKS)
 
 
 def _bad_hashes(**fields: object) -> pb.ScheduleRequest:
@@ -114,7 +114,7 @@ def test_a_bad_packed_payload_is_refused_as_invalid(
     request_: pb.ScheduleRequest, fragment: str
 ) -> None:
     with pytest.raises(RequestError, match=fragment) as refusal:
-        convert.request_info(request_, MAX_BLOCKS)
+        placement_messages.request_info(request_, MAX_BLOCKS)
     assert refusal.value.kind == "invalid"
 
 
@@ -153,7 +153,7 @@ def _decisions(*, pack: bool) -> tuple[list[tuple[object, ...]], list[object]]:
     chains = [[rng.getrandbits(64) for _ in range(rng.randrange(4, 40))] for _ in range(24)]
     for slot in range(4):
         batch = _events(slot, 0, chains[slot * 6 : slot * 6 + 6], pack=pack)
-        term.cursors.apply(batch.instance_id, 0, False, convert.kv_events(batch, limit))
+        term.cursors.apply(batch.instance_id, 0, False, kv_event_batches.kv_events(batch, limit))
     out: list[tuple[object, ...]] = []
     planned: list[object] = []
     for i in range(120):
@@ -169,7 +169,7 @@ def _decisions(*, pack: bool) -> tuple[list[tuple[object, ...]], list[object]]:
         else:
             request.block_hashes.extend(hashes)
         now = float(i)
-        d: Decision = state.scheduler.place(convert.request_info(request, limit), now)
+        d: Decision = state.scheduler.place(placement_messages.request_info(request, limit), now)
         out.append((d.instance, d.rule, d.cached_tokens, d.rejected, len(d.transfers)))
         if d.rejected:
             continue
@@ -183,7 +183,9 @@ def _decisions(*, pack: bool) -> tuple[list[tuple[object, ...]], list[object]]:
         )
         done.block_hashes.extend(request.block_hashes)
         done.packed_block_hashes = request.packed_block_hashes
-        plans = state.scheduler.finish(convert.completion(state, done, now + 0.5), now + 0.5)
+        plans = state.scheduler.finish(
+            placement_messages.completion(state, done, now + 0.5), now + 0.5
+        )
         planned.append([(p.kind, p.source, p.target, p.block_hashes) for p in plans])
     return out, planned
 
@@ -201,7 +203,7 @@ def test_a_bad_packed_event_refuses_its_whole_batch() -> None:
     batch = _events(0, 0, [chain(1, 3)], pack=True)
     batch.events.add().blocks_stored.packed_block_hashes = bytes(12)
     with pytest.raises(RequestError, match="event 2: packed_block_hashes: 12 bytes"):
-        convert.kv_events(batch, limit)
+        kv_event_batches.kv_events(batch, limit)
 
 
 # ---- live RPCs -------------------------------------------------------------------------

@@ -29,14 +29,14 @@ from kvsched.sim.replay import Replay
 from kvsched.sim.traces import transform
 from services.common import durations
 from services.common.kv_event_messages import event_message
-from services.conductor import convert
+from services.conductor import instance_messages, placement_messages
 from services.conductor.app import Conductor
 from tests.conductor.conftest import settings
 from tests.conftest import SLICES
 from tests.fixtures.etcd import EtcdServer
 
-KINDS = {value: kind for kind, value in convert.KINDS.items()}
-ROLES = convert.ROLE_VALUES
+KINDS = {value: kind for kind, value in placement_messages.KINDS.items()}
+ROLES = instance_messages.ROLE_VALUES
 
 
 @dataclass

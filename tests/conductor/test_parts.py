@@ -20,7 +20,7 @@ from kvsched.core.requests import RequestError
 from services.common.log_ids import session_tag
 from services.common.memory_store import MemoryStore
 from services.common.store import WatchEvent
-from services.conductor import convert, keys, replica, settings
+from services.conductor import keys, placement_messages, replica, settings
 from services.conductor.cursors import MAX_LAG_S, MAX_LAGGING_BATCHES
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.keys import InstanceRecord, InstanceSpec
@@ -122,13 +122,15 @@ def test_load_only_batches_let_the_etcd_cursor_lag_within_bounds() -> None:
 def test_a_completion_is_converted_without_changing_the_state() -> None:
     term = _term()
     request = pb.FinishRequest(request_id="r", instance_id="a", prompt_tokens=40, ok=True)
-    done = convert.completion(term.state, request, now=10.0)
+    done = placement_messages.completion(term.state, request, now=10.0)
     assert (done.instance, done.decode_instance, done.finished_at) == (0, 0, 10.0)
     assert len(term.state.cluster.sessions) == 0 and len(term.outbox) == 0
     with pytest.raises(RequestError, match="request_id is required"):
-        convert.completion(term.state, pb.FinishRequest(instance_id="a"), now=10.0)
+        placement_messages.completion(term.state, pb.FinishRequest(instance_id="a"), now=10.0)
     with pytest.raises(RequestError, match="unknown instance"):
-        convert.completion(term.state, pb.FinishRequest(request_id="r", instance_id="b"), 1.0)
+        placement_messages.completion(
+            term.state, pb.FinishRequest(request_id="r", instance_id="b"), 1.0
+        )
 
 
 def test_a_session_key_is_logged_by_the_ids_tag() -> None:

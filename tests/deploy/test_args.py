@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from services.launcher import deploy_args
-from services.launcher.deploy_args import DEV, PRODUCTION, Overlay, vllm_server
+from services.launcher import deploy_args, pod_flags
+from services.launcher.container_args import vllm_server
+from services.launcher.deploy_overlays import DEV, OVERLAY_LIST, PRODUCTION, Overlay
 from services.launcher.plan import Child, plan_cluster
 from tests.deploy.render import Doc, containers, pod_templates
 
@@ -25,7 +26,7 @@ NAMES = ("--id", "--node", "--instance-id")
 
 
 def test_the_committed_args_are_what_the_code_makes() -> None:
-    stale = [o.name for o in deploy_args.OVERLAY_LIST if deploy_args.target(o).read_text()
+    stale = [o.name for o in OVERLAY_LIST if deploy_args.target(o).read_text()
              != deploy_args.render(o)]  # fmt: skip
     assert not stale, f"run `python -m services.launcher.deploy_args`: {stale} are stale"
     assert deploy_args.main(["--check"]) == 0
@@ -43,11 +44,11 @@ def test_check_reports_a_stale_file(
 
 def test_an_address_the_generator_cannot_place_is_an_error() -> None:
     with pytest.raises(ValueError, match="cannot place"):
-        deploy_args._translate(["--peer", "127.0.0.1:5"], {}, lambda path: path)
+        pod_flags.translate(["--peer", "127.0.0.1:5"], {}, lambda path: path)
 
 
 def flags(argv: list[str] | tuple[str, ...]) -> list[tuple[str, str | None]]:
-    return list(deploy_args._flag_pairs(argv))
+    return list(pod_flags.flag_pairs(argv))
 
 
 def comparable(pairs: list[tuple[str, str | None]]) -> dict[str, str | None]:

@@ -12,7 +12,8 @@ import pytest
 
 from services.launcher import vllm_flags
 from services.launcher.__main__ import build_parser, cluster_options
-from services.launcher.plan import STAGES, ClusterOptions, plan_cluster
+from services.launcher.cluster_options import ClusterOptions
+from services.launcher.plan import STAGES, plan_cluster
 from services.launcher.vllm import REPO
 
 

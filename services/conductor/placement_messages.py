@@ -1,198 +1,32 @@
-"""Protobuf messages to and from core values, with the boundary checks (unspecified enums,
-missing fields) that raise `RequestError`. Pure conversion: nothing here changes the state
-it reads ids and slots from."""
+"""Placement's messages to and from core values: a ScheduleRequest, ExplainRequest or
+FinishRequest into the core's `RequestInfo` or `Completion`, with the boundary checks that
+raise `RequestError`, and a `Decision`, `Rejection`, `TransferPlan` or `Session` into its
+message, instances named by their ids. Pure conversion: nothing here changes the state it
+reads ids and slots from."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from clients.python.packed_hashes import hash_count, unpack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from kvsched.core.adapters import (
-    MAX_ADAPTER_NAME,
-    MAX_ADAPTERS,
-    NO_CHANGE,
-    AdapterChange,
-    AdapterReport,
-)
-from kvsched.core.cluster import Role
+from kvsched.core.adapters import NO_CHANGE, AdapterChange
 from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKind, TransferPlan
-from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
-from kvsched.core.index import Tier
-from kvsched.core.load import LoadReport
-from kvsched.core.packed import PackedHashes
 from kvsched.core.requests import RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.common.durations import duration, seconds
-from services.common.kv_event_messages import TIER_VALUES, adapter_message
-from services.conductor.keys import InstanceSpec
+from services.conductor.block_hash_fields import block_hashes
+from services.conductor.instance_messages import check_adapter_name
 from services.conductor.state import ConductorState
 
-ROLES: dict[int, Role] = {
-    common.ROLE_BOTH: Role.BOTH,
-    common.ROLE_PREFILL: Role.PREFILL,
-    common.ROLE_DECODE: Role.DECODE,
-}
-ROLE_VALUES: dict[Role, common.Role.ValueType] = {
-    Role.BOTH: common.ROLE_BOTH,
-    Role.PREFILL: common.ROLE_PREFILL,
-    Role.DECODE: common.ROLE_DECODE,
-}
-TIERS: dict[int, Tier] = {value: tier for tier, value in TIER_VALUES.items()}
 KINDS = {
     TransferKind.FETCH_PREFIX: common.TRANSFER_KIND_FETCH_PREFIX,
     TransferKind.MIGRATE_SESSION: common.TRANSFER_KIND_MIGRATE_SESSION,
     TransferKind.REPLICATE_PREFIX: common.TRANSFER_KIND_REPLICATE_PREFIX,
     TransferKind.HANDOFF: common.TRANSFER_KIND_HANDOFF,
 }
-
-
-def role(value: int) -> Role:
-    found = ROLES.get(value)
-    if found is None:
-        raise RequestError(
-            "invalid", f"role must be ROLE_BOTH, ROLE_PREFILL or ROLE_DECODE, got {value}"
-        )
-    return found
-
-
-def tier(value: int) -> Tier:
-    found = TIERS.get(value)
-    if found is None:
-        raise RequestError("invalid", f"tier must be TIER_GPU, TIER_CPU or TIER_DISK, got {value}")
-    return found
-
-
-def instance_spec(msg: pb.InstanceSpec) -> InstanceSpec:
-    if not msg.instance_id:
-        raise RequestError("invalid", "spec.instance_id is required")
-    if len(msg.instance_id) > 256:
-        raise RequestError("invalid", "spec.instance_id is longer than 256 characters")
-    return InstanceSpec(
-        instance_id=msg.instance_id,
-        url=msg.url,
-        node=msg.node,
-        role=role(msg.role),
-        model=msg.model,
-        messenger_url=msg.messenger_url,
-        max_model_len=msg.max_model_len,
-    )
-
-
-def load_report(msg: common.LoadReport) -> LoadReport:
-    adapters = None
-    if msg.HasField("adapters"):
-        a = msg.adapters
-        if len(a.held) > MAX_ADAPTERS or len(a.busy) > MAX_ADAPTERS:
-            raise RequestError("invalid", f"an engine holds at most {MAX_ADAPTERS} adapters")
-        for name in (*a.held, *a.busy):
-            _check_adapter(name, "adapters")
-        adapters = AdapterReport(a.capacity, frozenset(a.held), frozenset(a.busy))
-    return LoadReport(
-        pending_prefill_tokens=msg.pending_prefill_tokens,
-        pending_prefill_s=seconds(msg.pending_prefill),
-        waiting=msg.waiting,
-        running=msg.running,
-        decode_tokens=msg.decode_tokens,
-        free_blocks=msg.free_blocks,
-        adapters=adapters,
-    )
-
-
-def _check_adapter(name: str, where: str) -> None:
-    if not name or len(name) > MAX_ADAPTER_NAME:
-        raise RequestError(
-            "invalid", f"{where}: an adapter name has 1 to {MAX_ADAPTER_NAME} characters"
-        )
-
-
-def load_message(state: ConductorState, slot: int) -> common.LoadReport:
-    load = state.cluster.load
-    msg = common.LoadReport(
-        pending_prefill_tokens=int(load.pending_prefill_tokens[slot]),
-        pending_prefill=duration(float(load.pending_prefill_s[slot])),
-        waiting=int(load.waiting[slot]),
-        running=int(load.running[slot]),
-        decode_tokens=int(load.decode_tokens[slot]),
-        free_blocks=max(int(load.free_blocks[slot]), 0),
-    )
-    adapters = state.cluster.adapters.reported(slot)
-    if adapters.capacity:
-        msg.adapters.CopyFrom(adapter_message(adapters))
-    return msg
-
-
-def block_hashes(
-    repeated: Sequence[int], packed: bytes, max_blocks: int, where: str = ""
-) -> Sequence[int]:
-    """A message's block hashes from whichever of its two fields is set: `repeated`
-    (`block_hashes`, copied out as today; the core checks its length) or `packed`
-    (`packed_block_hashes`, its length checked before a single int is made, then unpacked in
-    one C loop). Raises RequestError when both are set, or when the packed bytes are not a
-    whole number of 8-byte hashes or hold more than `max_blocks`; `where` prefixes the
-    field names in the message (e.g. "event 3: ")."""
-    if not packed:
-        return repeated[:]  # a list copy: the fastest way out of a repeated field
-    if repeated:
-        raise RequestError(
-            "invalid", f"{where}block_hashes and packed_block_hashes are both set; give one"
-        )
-    _check_packed(packed, max_blocks, where)
-    return unpack_hashes(packed)
-
-
-def _check_packed(packed: bytes, max_blocks: int, where: str) -> None:
-    try:
-        n = hash_count(packed)
-    except ValueError as exc:
-        raise RequestError("invalid", f"{where}packed_block_hashes: {exc}") from None
-    if n > max_blocks:
-        raise RequestError(
-            "invalid", f"{where}packed_block_hashes holds {n} block hashes; at most {max_blocks}"
-        )
-
-
-def event_hashes(
-    repeated: Sequence[int], packed: bytes, max_blocks: int, where: str
-) -> Sequence[int]:
-    """An event's block hashes, refused as `block_hashes` refuses them; packed ones stay
-    packed (`PackedHashes`): the compiled index reads their bytes, no Python int a hash."""
-    if not packed:
-        return tuple(repeated)
-    if repeated:
-        raise RequestError(
-            "invalid", f"{where}block_hashes and packed_block_hashes are both set; give one"
-        )
-    _check_packed(packed, max_blocks, where)
-    return PackedHashes(packed)
-
-
-def kv_events(batch: pb.KvEventBatch, max_blocks: int) -> list[KvEvent]:
-    """Decode a batch's events; raises RequestError on an unset event or enum, or on an
-    event's block hashes as `block_hashes` refuses them (`max_blocks` bounds a packed
-    list; the core checks the others). Packed hashes stay packed (`event_hashes`)."""
-    out: list[KvEvent] = []
-    for i, event in enumerate(batch.events):
-        kind = event.WhichOneof("event")
-        if kind == "blocks_stored":
-            s = event.blocks_stored
-            parent = s.parent_block_hash if s.HasField("parent_block_hash") else None
-            hashes = event_hashes(s.block_hashes, s.packed_block_hashes, max_blocks, f"event {i}: ")
-            out.append(BlocksStored(hashes, parent, tier(s.tier)))
-        elif kind == "blocks_removed":
-            r = event.blocks_removed
-            hashes = event_hashes(r.block_hashes, r.packed_block_hashes, max_blocks, f"event {i}: ")
-            out.append(BlocksRemoved(hashes, tier(r.tier)))
-        elif kind == "all_blocks_cleared":
-            out.append(AllBlocksCleared())
-        elif kind == "load":
-            out.append(load_report(event.load))
-        else:
-            raise RequestError("invalid", f"event {i} of the batch has no event set")
-    return out
 
 
 def transfer_message(state: ConductorState, plan: TransferPlan) -> common.TransferPlan:
@@ -278,29 +112,6 @@ def session_message(state: ConductorState, session: Session) -> pb.Session:
     )
 
 
-def instance_status(state: ConductorState, instance_id: str) -> pb.InstanceStatus:
-    inst = state.instances[instance_id]
-    spec, slot = inst.spec, inst.slot
-    return pb.InstanceStatus(
-        spec=pb.InstanceSpec(
-            instance_id=spec.instance_id,
-            url=spec.url,
-            node=spec.node,
-            role=ROLE_VALUES[spec.role],
-            model=spec.model,
-            messenger_url=spec.messenger_url,
-            max_model_len=spec.max_model_len,
-        ),
-        slot=slot,
-        lease_id=inst.record.lease_id,
-        load=load_message(state, slot),
-        in_flight=int(state.cluster.load.in_flight[slot]),
-        gpu_blocks=state.cluster.index.block_count(slot),
-        next_event_sequence=inst.next_sequence,
-        sessions_bound=state.cluster.sessions.bound_on(slot),
-    )
-
-
 def _request_info(
     request_id: str,
     prompt_tokens: int,
@@ -316,7 +127,7 @@ def _request_info(
     if not request_id:
         raise RequestError("invalid", "request_id is required (it is the idempotency key)")
     if adapter:
-        _check_adapter(adapter, "adapter")
+        check_adapter_name(adapter, "adapter")
     return RequestInfo(
         request_id,
         prompt_tokens,
