@@ -1,5 +1,5 @@
 """Builds the compiled prefix index (`kvsched.core._holdings`), per-instance scoring
-(`kvsched.core._scoring`) and simulated engines' prefix cache (`kvsched.sim._cache`);
+(`kvsched.core._scoring`) and engines' prefix cache (`kvsched.cache._cache`);
 everything else about the package is in pyproject.toml. pip runs this on `pip install .`,
 `pip install -e .` and wheel builds: it needs a C compiler and the Python headers, and says so
 plainly when one is missing."""
@@ -14,8 +14,8 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 HINT = (
-    "kvsched's compiled prefix index, scoring and simulator cache (kvsched/core/_holdings.c, "
-    "_scoring.c, kvsched/sim/_cache.c) need a C compiler and the Python headers: install "
+    "kvsched's compiled prefix index, scoring and prefix cache (kvsched/core/_holdings.c, "
+    "_scoring.c, kvsched/cache/_cache.c) need a C compiler and the Python headers: install "
     "them (Debian/Ubuntu: apt-get install gcc python3-dev) and run pip again"
 )
 
@@ -66,7 +66,10 @@ setup(
             extra_compile_args=[*C_FLAGS, "-ffp-contract=off", "-fno-fast-math"],
         ),
         Extension(
-            "kvsched.sim._cache", ["kvsched/sim/_cache.c"], extra_compile_args=C_FLAGS, **HASH_MIX
+            "kvsched.cache._cache",
+            ["kvsched/cache/_cache.c"],
+            extra_compile_args=C_FLAGS,
+            **HASH_MIX,
         ),
     ],
     cmdclass={"build_ext": BuildExt},

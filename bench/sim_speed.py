@@ -3,10 +3,10 @@
 Replays the Mooncake conversation trace (the whole public file when ../shared is beside the
 repository, else the shipped 3,000-row slice) on 8 simulated instances, open loop, load 1.
 Two baselines are measured in the same run: `round_robin` (the cheapest placement), and each
-policy on the core's references (the pure-Python prefix index and numpy scoring:
-`ReplayConfig.pure`) beside its compiled kernels (the default); each policy's speed is
-printed as absolute simulated/wall seconds (compiled) and as ratios to both. `--pure` runs
-the references only.
+policy on the references of the compiled parts (the pure-Python prefix index, numpy scoring
+and the Python engine cache: `ReplayConfig.pure`) beside its compiled ones (the default);
+each policy's speed is printed as absolute simulated/wall seconds (compiled) and as ratios to
+both. `--pure` runs the references only.
 
     .venv/bin/python -m bench.sim_speed [--repeats 3] [--policies all] [--pure]
 """

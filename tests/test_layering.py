@@ -6,7 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parent.parent / "kvsched" / "core"
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "kvsched" / "core"
+# What may build on the simulator: the simulated engine (its engine model) and the trace bench
+# (`kvsched bench`, which sets its live report beside a replay's).
+SIMULATOR_USERS = {"services/engine", "services/loadgen"}
 FORBIDDEN_MODULES = {
     "asyncio",
     "grpc",
@@ -82,6 +86,17 @@ def test_core_keeps_no_process_wide_switch() -> None:
         for path in sorted(CORE.rglob("*.py"))
         for name in _globals(ast.parse(path.read_text(encoding="utf-8")))
     ]
+    assert offenders == []
+
+
+def test_the_live_services_import_nothing_from_the_simulator() -> None:
+    offenders = []
+    for path in sorted([*(ROOT / "services").rglob("*.py"), *(ROOT / "clients").rglob("*.py")]):
+        where = path.relative_to(ROOT).as_posix()
+        if any(where.startswith(f"{user}/") for user in SIMULATOR_USERS):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        offenders += [f"{where}: {n}" for n in _imports(tree) if n.startswith("kvsched.sim")]
     assert offenders == []
 
 

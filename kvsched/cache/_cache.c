@@ -1,5 +1,5 @@
 /* Compiled paged prefix cache of one simulated engine. Same behaviour as the pure-Python
- * reference `kvsched.sim.cache.PrefixCache` (an agreement test drives both with the same
+ * reference `kvsched.cache.prefix_cache.PrefixCache` (an agreement test drives both with the same
  * operations and compares every result, event and eviction); see that module for what each
  * method means. Only the simulator's replay uses this one: the live engine reads the
  * reference's `nodes`.
@@ -689,7 +689,7 @@ static PyMethodDef Cache_methods[] = {
 static PySequenceMethods Cache_as_sequence = {.sq_length = (lenfunc)Cache_len};
 
 static PyTypeObject CacheType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsched.sim._cache.Cache",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsched.cache._cache.Cache",
     .tp_basicsize = sizeof(Cache),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Pages, cached blocks and locks of one simulated engine (compiled).",
@@ -702,8 +702,8 @@ static PyTypeObject CacheType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvsched.sim._cache",
-    "Compiled prefix cache of a simulated engine (see kvsched.sim.cache).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "kvsched.cache._cache",
+    "Compiled prefix cache of an engine's KV (see kvsched.cache.prefix_cache).", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__cache(void) {

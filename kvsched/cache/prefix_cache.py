@@ -1,4 +1,6 @@
-"""Paged prefix cache of one simulated engine (Mini-SGLang's radix cache, one page a block).
+"""Paged prefix cache of one engine's KV (Mini-SGLang's radix cache, one page a block): the
+simulator's engines and node tiers, the simulated engine service and the Messengers' node KV
+pools all keep their blocks in it.
 
 Every page is in exactly one state:
 
@@ -12,18 +14,17 @@ requests whose held prefix passes through it (`lock`); a node is evictable when 
 and no cached child hangs below it, which keeps the cache prefix-closed.
 
 `PrefixCache` below is the reference: plain Python, easy to read, the oracle of the agreement
-tests, and the one the live engine uses (it reads `nodes`). `kvsched.sim._cache.Cache` is the
+tests, and the one the live engine uses (it reads `nodes`). `kvsched.cache._cache.Cache` is the
 same bookkeeping compiled from C (`_cache.c`, built by pip): the simulator's replays commit and
 evict a block per page of every prompt, which in Python was the largest piece of a replay's
 own time. `make_cache` picks one: the compiled one unless asked for the reference
-(`pure=True`, or the environment variable `KVSCHED_PURE_SIMCACHE=1` when `pure` is not given).
-The two agree on every result, event and eviction order (tests/sim/test_cache_agreement.py).
+(`pure=True`). The two agree on every result, event and eviction order
+(tests/sim/test_cache_agreement.py).
 """
 
 from __future__ import annotations
 
 import heapq
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,7 +46,6 @@ class Node:
 CacheEvent = BlocksStored | BlocksRemoved
 # {hash: (parent hash or None, cached children, lock count, last access)}
 CacheSnapshot = dict[int, tuple[int | None, int, int, float]]
-PURE_ENV = "KVSCHED_PURE_SIMCACHE"
 
 
 class EngineCache(Protocol):
@@ -87,20 +87,17 @@ class EngineCache(Protocol):
     def check_integrity(self) -> None: ...
 
 
-def make_cache(total_pages: int, pure: bool | None = None) -> EngineCache:
-    """A prefix cache of `total_pages` pages: the compiled one, or the reference when `pure`
-    (None: as `KVSCHED_PURE_SIMCACHE` says)."""
-    if pure is None:
-        pure = os.environ.get(PURE_ENV, "") not in ("", "0")
+def make_cache(total_pages: int, pure: bool = False) -> EngineCache:
+    """A prefix cache of `total_pages` pages: the compiled one, or the reference when `pure`."""
     if pure:
         return PrefixCache(total_pages)
     try:
-        from kvsched.sim._cache import Cache  # noqa: PLC0415  (built by pip)
+        from kvsched.cache._cache import Cache  # noqa: PLC0415  (built by pip)
     except ImportError as exc:
         raise ImportError(
-            "kvsched's compiled simulator cache (kvsched.sim._cache) is not built: reinstall "
+            "kvsched's compiled prefix cache (kvsched.cache._cache) is not built: reinstall "
             "kvsched with pip (scripts/setup, or pip install -e .), which compiles it with the "
-            f"machine's C compiler, or set {PURE_ENV}=1 to use the pure-Python reference"
+            "machine's C compiler, or run the pure-Python reference (a replay's pure=True)"
         ) from exc
     return Cache(total_pages, BlocksStored, BlocksRemoved)
 

@@ -49,7 +49,7 @@ class Comparison:
     # Closed loop: the trace with k copies of each session; given, the sweep scales the copies
     # with the load so the sessions' start window keeps its length (kvsched.sim.sweep).
     sweep_repeat_trace: Callable[[int], Trace] | None = None
-    pure: bool = False  # the core's references rather than its compiled kernels (`ReplayConfig`)
+    pure: bool = False  # the references of the compiled parts (`ReplayConfig.pure`)
 
 
 def expand_policies(text: str) -> tuple[str, ...]:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvsched.cache.prefix_cache import EngineCache, make_cache
 from kvsched.core.latency import LatencyModel
 from kvsched.core.load import LoadReport
-from kvsched.sim.cache import EngineCache, make_cache
 from kvsched.sim.jobs import Job, JobKind
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class EngineSpec:
     chunk_tokens: int
     max_running: int
     layers: int
+    pure_cache: bool = False  # the reference prefix cache rather than the compiled one
 
 
 GapSink = Callable[[float, float, float], None]  # (first gap s, last gap s, count)
@@ -83,9 +84,10 @@ class EngineState:
         self.wake_sink = wake_sink
         self.latency = latency
         self.bs = spec.block_size
-        # The compiled cache unless `KVSCHED_PURE_SIMCACHE` asks for the reference (or the
-        # caller brings its own, as the live engine does).
-        self.cache = cache if cache is not None else make_cache(spec.capacity_pages)
+        # The spec's cache unless the caller brings its own, as the live engine does.
+        self.cache = (
+            cache if cache is not None else make_cache(spec.capacity_pages, spec.pure_cache)
+        )
         self.chunk_tokens = spec.chunk_tokens
         self.max_running = spec.max_running
         self.layers = spec.layers

@@ -27,8 +27,9 @@ class ReplayConfig:
     max_retries: int = 20
     tier: TierConfig = field(default_factory=TierConfig)  # the node KV pool (off by default)
     check_integrity: bool = False  # assert engine invariants after every step (tests)
-    # The core's references, the pure-Python index and numpy scoring, rather than the compiled
-    # ones: the same decisions, slower (`build_cluster`).
+    # The references of every compiled part, the core's pure-Python index and numpy scoring
+    # (`build_cluster`) and the engines' Python prefix cache, rather than the compiled ones:
+    # the same decisions, slower.
     pure: bool = False
     keep_decisions: bool = False
 

@@ -81,6 +81,7 @@ class Replay:
             chunk_tokens=cluster_cfg.chunk_tokens,
             max_running=cluster_cfg.max_running,
             layers=cost.model.layers,
+            pure_cache=config.pure,
         )
         self.gaps = GapHistogram()
         tiers = build_tiers(
@@ -91,6 +92,7 @@ class Replay:
             kv_bytes_per_token=cost.kv_bytes_per_token,
             layers=cost.model.layers,
             chains=prepared.hashes,
+            pure=config.pure,
         )
         self.engines = [
             Engine(

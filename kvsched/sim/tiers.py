@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvsched.cache.prefix_cache import CacheEvent, EngineCache, make_cache
 from kvsched.core.events import BlocksRemoved, BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.topology import LinkClass
-from kvsched.sim.cache import CacheEvent, EngineCache, make_cache
 
 # Public figures behind the defaults (docs/evaluation.md, "Node KV pool"): an H100's host link
 # is PCIe Gen5 x16, 63 GB/s a direction in theory (NVIDIA H100 datasheet: 128 GB/s both ways;
@@ -159,8 +159,8 @@ class Load:
 class _Level:
     """One tier of one node: its store and the resource its writes book."""
 
-    def __init__(self, pages: int, tier: Tier) -> None:
-        self.store: EngineCache = make_cache(pages)
+    def __init__(self, pages: int, tier: Tier, pure: bool) -> None:
+        self.store: EngineCache = make_cache(pages, pure)
         self.tier = tier
         self.written_blocks = 0
         self.loaded_blocks = 0
@@ -206,17 +206,19 @@ class NodeTier:
         kv_bytes_per_token: int,
         layers: int,
         book: ChainBook,
+        pure: bool = False,
     ) -> None:
-        """`slots`: the node's instances; `gpu_pages`: one instance's KV capacity in pages."""
+        """`slots`: the node's instances; `gpu_pages`: one instance's KV capacity in pages;
+        `pure`: the tiers' stores are the reference prefix cache."""
         node_pages = gpu_pages * len(slots)
         dram_pages = config.dram.pages(node_pages, block_size)
         if dram_pages <= 0:
             raise ValueError("a DRAM tier needs at least one block")
         self.config = config
         self.slots = tuple(slots)
-        self.dram = _Level(dram_pages, Tier.CPU)
+        self.dram = _Level(dram_pages, Tier.CPU, pure)
         ssd_pages = config.ssd.pages(node_pages, block_size) if config.ssd.on else 0
-        self.ssd = _Level(ssd_pages, Tier.DISK) if ssd_pages > 0 else None
+        self.ssd = _Level(ssd_pages, Tier.DISK, pure) if ssd_pages > 0 else None
         self._block_bytes = block_size * kv_bytes_per_token
         self._layers = layers
         self._book = book
@@ -341,9 +343,10 @@ def build_tiers(
     kv_bytes_per_token: int,
     layers: int,
     chains: Sequence[Sequence[int]],
+    pure: bool = False,
 ) -> list[NodeTier | None]:
     """Each instance's node tier (shared by the instances of a node), or all None when the
-    tier is off."""
+    tier is off; `pure`: their stores are the reference prefix cache."""
     if not config.on:
         return [None] * len(node_of)
     book = ChainBook(chains)
@@ -359,6 +362,7 @@ def build_tiers(
             kv_bytes_per_token=kv_bytes_per_token,
             layers=layers,
             book=book,
+            pure=pure,
         )
         for node, slots in by_node.items()
     }

@@ -27,8 +27,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
-from kvsched.sim.cache import PrefixCache
 from services.common.kv_memory import KvMemory
 from services.common.kv_names import EngineNames
 
@@ -102,7 +102,7 @@ class KvTransfers:
     """The exports and imports in progress on one engine.
 
     `sync` must apply the cache's pending events to the KV memory and the names (the live
-    engine's `sync_cache`): it runs after every change here that stores or evicts blocks, and
+    engine's `CacheMirror.sync`): it runs after every change here that stores or evicts blocks, and
     the caller then publishes the queued events. `freed` runs whenever pages may have come
     free (an export released, an import ended): a request waiting for memory may fit now.
     `clock` is the cache's clock (model seconds)."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.cluster import build_cluster
 from kvsched.core.latency import LatencyModel
 from kvsched.core.topology import LinkClass
-from kvsched.sim.cache import PrefixCache
 from kvsched.sim.engine import Engine
 from kvsched.sim.engine_state import EngineSpec
 from services.common.openai_api import bad_request

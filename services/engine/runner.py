@@ -10,6 +10,10 @@ The loop does not drift: while the engine stays busy, each step starts at the mo
 previous one ended, and every sleep targets an absolute wall-clock deadline, so timer and
 scheduling latency never add up. Only when the host falls behind by more than `MAX_LAG_S` of
 wall time does the model clock jump to the present (the model cannot run faster than its CPU).
+
+Beside it: each request's record (`services.engine.request`), the model clock the loop sleeps
+on (`services.engine.model_clock`), and the mirror that turns the cache's changes into KV memory
+pages and KV events (`services.engine.cache_mirror`).
 """
 
 from __future__ import annotations
@@ -18,77 +22,30 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from kvsched.core.events import BlocksRemoved
+from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
-from kvsched.sim.cache import PrefixCache
 from kvsched.sim.jobs import Job, JobKind, StepOutcome
-from services.common.kv_events import Event
 from services.common.kv_memory import KvMemory
 from services.common.kv_names import EngineNames
 from services.common.kv_transfer import KvTransfers
 from services.common.openai_api import unavailable
+from services.engine.cache_mirror import CacheMirror
 from services.engine.kv_publisher import KvEventPublisher
 from services.engine.metrics import EngineMetrics
 from services.engine.model import EngineModel
+from services.engine.model_clock import ModelClock
 from services.engine.pool_link import PoolLink
+from services.engine.request import Request
 
 log = logging.getLogger("kvsched.engine")
 MAX_LAG_S = 0.05  # wall seconds the loop may trail the model clock and still catch up
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    """One request in the engine. The loop raises `generated` as steps produce tokens and
-    sets `done` when the last one is out (or the request was aborted or the engine stopped,
-    then with `error` set for the latter)."""
-
-    job: Job
-    prompt_ids: Sequence[int]
-    salt: str | None = None
-    adapter: AdapterKey | None = None  # the LoRA adapter it runs with
-    loaded_tokens: int = 0  # loaded from the node's pool just before it was queued
-    generated: int = 0
-    done: bool = False
-    # Its prompt's blocks are queued for the node's pool, or being saved there. vLLM's
-    # connector copies a step's blocks within the step, so a request it has ended has its KV
-    # in the pool (committed, or landing: an export waits for those); here the save runs off
-    # the step loop, so the last token waits for it (a session's KV moved right after its
-    # turn ends is read from the pool, and would be cut at the blocks saved so far).
-    saving: bool = False
-    error: str | None = None
-    _waiter: asyncio.Future[None] | None = None
-
-    @property
-    def visible(self) -> int:
-        """The tokens a client may have: all generated, but the last while `saving`."""
-        if self.saving and self.generated >= self.job.output:
-            return max(self.job.output - 1, 0)
-        return self.generated
-
-    async def wait(self, seen: int) -> int:
-        """Wait until more than `seen` tokens are visible or the request ended; returns how
-        many are. Raises `ApiError` 503 when the engine stopped before the request finished."""
-        while self.error is None and self.visible <= seen and not (self.done and not self.saving):
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiter = waiter
-            await waiter
-        if self.error is not None:
-            raise unavailable(self.error)
-        return self.visible
-
-    def _notify(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
 class LiveEngine:
-    """The engine model in real time, with its block names, KV memory, transfers and KV-event
-    publisher."""
+    """The engine model in real time (on `clock`), with its block names, KV memory (kept in
+    step with the cache by `mirror`), transfers and KV-event publisher."""
 
     def __init__(
         self,
@@ -107,20 +64,22 @@ class LiveEngine:
         self.engine = model.new_engine(self.cache)
         self.publisher = publisher
         self.metrics = metrics
-        self.scale = time_scale
+        self.clock = ModelClock(time_scale)
         self.stream_interval = stream_interval
         self.hasher = hasher or VllmBlockHasher(model.block_size)
         self.names = EngineNames(model.block_size)
         self.memory = memory
+        self.mirror = CacheMirror(self.cache, memory, self.names, publisher)
         self.transfers = KvTransfers(
             self.cache,
             memory=memory,
             names=self.names,
             hasher=self.hasher,
-            clock=self.now,
-            sync=self.sync_cache,
-            freed=self._wakeup,
+            clock=self.clock.now,
+            sync=self.mirror.sync,
+            freed=self.clock.wake,
         )
+        self.mirror.stored = self.transfers.blocks_stored  # (made after: they call `sync`)
         self.pool: PoolLink | None = None  # the node's KV pool, when the engine uses one
         self._saves: asyncio.Queue[Request] = asyncio.Queue()  # prefilled, to save to the pool
         self._saver: asyncio.Task[None] | None = None
@@ -129,14 +88,7 @@ class LiveEngine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self._arrived = False  # a request joined since the step was planned
-        self._wake: asyncio.Future[bool] | None = None  # set while the loop sleeps
-        self._unpublished: list[Event] = []  # named, not yet sent
-        self._t0 = time.monotonic()
         self._task: asyncio.Task[None] | None = None
-
-    def now(self) -> float:
-        """Model seconds since the engine started."""
-        return (time.monotonic() - self._t0) / self.scale
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -156,7 +108,7 @@ class LiveEngine:
         while not self._saves.empty():  # saves that will not run now: their last tokens go
             request = self._saves.get_nowait()
             request.saving = False
-            request._notify()
+            request.notify()
         self._fail_all("the engine is shutting down")
         self.transfers.close()
         if self.pool is not None:
@@ -213,7 +165,7 @@ class LiveEngine:
         if digests is None:
             digests = self.hasher.digests(prompt_ids, salt, adapter)
         hashes = [event_hash(d) for d in digests]
-        now = self.now()
+        now = self.clock.now()
         job = Job(next(self._ids), JobKind.FULL, len(prompt_ids), output, tuple(hashes), now)
         if load_s > 0:
             job.ready_at = now + load_s / self.model.spec.layers
@@ -223,7 +175,7 @@ class LiveEngine:
         self.requests[job.rid] = request
         self.engine.submit(job)
         self._arrived = True
-        self._wakeup()
+        self.clock.wake()
         return request
 
     def abort(self, request: Request) -> None:
@@ -232,12 +184,7 @@ class LiveEngine:
         if not request.done:
             request.done = True
             self._aborted.append(request)
-            self._wakeup()
-
-    def _wakeup(self) -> None:
-        wake, self._wake = self._wake, None
-        if wake is not None and not wake.done():
-            wake.set_result(True)
+            self.clock.wake()
 
     # ---- the step loop -----------------------------------------------------------------
 
@@ -251,39 +198,39 @@ class LiveEngine:
             self._fail_all("the engine's step loop failed")
 
     async def _steps(self) -> None:
-        engine, scale = self.engine, self.scale
-        max_lag = MAX_LAG_S / scale
+        engine, clock, mirror = self.engine, self.clock, self.mirror
+        max_lag = MAX_LAG_S / clock.scale
         prev_end: float | None = None  # model time the previous step ended, while busy
         while True:
             if self._aborted:
                 self._apply_aborts()
-                await self.publish_changes()
-            now = self.now()
+                await mirror.publish()
+            now = clock.now()
             start = now if prev_end is None or now - prev_end > max_lag else prev_end
             self._arrived = False
             end = engine.plan(start, self.stream_interval)
-            await self.publish_changes()  # admission may have evicted blocks
+            await mirror.publish()  # admission may have evicted blocks
             if end is None:
                 prev_end = None
                 if not (self._arrived or self._aborted):  # (either may come during publish)
-                    await self._sleep(self._next_ready(start))
+                    await clock.sleep(self._next_ready(start))
                 continue
             step = engine.step
             assert step is not None
             while True:
                 if self._arrived:  # cut a multi-pass decode short at the next pass
                     self._arrived = False
-                    shorter = engine.interrupt(self.now())
+                    shorter = engine.interrupt(clock.now())
                     if shorter is not None:
                         end = shorter
-                if not await self._sleep(end):
+                if not await clock.sleep(end):
                     break
             passes, decoding = step.passes, step.decode_seqs
             out = engine.complete(end)
             self._deliver(out, end, (end - step.start) / passes if decoding else 0.0)
             # Name the blocks this step stored before finished requests let go of their
             # token ids (a one-token answer stores and finishes in the same step).
-            await self.publish_changes()
+            await mirror.publish()
             for job in out.finished:
                 self._finish(job)
             prev_end = end
@@ -296,24 +243,6 @@ class LiveEngine:
         the pool is in (it becomes admissible then); None when none waits for one."""
         pending = [job.ready_at for job in self.engine.waiting if job.ready_at > now]
         return min(pending, default=None)
-
-    async def _sleep(self, until: float | None) -> bool:
-        """Sleep until model time `until` (None: until woken); True when woken first."""
-        loop = asyncio.get_running_loop()
-        handle = None
-        wake: asyncio.Future[bool] = loop.create_future()
-        if until is not None:
-            delay = until * self.scale - (time.monotonic() - self._t0)
-            if delay <= 0:
-                return False
-            handle = loop.call_later(delay, _resolve, wake)
-        self._wake = wake
-        try:
-            return await wake
-        finally:
-            self._wake = None
-            if handle is not None:
-                handle.cancel()
 
     def _deliver(self, out: StepOutcome, end: float, gap: float) -> None:
         """Hand every request the tokens it has after the step ending at `end`; `gap` is the
@@ -337,7 +266,7 @@ class LiveEngine:
             m.computed_tokens.inc(job.prompt - job.cached_tokens)
             produced += job.generated - request.generated
             request.generated = job.generated
-            request._notify()
+            request.notify()
         firsts = produced
         tick = self.engine.tick
         for job in self.engine.decoding:
@@ -346,7 +275,7 @@ class LiveEngine:
             if generated > request.generated:
                 produced += generated - request.generated
                 request.generated = generated
-                request._notify()
+                request.notify()
         for job in out.finished:
             request = requests.get(job.rid)
             if request is None:
@@ -354,7 +283,7 @@ class LiveEngine:
             produced += job.output - request.generated
             request.generated = job.output
             request.done = True
-            request._notify()
+            request.notify()
             m.e2e.observe(max(end - job.arrival, 0.0))
             m.success.inc()
         if produced:
@@ -375,14 +304,14 @@ class LiveEngine:
                 log.exception("saving blocks into the KV pool failed")
             finally:
                 request.saving = False
-                request._notify()
+                request.notify()
 
     def _finish(self, job: Job) -> None:
         if self.requests.pop(job.rid, None) is not None:
             self.names.release(job.hashes)
 
     def _apply_aborts(self) -> None:
-        now = self.now()
+        now = self.clock.now()
         for request in self._aborted:
             job = request.job
             if self.requests.pop(job.rid, None) is not None:
@@ -390,42 +319,12 @@ class LiveEngine:
                 self.names.release(job.hashes)
         self._aborted.clear()
 
-    def sync_cache(self) -> None:
-        """Apply the cache's changes since the last drain: evicted blocks free their KV memory
-        pages, stored blocks get pages and content, and both are named as KV events, queued
-        for the next `publish_changes`. Exports waiting for blocks are woken.
-
-        Called right after every change to the cache, with no await in between (by the step
-        loop after a plan or a step, by transfers after a reservation or a commit), so
-        between awaits the memory, the names and the cache agree."""
-        memory, names, events = self.memory, self.names, self._unpublished
-        stored = False
-        for change in self.cache.drain_events():
-            if isinstance(change, BlocksRemoved):
-                memory.remove(change.hashes)
-                events.append(names.removed(change.hashes))
-            else:
-                memory.store(change.hashes)
-                events.append(names.stored(change.hashes, change.parent))
-                stored = True
-        if stored:
-            self.transfers.blocks_stored()
-
-    async def publish_changes(self) -> None:
-        """`sync_cache`, then send every event not sent yet as one vLLM KV-event batch. Its
-        sequence number is taken before the first await, so batches go out in the order
-        their events were named, whoever sends them."""
-        self.sync_cache()
-        events, self._unpublished = self._unpublished, []
-        if events:
-            await self.publisher.publish(events, time.time())
-
     def _fail_all(self, reason: str) -> None:
         self.failed = reason
         for request in self.requests.values():
             request.error = reason
             request.done = True
-            request._notify()
+            request.notify()
         self.requests.clear()
 
     # ---- views -------------------------------------------------------------------------
@@ -442,8 +341,3 @@ class LiveEngine:
         """Every cached block in engine names, parents before children (the cache is
         prefix-closed and its dict keeps insertion order, so a parent always comes first)."""
         return self.names.snapshot(self.cache.nodes)
-
-
-def _resolve(future: asyncio.Future[bool]) -> None:
-    if not future.done():
-        future.set_result(False)  # the deadline, not a wake-up

@@ -46,9 +46,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher
-from kvsched.sim.cache import PrefixCache
 from services.common.files import write_private
 from services.common.kv_events import Event
 from services.common.kv_layout import KvLayout, block_checksums

@@ -159,9 +159,9 @@ def test_what_only_some_roles_use_is_an_extra(installed_wheel: Path) -> None:
 def test_the_wheel_holds_the_compiled_index_and_scoring(installed_wheel: Path) -> None:
     """The prefix index's, the scoring's and the simulator cache's C extensions, built from the
     context's setup.py, and the stubs that type them."""
-    for name in ("core/_holdings", "core/_scoring", "sim/_cache"):
+    for name in ("core/_holdings", "core/_scoring", "cache/_cache"):
         assert list((installed_wheel / "kvsched").glob(f"{name}*.so")), f"no {name}"
-    for stub in ("core/_holdings.pyi", "core/_scoring.pyi", "sim/_cache.pyi"):
+    for stub in ("core/_holdings.pyi", "core/_scoring.pyi", "cache/_cache.pyi"):
         assert (installed_wheel / "kvsched" / stub).is_file(), f"no {stub}"
 
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.events import BlocksRemoved, BlocksStored
-from kvsched.sim.cache import PrefixCache
 
 
 def filled(pages: int, chain: list[int], now: float = 0.0) -> PrefixCache:

@@ -1,7 +1,8 @@
-"""The compiled simulator cache (`kvsched.sim._cache`) against the reference
-(`kvsched.sim.cache.PrefixCache`): the same operations, as an engine and a KV copy make them,
-must give the same results, the same events (evictions in the same order), the same sizes and
-the same cached blocks with the same parents, children, locks and last accesses."""
+"""The compiled prefix cache (`kvsched.cache._cache`) against the reference
+(`kvsched.cache.prefix_cache.PrefixCache`): the same operations, as an engine and a KV copy
+make them, must give the same results, the same events (evictions in the same order), the
+same sizes and the same cached blocks with the same parents, children, locks and last
+accesses."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsched.cache.prefix_cache import EngineCache, PrefixCache, make_cache
 from kvsched.core.events import BlocksRemoved, BlocksStored
-from kvsched.sim.cache import EngineCache, PrefixCache, make_cache
 
 U64 = (1 << 64) - 1
 

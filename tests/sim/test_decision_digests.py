@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvsched.sim import cache
 from tools.decision_digest import POLICIES, SLICES, TRACES, digests
 
 PINNED = {
@@ -31,18 +30,15 @@ PINNED = {
 
 @pytest.mark.parametrize(
     "pure",
-    ["1", "0"],
+    [True, False],
     ids=["pure index, scoring and cache", "compiled index, scoring and cache"],
 )
-def test_the_replay_decides_and_reports_as_pinned(
-    pure: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The compiled index, scoring and simulator cache must decide as the references do.
-    monkeypatch.setenv(cache.PURE_ENV, pure)
+def test_the_replay_decides_and_reports_as_pinned(pure: bool) -> None:
+    # The compiled index, scoring and engine cache must decide as the references do.
     assert set(PINNED) == set(TRACES)
     for name in TRACES:
         got = {
             spec: (pair["decisions"], pair["policies_row"])
-            for spec, pair in digests(SLICES / name, POLICIES, pure=pure == "1").items()
+            for spec, pair in digests(SLICES / name, POLICIES, pure=pure).items()
         }
         assert got == PINNED[name], name
