@@ -24,8 +24,8 @@ import tempfile
 import time
 
 from kvsched.core.models import DEFAULT_MODEL, MINI_MODEL, model_config
-from services.common.kv_layout import KvLayout, block_checksums, intact_prefix
-from services.common.kv_memory import DEFAULT_DIR, KvMemory
+from services.dataplane.kv_layout import KvLayout, block_checksums, intact_prefix
+from services.dataplane.kv_memory import DEFAULT_DIR, KvMemory
 from services.engine.pool_link import _copy
 
 BLOCK_SIZE = 16

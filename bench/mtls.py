@@ -1,5 +1,5 @@
 """What mutual TLS costs: minting `kvsched up`'s certificates at each start, and a unary RPC
-over mTLS with the per-call authorisation (`services.common.authz`) against the same RPC
+over mTLS with the per-call authorisation (`services.common.security.authz`) against the same RPC
 over plaintext, measured in the same run on one warm channel each (a gRPC server of the
 project's own skeleton, `start_grpc_server`, answering health checks in process).
 
@@ -21,10 +21,10 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import NoOpTracer
 
-from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
-from services.common.identity import Identity, Role
-from services.common.pki import make_cluster_pki
-from services.common.tls import ClientTls, ServerTls, aio_channel
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import make_cluster_pki
+from services.common.security.tls import ClientTls, ServerTls, aio_channel
+from services.common.serving.grpc_server import GrpcApi, health_servicer, start_grpc_server
 from services.launcher.cluster_options import ClusterOptions
 from services.launcher.credentials import ADMIN, ClusterCredentials
 from services.launcher.plan import identities

@@ -49,7 +49,7 @@ import aiohttp
 
 from bench.common import REPO, percentile
 from bench.grpc_placement.processes import rss_mb
-from services.common.openai_api import PromptTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer
 from services.launcher.__main__ import demo_keys
 from services.launcher.cluster_options import ClusterOptions
 from services.launcher.plan import plan_cluster

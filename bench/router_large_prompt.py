@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from services.common.openai_api import PromptTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer
 from services.launcher.__main__ import demo_keys
 from services.launcher.cluster_options import ClusterOptions
 from services.launcher.plan import Child, plan_cluster

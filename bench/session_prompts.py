@@ -24,7 +24,7 @@ from typing import Any
 from bench.common import median_s
 from bench.tokenize import FAMILIES, text_of
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.openai_api import PromptTokenizer, parse_request
+from services.common.inference_api.openai_api import PromptTokenizer, parse_request
 from services.router.prompt_pieces import PieceTokenizer
 from services.router.session_prompts import SessionPrompts
 

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from bench.common import median_s
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.openai_api import PromptTokenizer, parse_request
+from services.common.inference_api.openai_api import PromptTokenizer, parse_request
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {

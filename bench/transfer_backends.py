@@ -31,7 +31,7 @@ from pathlib import Path
 import uvloop
 
 from bench.common import REPO
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 from services.messenger.transfer.backend import Backend, Reader, SourceExport
 from services.messenger.transfer.factory import make_backend
 from services.messenger.transfer.region import KvRegion

@@ -17,7 +17,10 @@ COMMANDS = {
     "certs": ("services.launcher.certs", "mint mTLS certificates with a cluster's CA"),
     "vllm-flags": ("services.launcher.vllm_flags", "the flags a vLLM fleet needs behind kvsched"),
     "admin": ("services.launcher.admin", "an operator's calls: set the policy, drain Routers"),
-    "health": ("services.common.health_probe", "ask a gRPC server's health service (a probe)"),
+    "health": (
+        "services.common.serving.health_probe",
+        "ask a gRPC server's health service (a probe)",
+    ),
     "conductor": ("services.conductor.__main__", "run a Conductor (gRPC + HTTP admin)"),
     "router": ("services.router.__main__", "run a Router (OpenAI-compatible HTTP)"),
     "messenger": ("services.messenger.__main__", "run a node's Messenger"),

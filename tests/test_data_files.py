@@ -36,7 +36,7 @@ sys.meta_path.insert(0, EditableFinder)
 
 import kvsched
 from kvsched.core.latency import load_latency
-from services.common.model_tokenizer import ModelTokenizer
+from services.common.inference_api.model_tokenizer import ModelTokenizer
 from services.engine.settings import latency_profile_for_gpu
 
 assert kvsched.__file__ is None, "the decoy did not stand in for the package"

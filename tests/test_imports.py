@@ -16,12 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvsched", "services", "clients", "bench", "tools")
 GENERATED = ("kvsched.api",)
-# The four services that run as their own processes. Each may use `services.common`, the
-# core (`kvsched`), the clients, and its own package: nothing of another. The launcher and
-# `services.cli` are not among them: they start the others, so naming their entry points
-# is their job.
+# The four services that run as their own processes. Each may use `services.common`,
+# `services.dataplane`, `services.kv_events`, the core (`kvsched`), the clients, and its own
+# package: nothing of another. The launcher and `services.cli` are not among them: they start
+# the others, so naming their entry points is their job.
 SERVICES = ("services.router", "services.messenger", "services.engine", "services.conductor")
-SHARED = ("services.common", "kvsched", "clients")
+SHARED = ("services.common", "services.dataplane", "services.kv_events", "kvsched", "clients")
 
 
 def _module_name(path: Path) -> str:

@@ -23,8 +23,8 @@ served as with `--enable-auto-tool-choice --tool-call-parser hermes`):
 An exception on the way becomes the status vLLM's exception handlers give it. A case may say
 that kvsched refuses it (`kvsched_refuses`: words its 400 holds) where vLLM's prompt cannot be
 followed exactly. The project's tests (tests/common/test_api_prompt_tokens.py) check
-`services.common.anthropic_messages` and `services.common.responses_input` against the file
-without vLLM.
+`services.common.inference_api.anthropic_messages` and
+`services.common.inference_api.responses_input` against the file without vLLM.
 """
 
 from __future__ import annotations

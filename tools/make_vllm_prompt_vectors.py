@@ -9,9 +9,9 @@ directory holding `kvsched/data/tokenizer/` (with another chat template per vari
 config.json, served as with `--enable-auto-tool-choice --tool-call-parser hermes`. Every case
 of the demo tokenizer is run again for each family (`qwen2`, `mistral`: variant and name
 prefixed with the family), over a model directory holding that family's tokenizer directory
-(the file's `bases`) and a config.json of its architecture. The
-project's tests check `services.common.openai_api.PromptTokenizer` against the file without
-vLLM. Every chat case also records whether transformers' plain
+(the file's `bases`) and a config.json of its architecture. The project's tests check
+`services.common.inference_api.openai_api.PromptTokenizer` against the file without vLLM.
+Every chat case also records whether transformers' plain
 `apply_chat_template(messages, tokenize=True)` (or `tokenizer(prompt)`) gives the same ids: where
 it does not, vLLM's preprocessing (content parts joined with "\\n", tool calls parsed, ...)
 makes the difference, and vLLM's ids are the reference.

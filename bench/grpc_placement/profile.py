@@ -31,8 +31,8 @@ _INNER = (
         ("block_hashes (", "request_info (", "packed_hashes.py"),
     ),
     ("proto <-> core conversion (*_messages.py, kv_event_batches.py)", _CONVERSIONS),
-    ("protobuf parse of each message (grpc_requests)", ("common/grpc_requests.py",)),
-    ("persister + etcd client + watch", ("persist.py", "common/store.py", "replica.py")),
+    ("protobuf parse of each message (grpc_requests)", ("common/serving/grpc_requests.py",)),
+    ("persister + etcd client + watch", ("persist.py", "common/store/interface.py", "replica.py")),
     ("grpc.aio Python layer", ("grpc/aio/", "grpc/_")),
 )
 _OUTER = (
@@ -50,7 +50,7 @@ _OUTER = (
 _ROOTS = (
     "runpy",
     "conductor/__main__.py",
-    "common/process.py",
+    "common/serving/process.py",
     "uvloop/__init__",
     "asyncio/runners.py",
 )

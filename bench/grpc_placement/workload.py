@@ -11,7 +11,7 @@ from bench.prefix_workload import draw_chains, draw_loads, draw_prompt
 from clients.python.packed_hashes import pack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common import durations
+from services.common.serving import durations
 
 BLOCK = 16
 SESSIONS = 64

@@ -5,7 +5,7 @@ its host's node pool (DRAM tier) into the host's GPU, started when due (`prefetc
 
 A copy locks its blocks on both ends while it runs (on the source, those in its GPU: a copy to
 another node also reads what the source's node pool holds beyond them). One nobody waits for
-lands as the live import lands (`services.common.kv_transfer`): committed into the target's
+lands as the live import lands (`services.dataplane.kv_transfer`): committed into the target's
 cache, then unlocked, so the blocks are evictable and most recently used.
 """
 

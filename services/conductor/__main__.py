@@ -9,7 +9,7 @@ from functools import partial
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.process import freeze_heap, run_service, until_stopped
+from services.common.serving.process import freeze_heap, run_service, until_stopped
 from services.conductor.app import Conductor
 from services.conductor.settings import ConductorSettings, parse
 

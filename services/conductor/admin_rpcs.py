@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.policies import POLICIES
 from kvsched.core.requests import RequestError
-from services.common.store import Put, StoreError
+from services.common.store.interface import Put, StoreError
 from services.conductor import keys, placement_messages
 from services.conductor.explain import Explainer
 from services.conductor.fencing import TermWriter

@@ -27,15 +27,15 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
-from services.common.etcd import EtcdStore
-from services.common.grpc_server import (
+from services.common.serving.grpc_server import (
     NOT_SERVING,
     SERVING,
     GrpcApi,
     health_servicer,
     start_grpc_server,
 )
-from services.common.store import Put, Store, StoreError
+from services.common.store.etcd import EtcdStore
+from services.common.store.interface import Put, Store, StoreError
 from services.common.telemetry import (
     TelemetrySettings,
     get_tracer,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
-from services.common.store import Guard, Store, StoreError
+from services.common.store.interface import Guard, Store, StoreError
 from services.conductor import keys
 
 log = logging.getLogger(__name__)

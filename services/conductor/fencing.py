@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.common.store import CommitResult, Fenced, Guard, Op, Store
+from services.common.store.interface import CommitResult, Fenced, Guard, Op, Store
 
 
 class TermWriter:

@@ -12,9 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
-from services.common.admin_token import bearer_required
-from services.common.api_errors import unavailable_headers
-from services.common.http_site import start_site
+from services.common.security.admin_token import bearer_required
+from services.common.serving.api_errors import unavailable_headers
+from services.common.serving.http_site import start_site
 from services.conductor import instance_messages, placement_messages
 from services.conductor.explain import Explainer
 from services.conductor.leadership import Leadership

@@ -10,10 +10,10 @@ from kvsched.core.adapters import MAX_ADAPTER_NAME, MAX_ADAPTERS, AdapterReport
 from kvsched.core.cluster import Role
 from kvsched.core.load import LoadReport
 from kvsched.core.requests import RequestError
-from services.common.durations import duration, seconds
-from services.common.kv_event_messages import adapter_message
+from services.common.serving.durations import duration, seconds
 from services.conductor.keys import InstanceSpec
 from services.conductor.state import ConductorState
+from services.kv_events.messages import adapter_message
 
 ROLES: dict[int, Role] = {
     common.ROLE_BOTH: Role.BOTH,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
-from services.common import durations
-from services.common.store import StoreError
+from services.common.serving import durations
+from services.common.store.interface import StoreError
 from services.conductor import instance_messages
 from services.conductor.leadership import Leadership
 from services.conductor.node_access import require_instance_node, require_node

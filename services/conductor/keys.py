@@ -21,7 +21,7 @@ from urllib.parse import quote, unquote
 from kvsched.core.cluster import Role
 from kvsched.core.index import Tier
 from kvsched.core.sessions import NO_HOST, Session
-from services.common.log_ids import session_tag
+from services.common.serving.log_ids import session_tag
 
 ROOT = "/kvsched/v1/"
 LEADER = ROOT + "leader"

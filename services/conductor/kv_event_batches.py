@@ -8,9 +8,9 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.common.kv_event_messages import TIER_VALUES
 from services.conductor.block_hash_fields import event_hashes
 from services.conductor.instance_messages import load_report
+from services.kv_events.messages import TIER_VALUES
 
 TIERS: dict[int, Tier] = {value: tier for tier, value in TIER_VALUES.items()}
 

@@ -3,7 +3,7 @@ before it changes anything, or tells a caller where to go instead."""
 
 from __future__ import annotations
 
-from services.common.store import Guard
+from services.common.store.interface import Guard
 from services.conductor.election import Election, LeaderInfo
 
 

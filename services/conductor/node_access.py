@@ -4,7 +4,7 @@ nothing is checked) before they change anything."""
 
 from __future__ import annotations
 
-from services.common.authz import caller, node_refusal
+from services.common.security.authz import caller, node_refusal
 from services.conductor.rpc_status import Context
 from services.conductor.state import ConductorState
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from services.common.store import Delete, Fenced, Op, Put, StoreError
+from services.common.store.interface import Delete, Fenced, Op, Put, StoreError
 from services.conductor.fencing import TermWriter
 from services.conductor.records import Outbox
 

@@ -16,7 +16,7 @@ from kvsched.core.decision import Completion, Decision, RequestInfo, TransferKin
 from kvsched.core.requests import RequestError
 from kvsched.core.sessions import NO_HOST, Session
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.durations import duration, seconds
+from services.common.serving.durations import duration, seconds
 from services.conductor.block_hash_fields import block_hashes
 from services.conductor.instance_messages import check_adapter_name
 from services.conductor.state import ConductorState

@@ -26,7 +26,7 @@ from clients.python.stream_batches import BATCH_ITEMS_METADATA
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.decision import Decision, TransferPlan
 from kvsched.core.requests import RequestError
-from services.common.store import StoreError
+from services.common.store.interface import StoreError
 from services.conductor import placement_messages
 from services.conductor.backpressure import OVERLOAD_RETRY_MS, PendingPlacements
 from services.conductor.leadership import Leadership

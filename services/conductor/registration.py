@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.common.store import Lease, Put, Store, StoreError
+from services.common.store.interface import Lease, Put, Store, StoreError
 from services.conductor import keys
 from services.conductor.fencing import TermWriter
 from services.conductor.keys import InstanceRecord, InstanceSpec

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from kvsched.core.events import BlocksRemoved, BlocksStored, KvEvent
 from kvsched.core.index import Tier
 from kvsched.core.requests import RequestError
-from services.common.store import KeyValue, Store, WatchEvent
+from services.common.store.interface import KeyValue, Store, WatchEvent
 from services.conductor import keys
 from services.conductor.election import Election
 from services.conductor.keys import InstanceRecord

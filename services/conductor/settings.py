@@ -11,15 +11,20 @@ from kvsched.core.cluster import ClusterConfig, SloConfig
 from kvsched.core.cost_model import default_pool_link
 from kvsched.core.latency import DEFAULT_LATENCY
 from kvsched.core.topology import LinkClass
-from services.common import block_hashes
-from services.common.admin_token import read_admin_token
-from services.common.block_hashes import BlockHashes
-from services.common.flags import env_flags, otlp_endpoint, process_id
-from services.common.logs import LogSettings, add_log_flags, read_log_settings
-from services.common.store import EtcdSettings
-from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
+from services.common.security.admin_token import read_admin_token
+from services.common.security.tls import ClientTls, ServerTls
+from services.common.security.tls_flags import (
+    ClientTlsFlags,
+    ServerTlsFlags,
+    add_insecure,
+    require_secure,
+)
+from services.common.serving.flags import env_flags, otlp_endpoint, process_id
+from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
+from services.common.store.interface import EtcdSettings
 from services.conductor.backpressure import PlacementBounds
+from services.dataplane import block_hashes
+from services.dataplane.block_hashes import BlockHashes
 
 ENV = "KVSCHED_CONDUCTOR_"
 _flag = env_flags(ENV)

@@ -25,7 +25,7 @@ from typing import Final, Protocol
 import grpc
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common.store import StoreError
+from services.common.store.interface import StoreError
 from services.conductor.backpressure import PendingPlacements, overloaded_answer
 from services.conductor.leadership import Leadership
 from services.conductor.metrics import ConductorMetrics

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from services.common.store import Delete, Fenced, Guard, Store, StoreError
+from services.common.store.interface import Delete, Fenced, Guard, Store, StoreError
 from services.conductor import keys
 from services.conductor.election import Election, LeaderInfo
 

@@ -10,8 +10,8 @@ import grpc
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.requests import RequestError
-from services.common import durations
-from services.common.store import StoreError
+from services.common.serving import durations
+from services.common.store.interface import StoreError
 from services.conductor.leadership import Leadership
 from services.conductor.rpc_status import Context, abort, require_leader
 from services.conductor.term import CurrentTerm

@@ -33,11 +33,11 @@ from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.decision import TransferKind, TransferPlan
 from kvsched.core.requests import RequestError
-from services.common import durations
-from services.common.log_ids import session_tag
-from services.common.store import StoreError
+from services.common.security.tls import aio_channel
+from services.common.serving import durations
+from services.common.serving.log_ids import session_tag
+from services.common.store.interface import StoreError
 from services.common.telemetry import client_interceptors
-from services.common.tls import aio_channel
 from services.conductor import placement_messages
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.settings import ConductorSettings

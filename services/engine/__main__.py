@@ -12,8 +12,8 @@ from functools import partial
 import zmq
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.http_site import start_site
-from services.common.process import run_service, until_stopped
+from services.common.serving.http_site import start_site
+from services.common.serving.process import run_service, until_stopped
 from services.common.telemetry import get_tracer
 from services.engine.app import build
 from services.engine.settings import EngineSettings, parse

@@ -20,10 +20,7 @@ from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvsched.core.models import model_config
-from services.common.api_errors import unavailable_headers
-from services.common.kv_layout import KvLayout
-from services.common.kv_memory import KvMemory
-from services.common.openai_api import (
+from services.common.inference_api.openai_api import (
     MAX_BODY_BYTES,
     ApiError,
     Kind,
@@ -33,6 +30,9 @@ from services.common.openai_api import (
     read_json,
     unavailable,
 )
+from services.common.serving.api_errors import unavailable_headers
+from services.dataplane.kv_layout import KvLayout
+from services.dataplane.kv_memory import KvMemory
 from services.engine.completion_replies import stream_reply, whole_reply
 from services.engine.kv_publisher import KvEventPublisher
 from services.engine.lora import Adapters, runtime_updates_allowed

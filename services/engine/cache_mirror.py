@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.events import BlocksRemoved
-from services.common.kv_events import Event
-from services.common.kv_memory import KvMemory
-from services.common.kv_names import EngineNames
+from services.dataplane.kv_memory import KvMemory
+from services.dataplane.kv_names import EngineNames
 from services.engine.kv_publisher import KvEventPublisher
+from services.kv_events.vllm_wire import Event
 
 
 class CacheMirror:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 from services.engine.openai_stream import DONE, Shape, error_chunk
 from services.engine.request import Request
 from services.engine.text import Words

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from services.common.kv_events import Event, Shape, encode_frames
+from services.kv_events.vllm_wire import Event, Shape, encode_frames
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -11,8 +11,8 @@ import os
 from collections.abc import Mapping
 
 from kvsched.core.vllm_hashing import AdapterKey
-from services.common.api_errors import ApiError
-from services.common.flags import parse_bool
+from services.common.serving.api_errors import ApiError
+from services.common.serving.flags import parse_bool
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 

@@ -12,7 +12,7 @@ from kvsched.core.latency import LatencyModel
 from kvsched.core.topology import LinkClass
 from kvsched.sim.engine import Engine
 from kvsched.sim.engine_state import EngineSpec
-from services.common.openai_api import bad_request
+from services.common.inference_api.openai_api import bad_request
 from services.engine.settings import EngineSettings
 
 

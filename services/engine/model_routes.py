@@ -8,7 +8,7 @@ import time
 
 from aiohttp import web
 
-from services.common.openai_api import bad_request, parse_request, read_json
+from services.common.inference_api.openai_api import bad_request, parse_request, read_json
 from services.engine.served_model import ServedModel
 
 

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.openai_api import ApiError, Kind
+from services.common.inference_api.openai_api import ApiError, Kind
 
 DONE = b"data: [DONE]\n\n"
 

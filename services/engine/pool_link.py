@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from kvsched.core.vllm_hashing import AdapterKey
-from services.common.kv_layout import SIM_FORMAT, Bytes, intact_prefix
-from services.common.kv_memory import KvMemory
-from services.common.kv_transfer import KvTransfers, TransferError
+from services.dataplane.kv_layout import SIM_FORMAT, Bytes, intact_prefix
+from services.dataplane.kv_memory import KvMemory
+from services.dataplane.kv_transfer import KvTransfers, TransferError
 from services.vllm_connector.wire import WireError, body_length, decode, encode, map_pool_file
 
 log = logging.getLogger("kvsched.engine")

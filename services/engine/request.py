@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvsched.core.vllm_hashing import AdapterKey
 from kvsched.sim.jobs import Job
-from services.common.openai_api import unavailable
+from services.common.inference_api.openai_api import unavailable
 
 
 @dataclass(slots=True, eq=False)

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
 from kvsched.sim.jobs import Job, JobKind, StepOutcome
-from services.common.kv_memory import KvMemory
-from services.common.kv_names import EngineNames
-from services.common.kv_transfer import KvTransfers
-from services.common.openai_api import unavailable
+from services.common.inference_api.openai_api import unavailable
+from services.dataplane.kv_memory import KvMemory
+from services.dataplane.kv_names import EngineNames
+from services.dataplane.kv_transfer import KvTransfers
 from services.engine.cache_mirror import CacheMirror
 from services.engine.kv_publisher import KvEventPublisher
 from services.engine.metrics import EngineMetrics

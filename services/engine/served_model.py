@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from kvsched.core.vllm_hashing import AdapterKey
-from services.common.openai_api import ApiError, CompletionRequest, PromptTokenizer
+from services.common.inference_api.openai_api import ApiError, CompletionRequest, PromptTokenizer
 from services.engine.lora import Adapters
 
 _INLINE_TOKENIZE_CHARS = 4096  # shorter prompts tokenize faster than a thread hand-off

@@ -24,14 +24,14 @@ from kvsched.core.models import MINI_MODEL
 from kvsched.core.topology import LinkClass
 from kvsched.core.vllm_hashing import resolve_seed
 from kvsched.data_files import data_path
-from services.common import block_hashes
-from services.common.block_hashes import BlockHashes
-from services.common.chat_prompt import load_chat_template
-from services.common.flags import env_flags, otlp_endpoint, pairs, process_id
-from services.common.kv_events import Shape
-from services.common.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
-from services.common.logs import LogSettings, add_log_flags, read_log_settings
-from services.common.openai_api import DEFAULT_MODEL
+from services.common.inference_api.chat_prompt import load_chat_template
+from services.common.inference_api.openai_api import DEFAULT_MODEL
+from services.common.serving.flags import env_flags, otlp_endpoint, pairs, process_id
+from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
+from services.dataplane import block_hashes
+from services.dataplane.block_hashes import BlockHashes
+from services.dataplane.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
+from services.kv_events.vllm_wire import Shape
 
 ENV = "KVSCHED_ENGINE_"
 _flag = env_flags(ENV)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from services.common.openai_api import PromptTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer
 
 _WORD = re.compile(r" [a-z]{2,12}")
 MAX_WORDS = 512

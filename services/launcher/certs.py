@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.identity import Identity, Role
-from services.common.pki import (
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import (
     CA_CERT,
     LEAF_DAYS,
     LOOPBACK_HOSTS,

@@ -9,8 +9,8 @@ from pathlib import Path
 from kvsched.core.latency import load_latency
 from kvsched.core.models import MINI_MODEL, model_config
 from kvsched.core.policies import POLICIES, parse_spec
-from services.common.block_hashes import BlockHashes
-from services.common.openai_api import DEFAULT_MODEL
+from services.common.inference_api.openai_api import DEFAULT_MODEL
+from services.dataplane.block_hashes import BlockHashes
 from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
 
 ENGINES = ("sim", "vllm")

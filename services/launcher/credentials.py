@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.admin_token import new_admin_token
-from services.common.identity import Identity, Role
-from services.common.pki import CertFiles, cert_files, make_cluster_pki
+from services.common.security.admin_token import new_admin_token
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import CertFiles, cert_files, make_cluster_pki
 
 ADMIN = Identity(Role.ADMIN, "operator")
 ETCD = Identity(Role.ETCD, "etcd")

@@ -7,7 +7,7 @@ import os
 import uuid
 from pathlib import Path
 
-from services.common.pki import CertFiles
+from services.common.security.pki import CertFiles
 
 # Fast raft timing also lowers etcd's minimum lease TTL to 1 s (the defaults grant 2 s).
 FAST_FLAGS = ("--heartbeat-interval=10", "--election-timeout=100")

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.identity import Identity, Role
-from services.common.tls import ClientTls
+from services.common.security.identity import Identity, Role
+from services.common.security.tls import ClientTls
 from services.launcher.cluster_options import ClusterOptions, engine_roles
 from services.launcher.credentials import ETCD, ClusterCredentials
 from services.launcher.etcd_local import etcd_argv, etcd_env

@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.block_hashes import BlockHashes
-from services.common.identity import Identity, Role
+from services.common.security.identity import Identity, Role
+from services.dataplane.block_hashes import BlockHashes
 from services.launcher.cluster_options import ClusterOptions
 from services.launcher.credentials import ClusterCredentials
 from services.launcher.vllm import VllmServer, core_share, lora_rank

@@ -35,7 +35,7 @@ from kvsched.sim.prepare import prepare
 from kvsched.sim.progress import ProgressBar
 from kvsched.sim.report import markdown_table, write_report
 from kvsched.sim.summary import measured_calls
-from services.common.openai_api import DEFAULT_MODEL, PromptTokenizer
+from services.common.inference_api.openai_api import DEFAULT_MODEL, PromptTokenizer
 from services.loadgen.driver import Driver, Target, split_routers
 from services.loadgen.observe import conductor_migrations, engine_counters, sample_loads
 from services.loadgen.report import comparison, comparison_table, live_row

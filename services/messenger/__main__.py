@@ -9,7 +9,7 @@ from functools import partial
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.process import run_service, until_stopped
+from services.common.serving.process import run_service, until_stopped
 from services.messenger.app import Messenger
 from services.messenger.settings import MessengerSettings, parse
 

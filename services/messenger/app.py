@@ -25,8 +25,8 @@ from clients.python import ConductorClient, Interceptor
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
-from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
-from services.common.kv_events import Event
+from services.common.security.tls import aio_channel, channel_credentials
+from services.common.serving.grpc_server import GrpcApi, health_servicer, start_grpc_server
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
@@ -34,7 +34,7 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
-from services.common.tls import aio_channel, channel_credentials
+from services.kv_events.vllm_wire import Event
 from services.messenger.exporter import Exporter
 from services.messenger.http import MessengerHttp
 from services.messenger.kv_pool import KvPool

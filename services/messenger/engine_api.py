@@ -17,7 +17,7 @@ import aiohttp
 
 from kvsched.core.adapters import MAX_ADAPTER_NAME, MAX_ADAPTERS, AdapterReport
 from kvsched.core.load import LoadReport
-from services.common.kv_events import BlockStored, Limits
+from services.kv_events.vllm_wire import BlockStored, Limits
 
 ROLES = frozenset({"both", "prefill", "decode"})
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import grpc
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.durations import seconds
-from services.common.kv_layout import checksums
+from services.common.serving.durations import seconds
+from services.dataplane.kv_layout import checksums
 from services.messenger.engine_api import EngineError
 from services.messenger.kv_pool import KvPool
 from services.messenger.local_kv import LocalKv, TransferRefused

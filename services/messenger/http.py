@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from services.common.api_errors import unavailable_headers
-from services.common.http_site import start_site
+from services.common.serving.api_errors import unavailable_headers
+from services.common.serving.http_site import start_site
 
 if TYPE_CHECKING:
     from clients.python.kv_stream import KvEventStream

@@ -6,9 +6,9 @@ An engine on the node saves the blocks it computes into the pool and loads the b
 lacks from it (vLLM through kvsched's KV connector, `services.vllm_connector`); a transfer
 between nodes moves blocks pool to pool. The pool is a KV store of the same make as a
 simulated engine's memory: one shared-memory file laid out layer by layer
-(`services.common.kv_layout`), a prefix cache over its pages (LRU, leaves first, pinned
+(`services.dataplane.kv_layout`), a prefix cache over its pages (LRU, leaves first, pinned
 blocks kept), the blocks' names (token ids and vLLM digests), and exports and imports
-(`services.common.kv_transfer`: an import's token ids must hash to its blocks before they
+(`services.dataplane.kv_transfer`: an import's token ids must hash to its blocks before they
 become visible). Its blocks are announced as vLLM KV events with medium `CPU`.
 
 The pool keeps a checksum of every block it holds (XXH3-64 of its bytes, 8 bytes a page),
@@ -49,12 +49,12 @@ import numpy as np
 from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.events import BlocksRemoved
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher
-from services.common.files import write_private
-from services.common.kv_events import Event
-from services.common.kv_layout import KvLayout, block_checksums
-from services.common.kv_memory import DEFAULT_DIR, KvMemory
-from services.common.kv_names import EngineNames
-from services.common.kv_transfer import ExportGrant, KvTransfers, NoRoom, TransferError
+from services.common.security.files import write_private
+from services.dataplane.kv_layout import KvLayout, block_checksums
+from services.dataplane.kv_memory import DEFAULT_DIR, KvMemory
+from services.dataplane.kv_names import EngineNames
+from services.dataplane.kv_transfer import ExportGrant, KvTransfers, NoRoom, TransferError
+from services.kv_events.vllm_wire import Event
 from services.messenger.engine_api import EngineError
 
 log = logging.getLogger(__name__)

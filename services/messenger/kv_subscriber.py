@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from services.common.kv_events import EventBatch, Limits, MalformedFrames, decode_frames
+from services.kv_events.vllm_wire import EventBatch, Limits, MalformedFrames, decode_frames
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.kv_memory import KvMemory
+from services.dataplane.kv_memory import KvMemory
 from services.messenger.kv_pool import KvPool
 from services.messenger.transfer.backend import Backend
 from services.messenger.transfer.region import KvRegion

@@ -20,7 +20,7 @@ from clients.python import ConductorClient, ConductorError, NotFound
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common.durations import seconds
+from services.common.serving.durations import seconds
 
 log = logging.getLogger(__name__)
 

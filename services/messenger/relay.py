@@ -37,9 +37,9 @@ from clients.python import ConductorClient
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.load import LoadReport
-from services.common.kv_event_messages import event_message
-from services.common.kv_events import Event, EventBatch
-from services.common.kv_layout import SIM_FORMAT
+from services.dataplane.kv_layout import SIM_FORMAT
+from services.kv_events.messages import event_message
+from services.kv_events.vllm_wire import Event, EventBatch
 from services.messenger.batcher import Batcher
 from services.messenger.engine_api import (
     EngineApi,

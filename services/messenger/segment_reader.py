@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.kv_layout import KvLayout, checksums
+from services.dataplane.kv_layout import KvLayout, checksums
 from services.messenger.local_kv import LocalKv
 from services.messenger.transfer.backend import Reader, SourceExport
 from services.messenger.transfer.errors import TransferError

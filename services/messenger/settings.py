@@ -9,12 +9,17 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common import block_hashes
-from services.common.block_hashes import BlockHashes
-from services.common.flags import env_flags, otlp_endpoint
-from services.common.logs import LogSettings, add_log_flags, read_log_settings
-from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
+from services.common.security.tls import ClientTls, ServerTls
+from services.common.security.tls_flags import (
+    ClientTlsFlags,
+    ServerTlsFlags,
+    add_insecure,
+    require_secure,
+)
+from services.common.serving.flags import env_flags, otlp_endpoint
+from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
+from services.dataplane import block_hashes
+from services.dataplane.block_hashes import BlockHashes
 from services.messenger.engines import EngineTarget, parse_engines
 from services.messenger.transfer import mooncake_backend
 from services.messenger.transfer.factory import BACKENDS

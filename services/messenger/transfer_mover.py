@@ -15,7 +15,7 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
 from kvsched.core.vllm_hashing import AdapterKey
-from services.common.durations import duration, seconds
+from services.common.serving.durations import duration, seconds
 from services.messenger.engine_api import EngineError
 from services.messenger.kv_pool import KvPool, PoolFull
 from services.messenger.local_kv import LocalKv, TransferRefused

@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.durations import duration
+from services.common.serving.durations import duration
 
 ENDED_STATES: Final = frozenset(
     {pb.TRANSFER_STATE_DONE, pb.TRANSFER_STATE_FAILED, pb.TRANSFER_STATE_CANCELLED}

@@ -39,7 +39,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
-from services.common.durations import seconds
+from services.common.serving.durations import seconds
 from services.messenger.local_kv import LocalKv, TransferRefused
 from services.messenger.transfer_mover import PeerStub, TransferMover
 from services.messenger.transfer_progress import (

@@ -19,8 +19,8 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, split
 from kvsched.core.index import Tier
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
-from services.common import kv_events as vllm
-from services.common.kv_event_messages import event_message
+from services.kv_events import vllm_wire as vllm
+from services.kv_events.messages import event_message
 
 _TIERS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "DISK": Tier.DISK}
 # Blocks one Conductor event may name: far below the Conductor's limit (its longest prompt in

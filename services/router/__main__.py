@@ -10,7 +10,7 @@ from functools import partial
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.process import freeze_heap, run_service, until_stopped
+from services.common.serving.process import freeze_heap, run_service, until_stopped
 from services.router.app import Router
 from services.router.settings import RouterSettings, parse
 

@@ -10,7 +10,7 @@ import grpc
 from opentelemetry.trace import Tracer
 
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
-from services.common.grpc_server import (
+from services.common.serving.grpc_server import (
     NOT_SERVING,
     SERVING,
     GrpcApi,

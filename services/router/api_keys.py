@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.common.files import write_private
+from services.common.security.files import write_private
 from services.router.auth import key_digest, parse_tenants
 
 DEFAULT_FILE = "api-keys.json"

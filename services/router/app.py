@@ -40,11 +40,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from clients.python import ConductorClient, Interceptor
-from services.common.api_errors import unavailable_headers
-from services.common.client_errors import ClientErrorLog
-from services.common.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
-from services.common.http_site import start_site
-from services.common.openai_api import ApiError, unavailable
+from services.common.inference_api.openai_api import ApiError, unavailable
+from services.common.security.tls import channel_credentials
+from services.common.serving.api_errors import unavailable_headers
+from services.common.serving.client_errors import ClientErrorLog
+from services.common.serving.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
+from services.common.serving.http_site import start_site
 from services.common.telemetry import (
     TelemetrySettings,
     client_interceptors,
@@ -52,7 +53,6 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
-from services.common.tls import channel_credentials
 from services.router.admin_server import AdminServer
 from services.router.auth import Authenticator, Tenant
 from services.router.client_ids import client_request_id

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 
 KEY_PREFIX = "sha256:"
 

@@ -28,7 +28,7 @@ from typing import Any, Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from services.common.openai_api import (
+from services.common.inference_api.openai_api import (
     MAX_BODY_BYTES,
     Kind,
     body_cut_short,

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Final
 
-from services.common.openai_api import (
+from services.common.inference_api.openai_api import (
     ApiError,
     Kind,
     check_length,

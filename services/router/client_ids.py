@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from services.common.openai_api import bad_request
+from services.common.inference_api.openai_api import bad_request
 
 _SESSION_SAFE: Final = "-._~:@!$&'()*+,;=/"  # kept as they are (no '%', no space)
 MAX_REQUEST_ID_CHARS: Final = 128

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as cpb
-from services.common.durations import duration
-from services.common.openai_api import CompletionRequest
+from services.common.inference_api.openai_api import CompletionRequest
+from services.common.serving.durations import duration
 from services.router.placement import Placement, PlacementQuery
 from services.router.proxy import Relayed
 

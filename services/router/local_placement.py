@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 import xxhash
 
 from kvsched.core.adapters import AdapterChange
-from services.common.openai_api import unavailable
+from services.common.inference_api.openai_api import unavailable
 from services.router.metrics import RouterMetrics
 from services.router.overload import fits_instance, shed
 from services.router.placement import KnownInstance, Placement, PlacementQuery

@@ -24,8 +24,8 @@ import aiohttp
 
 from kvsched.core.adapters import AdapterChange
 from kvsched.core.vllm_hashing import AdapterKey
-from services.common.api_errors import ApiError
-from services.common.flags import pairs
+from services.common.serving.api_errors import ApiError
+from services.common.serving.flags import pairs
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Final
 
 from aiohttp import web
 
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 from services.router.auth import Authenticator
 from services.router.metrics import RouterMetrics
 from services.router.placer import Placer

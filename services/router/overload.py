@@ -25,7 +25,7 @@ from typing import Final
 
 from prometheus_client import Gauge
 
-from services.common.api_errors import ApiError, overloaded
+from services.common.serving.api_errors import ApiError, overloaded
 
 # What a shed request is told to wait. The queues drain in well under a second when the
 # overload passes (a placement takes milliseconds, a Conductor's queue as long as its wait

@@ -17,7 +17,7 @@ from typing import Final
 from aiohttp import web
 
 from kvsched.core.adapters import AdapterChange
-from services.common.openai_api import ApiError, read_json
+from services.common.inference_api.openai_api import ApiError, read_json
 from services.router.auth import Tenant
 from services.router.client_ids import client_request_id
 from services.router.lora import AdapterLoader

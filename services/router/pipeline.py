@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 from services.common.telemetry.spans import child_span
 from services.router.auth import Tenant
 from services.router.finish import RequestOutcome, finish_report

@@ -45,7 +45,7 @@ from clients.python.placement_stream import PlacementStream
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.adapters import AdapterChange
-from services.common.openai_api import bad_request, rate_limited
+from services.common.inference_api.openai_api import bad_request, rate_limited
 from services.router.local_placement import LocalPlacer
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, shed

@@ -32,8 +32,8 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 
 from clients.python.packed_hashes import hash_count, pack_hashes
-from services.common import anthropic_messages, responses_input
-from services.common.openai_api import (
+from services.common.inference_api import anthropic_messages, responses_input
+from services.common.inference_api.openai_api import (
     ApiError,
     CompletionRequest,
     Kind,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from services.common.model_tokenizer import ModelTokenizer
+from services.common.inference_api.model_tokenizer import ModelTokenizer
 
 # Components whose output depends on a split's text alone (tokenizers 0.23). Metaspace also
 # reads a split's offset, which pieces keep (module docstring); anything else, a component

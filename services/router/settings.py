@@ -12,15 +12,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 
-from services.common import block_hashes
-from services.common.block_hashes import BlockHashes
-from services.common.chat_content_format import ContentFormatOption
-from services.common.chat_prompt import load_chat_template
-from services.common.flags import env_flags, otlp_endpoint, pairs, process_id
-from services.common.logs import LogSettings, add_log_flags, read_log_settings
-from services.common.openai_api import DEFAULT_MODEL
-from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
+from services.common.inference_api.chat_content_format import ContentFormatOption
+from services.common.inference_api.chat_prompt import load_chat_template
+from services.common.inference_api.openai_api import DEFAULT_MODEL
+from services.common.security.tls import ClientTls, ServerTls
+from services.common.security.tls_flags import (
+    ClientTlsFlags,
+    ServerTlsFlags,
+    add_insecure,
+    require_secure,
+)
+from services.common.serving.flags import env_flags, otlp_endpoint, pairs, process_id
+from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
+from services.dataplane import block_hashes
+from services.dataplane.block_hashes import BlockHashes
 from services.router.lora import LoraModule, parse_lora_modules
 
 ENV = "KVSCHED_ROUTER_"

@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from services.common.chat_content_format import ContentFormatOption
-from services.common.openai_api import CompletionRequest, PromptTokenizer
+from services.common.inference_api.chat_content_format import ContentFormatOption
+from services.common.inference_api.openai_api import CompletionRequest, PromptTokenizer
 
 # The most JSON bytes one byte of text can take: a control character escaped as \u0001.
 JSON_ESCAPE_BYTES = 6

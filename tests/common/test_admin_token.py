@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.common.admin_token import bearer_required, new_admin_token, read_admin_token
+from services.common.security.admin_token import bearer_required, new_admin_token, read_admin_token
 
 
 async def _ok(request: web.Request) -> web.Response:

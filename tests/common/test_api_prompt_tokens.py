@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common import anthropic_messages, responses_input
-from services.common.openai_api import ApiError, PromptTokenizer, parse_request
+from services.common.inference_api import anthropic_messages, responses_input
+from services.common.inference_api.openai_api import ApiError, PromptTokenizer, parse_request
 
 REPO = Path(__file__).resolve().parents[2]
 VECTORS = json.loads((REPO / "tests/data/vllm/api_prompt_tokens.json").read_text(encoding="utf-8"))

@@ -9,8 +9,8 @@ import pytest
 from kvsched.api.conductor.v1 import conductor_service_pb2
 from kvsched.api.messenger.v1 import messenger_service_pb2
 from kvsched.api.router.v1 import router_service_pb2
-from services.common.authz import ACCESS, check, may_act_for_node, node_refusal
-from services.common.identity import Identity, Role
+from services.common.security.authz import ACCESS, check, may_act_for_node, node_refusal
+from services.common.security.identity import Identity, Role
 
 ADMIN = Identity(Role.ADMIN, "operator")
 ROUTER = Identity(Role.ROUTER, "router-0")

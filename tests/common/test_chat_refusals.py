@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import ApiError, PromptTokenizer, parse_request
+from services.common.inference_api.openai_api import ApiError, PromptTokenizer, parse_request
 
 DEMO = Path(__file__).resolve().parents[2] / "kvsched" / "data" / "tokenizer"
 HI = [{"role": "user", "content": "hi"}]

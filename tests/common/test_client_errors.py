@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from services.common.client_errors import ClientErrorLog
+from services.common.serving.client_errors import ClientErrorLog
 
 
 def test_a_burst_is_logged_then_one_per_refill(caplog: pytest.LogCaptureFixture) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from aetcd import rpc
 
-from services.common.etcd import MAX_TXN_OPS, EtcdStore, plan_transactions, prefix_range_end
-from services.common.store import (
+from services.common.store.etcd import MAX_TXN_OPS, EtcdStore, plan_transactions, prefix_range_end
+from services.common.store.interface import (
     Delete,
     DeletePrefix,
     EtcdSettings,

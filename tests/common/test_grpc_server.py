@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
-from services.common.tls import ClientTls, ServerTls, aio_channel
+from services.common.security.tls import ClientTls, ServerTls, aio_channel
+from services.common.serving.grpc_server import GrpcApi, health_servicer, start_grpc_server
 from tests.fixtures.etcd import make_tls
 
 API = GrpcApi("kvsched.test.v1.Nothing", lambda server: None)

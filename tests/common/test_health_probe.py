@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.grpc_server import GrpcApi, health_servicer, start_grpc_server
-from services.common.health_probe import main, parse
-from services.common.identity import Identity, Role
-from services.common.pki import cert_files, make_cluster_pki
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import cert_files, make_cluster_pki
+from services.common.serving.grpc_server import GrpcApi, health_servicer, start_grpc_server
+from services.common.serving.health_probe import main, parse
 
 API = GrpcApi("kvsched.test.v1.Nothing", lambda server: None)
 TRACER = TracerProvider().get_tracer("test")

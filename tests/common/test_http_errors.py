@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.common.client_errors import ClientErrorLog
-from services.common.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
-from services.common.http_site import start_site
+from services.common.serving.client_errors import ClientErrorLog
+from services.common.serving.http_errors import CLIENT_ERRORS, JsonErrorRunner, json_errors
+from services.common.serving.http_site import start_site
 
 
 async def _broken(request: web.Request) -> web.Response:
@@ -85,6 +85,6 @@ async def test_each_application_has_its_own_client_error_budget(
     assert warned == [
         ("test.given", "GET /missin"),
         ("test.given", "GET /missin"),
-        ("services.common.http_errors", "GET /missin"),
-        ("services.common.http_errors", "unparsable "),
+        ("services.common.serving.http_errors", "GET /missin"),
+        ("services.common.serving.http_errors", "unparsable "),
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.identity import Identity, Role, identity_of, parse_uri, sans_of
+from services.common.security.identity import Identity, Role, identity_of, parse_uri, sans_of
 
 
 def test_an_identity_round_trips_through_its_uri() -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.kv_events import (
+from services.kv_events.vllm_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

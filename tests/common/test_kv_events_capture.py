@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from services.common.kv_events import (
+from services.kv_events.vllm_wire import (
     BlockRemoved,
     BlockStored,
     EventBatch,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.common.logs import LogSettings
+from services.common.serving.logs import LogSettings
 from services.conductor.settings import parse as conductor
 from services.engine.settings import parse as engine
 from services.messenger.settings import parse as messenger
@@ -45,8 +45,8 @@ def test_every_service_takes_a_log_level_and_format(
 async def test_a_json_line_carries_the_trace_it_was_logged_in() -> None:
     code = (
         "import logging\n"
-        "from services.common.logs import LogSettings\n"
-        "from services.common.process import run_service\n"
+        "from services.common.serving.logs import LogSettings\n"
+        "from services.common.serving.process import run_service\n"
         "async def serve(provider):\n"
         "    with provider.get_tracer('t').start_as_current_span('work') as span:\n"
         "        print('trace', format(span.get_span_context().trace_id, '032x'), flush=True)\n"

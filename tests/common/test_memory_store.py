@@ -7,9 +7,9 @@ import contextlib
 
 import pytest
 
-from services.common.memory_keyspace import MemoryKeyspace
-from services.common.memory_store import MemoryStore
-from services.common.store import Put, StoreCompacted, WatchEvent
+from services.common.store.interface import Put, StoreCompacted, WatchEvent
+from services.common.store.memory import MemoryStore
+from services.common.store.memory_keyspace import MemoryKeyspace
 from tests.common.test_store import take
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from services.common.model_tokenizer import ModelTokenizer
-from services.common.openai_api import PromptTokenizer, parse_request
+from services.common.inference_api.model_tokenizer import ModelTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer, parse_request
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "kvsched" / "data" / "tokenizer"

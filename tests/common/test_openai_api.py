@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.common.openai_api import (
+from services.common.inference_api.openai_api import (
     DEFAULT_MAX_TOKENS,
     ApiError,
     PromptTokenizer,

@@ -9,8 +9,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from services.common.identity import Identity, Role, identity_of
-from services.common.pki import load_authority, make_cluster_pki, write_identity
+from services.common.security.identity import Identity, Role, identity_of
+from services.common.security.pki import load_authority, make_cluster_pki, write_identity
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 ROUTER = Identity(Role.ROUTER, "router-0")

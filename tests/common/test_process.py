@@ -1,4 +1,4 @@
-"""`services.common.process`: the event loop every service runs on (uvloop, else asyncio's
+"""`services.common.serving.process`: the event loop every service runs on (uvloop, else asyncio's
 own), and a service process run to its end on either."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from services.common.process import EVENT_LOOP_ENV, event_loop
+from services.common.serving.process import EVENT_LOOP_ENV, event_loop
 from tests.fixtures.process import run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,8 +55,8 @@ async def test_a_service_process_runs_on_the_loop_the_environment_names(
 ) -> None:
     code = (
         "import asyncio\n"
-        "from services.common.logs import LogSettings\n"
-        "from services.common.process import run_service\n"
+        "from services.common.serving.logs import LogSettings\n"
+        "from services.common.serving.process import run_service\n"
         "async def serve(provider):\n"
         "    print(type(asyncio.get_running_loop()).__module__)\n"
         "raise SystemExit(run_service('test', serve, LogSettings()))\n"

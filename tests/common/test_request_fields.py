@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import ApiError, parse_request
+from services.common.inference_api.openai_api import ApiError, parse_request
 
 PROMPT = {"prompt": "Hello"}
 

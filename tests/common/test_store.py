@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.common.memory_store import MemoryStore
-from services.common.store import (
+from services.common.store.interface import (
     Delete,
     DeletePrefix,
     Fenced,
@@ -25,6 +24,7 @@ from services.common.store import (
     Store,
     WatchEvent,
 )
+from services.common.store.memory import MemoryStore
 from tests.fixtures import wait_for
 
 

@@ -6,9 +6,14 @@ import argparse
 
 import pytest
 
-from services.common.flags import env_flags
-from services.common.tls import ClientTls, ServerTls
-from services.common.tls_flags import ClientTlsFlags, ServerTlsFlags, add_insecure, require_secure
+from services.common.security.tls import ClientTls, ServerTls
+from services.common.security.tls_flags import (
+    ClientTlsFlags,
+    ServerTlsFlags,
+    add_insecure,
+    require_secure,
+)
+from services.common.serving.flags import env_flags
 
 CLIENT = ClientTlsFlags("conductor-", "the Conductors")
 SERVER = ServerTlsFlags("serve-tls-")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import ApiError, PromptTokenizer, parse_request
+from services.common.inference_api.openai_api import ApiError, PromptTokenizer, parse_request
 from tools.make_vllm_prompt_vectors import write_tokenizer_variant
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.cluster import Role
 from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
-from services.common.memory_store import MemoryStore
-from services.common.store import Fenced, Guard, Put, StoreUnavailable
+from services.common.store.interface import Fenced, Guard, Put, StoreUnavailable
+from services.common.store.memory import MemoryStore
 from services.conductor import keys
 from services.conductor.election import Election, LeaderInfo
 from services.conductor.fencing import TermWriter

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.common.tls import ServerTls
+from services.common.security.tls import ServerTls
 from services.conductor.app import Conductor
 from tests.conductor.conftest import REPO
 from tests.fixtures.etcd import make_tls

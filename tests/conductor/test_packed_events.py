@@ -18,11 +18,11 @@ from kvsched.core.events import BlocksRemoved, BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.packed import PackedHashes
 from kvsched.core.requests import RequestError
-from services.common.kv_event_messages import TIER_VALUES
 from services.conductor import kv_event_batches
 from services.conductor.keys import InstanceRecord, InstanceSpec
 from services.conductor.settings import ConductorSettings
 from services.conductor.term import Term
+from services.kv_events.messages import TIER_VALUES
 from tests.conductor.test_conductor import IID
 
 N = 3

@@ -27,10 +27,10 @@ from kvsched.sim.prepare import PreparedTrace, prepare
 from kvsched.sim.records import ReplayConfig
 from kvsched.sim.replay import Replay
 from kvsched.sim.traces import transform
-from services.common import durations
-from services.common.kv_event_messages import event_message
+from services.common.serving import durations
 from services.conductor import instance_messages, placement_messages
 from services.conductor.app import Conductor
+from services.kv_events.messages import event_message
 from tests.conductor.conftest import settings
 from tests.conftest import SLICES
 from tests.fixtures.etcd import EtcdServer

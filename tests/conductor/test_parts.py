@@ -17,9 +17,9 @@ from kvsched.core.events import BlocksStored
 from kvsched.core.index import Tier
 from kvsched.core.load import LoadReport
 from kvsched.core.requests import RequestError
-from services.common.log_ids import session_tag
-from services.common.memory_store import MemoryStore
-from services.common.store import WatchEvent
+from services.common.serving.log_ids import session_tag
+from services.common.store.interface import WatchEvent
+from services.common.store.memory import MemoryStore
 from services.conductor import keys, placement_messages, replica, settings
 from services.conductor.cursors import MAX_LAG_S, MAX_LAGGING_BATCHES
 from services.conductor.election import Election, LeaderInfo

@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from clients.python import ConductorClient
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common.etcd import EtcdStore
-from services.common.tls import ServerTls
+from services.common.security.tls import ServerTls
+from services.common.store.etcd import EtcdStore
 from services.conductor import keys
 from services.conductor.app import SERVICE_NAME, Conductor
 from tests.conductor.conftest import ConductorProcess, instance, leader_of

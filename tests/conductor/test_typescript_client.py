@@ -17,11 +17,11 @@ import pytest
 
 from clients.python import ConductorClient
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common.admin_token import new_admin_token
-from services.common.etcd import EtcdStore
-from services.common.identity import Identity, Role
-from services.common.pki import CertFiles, make_cluster_pki
-from services.common.tls import channel_credentials
+from services.common.security.admin_token import new_admin_token
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import CertFiles, make_cluster_pki
+from services.common.security.tls import channel_credentials
+from services.common.store.etcd import EtcdStore
 from services.conductor import keys
 from tests.conductor.conftest import REPO, ConductorProcess, leader_of
 from tests.fixtures.etcd import EtcdServer

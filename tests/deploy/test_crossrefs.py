@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from services.common import health_probe
+from services.common.serving import health_probe
 from services.conductor import settings as conductor_settings
 from services.engine import settings as engine_settings
 from services.messenger import settings as messenger_settings

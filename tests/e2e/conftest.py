@@ -20,11 +20,11 @@ import aiohttp
 import grpc
 import pytest
 
-from services.common.etcd import EtcdStore
-from services.common.identity import Identity, Role
-from services.common.pki import cert_files
-from services.common.store import EtcdSettings
-from services.common.tls import ClientTls, channel_credentials
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import cert_files
+from services.common.security.tls import ClientTls, channel_credentials
+from services.common.store.etcd import EtcdStore
+from services.common.store.interface import EtcdSettings
 from tests.conftest import REPO
 from tests.fixtures.otlp import OtlpReceiver
 

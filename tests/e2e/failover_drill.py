@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from clients.python import ConductorClient
-from services.common.etcd import EtcdStore
+from services.common.store.etcd import EtcdStore
 from services.conductor import keys
 from tests.e2e.conftest import LocalCluster
 from tests.fixtures.poll import wait_for

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.openai_api import PromptTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer
 from services.engine.text import Words
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.fixtures.poll import wait_for

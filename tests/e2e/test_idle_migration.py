@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from services.common.etcd import EtcdStore
+from services.common.store.etcd import EtcdStore
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.e2e.test_transfers import (
     INDEX_S,

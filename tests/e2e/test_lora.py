@@ -18,7 +18,7 @@ import pytest
 
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
-from services.common.tls import aio_channel
+from services.common.security.tls import aio_channel
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.fixtures.poll import wait_for
 

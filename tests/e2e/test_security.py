@@ -21,8 +21,8 @@ from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.api.conductor.v1 import conductor_service_pb2_grpc as pb_grpc
 from kvsched.api.router.v1 import router_service_pb2 as rpb
 from kvsched.api.router.v1 import router_service_pb2_grpc as rpb_grpc
-from services.common.identity import Identity, Role
-from services.common.tls import ClientTls, aio_channel
+from services.common.security.identity import Identity, Role
+from services.common.security.tls import ClientTls, aio_channel
 from tests.conftest import REPO
 from tests.e2e.conftest import ADMIN, LocalCluster
 

@@ -24,7 +24,7 @@ import pytest
 
 from clients.python import ConductorClient
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.etcd import EtcdStore
+from services.common.store.etcd import EtcdStore
 from services.conductor import keys
 from tests.e2e.conftest import LocalCluster, local_cluster
 from tests.fixtures.poll import wait_for

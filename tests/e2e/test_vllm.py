@@ -26,10 +26,10 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.durations import duration
-from services.common.identity import Identity, Role
-from services.common.openai_api import PromptTokenizer, parse_request
-from services.common.tls import aio_channel
+from services.common.inference_api.openai_api import PromptTokenizer, parse_request
+from services.common.security.identity import Identity, Role
+from services.common.security.tls import aio_channel
+from services.common.serving.durations import duration
 from services.launcher.vllm import DEFAULT_PYTHON
 from services.router.api_keys import new_key
 from tests.conftest import REPO

@@ -21,7 +21,7 @@ import openai
 import pytest
 from anthropic.types import MessageParam, MetadataParam
 
-from services.common.openai_api import ApiError, PromptTokenizer, parse_request
+from services.common.inference_api.openai_api import ApiError, PromptTokenizer, parse_request
 from services.launcher.vllm import DEFAULT_PYTHON
 from services.router.api_keys import new_key
 from tests.conftest import REPO

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.kv_events import BlockRemoved, Event
+from services.kv_events.vllm_wire import BlockRemoved, Event
 from services.launcher.vllm import DEFAULT_PYTHON, REPO
 from services.messenger.kv_pool import KvPool
 from services.messenger.pool_server import PoolServer

@@ -20,12 +20,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 from opentelemetry.trace import NoOpTracer, Tracer
 
-from services.common.kv_events import Event, EventBatch
-from services.common.openai_api import PromptTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer
 from services.engine.app import EngineApp, build
 from services.engine.runner import LiveEngine
 from services.engine.settings import EngineSettings
 from services.engine.text import Words
+from services.kv_events.vllm_wire import Event, EventBatch
 from services.launcher.ports import free_port
 from services.messenger.kv_subscriber import KvEventSubscriber
 from tests.conftest import REPO

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher, event_hash
-from services.common.block_hashes import BlockHashes
-from services.common.kv_events import BlockRemoved, BlockStored, Event
+from services.dataplane.block_hashes import BlockHashes
+from services.kv_events.vllm_wire import BlockRemoved, BlockStored, Event
 from tests.engine.conftest import RunningEngine
 
 HASHER = VllmBlockHasher(16)

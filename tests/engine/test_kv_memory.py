@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvsched.core.models import MINI_MODEL, model_config
-from services.common.kv_layout import KvLayout, expected_chunk, intact_prefix
-from services.common.kv_memory import KvMemory, sweep_stale
+from services.dataplane.kv_layout import KvLayout, expected_chunk, intact_prefix
+from services.dataplane.kv_memory import KvMemory, sweep_stale
 from tests.fixtures.kv_content import reference_chunk
 
 LAYOUT = KvLayout.for_model(model_config(MINI_MODEL), 16, 64)

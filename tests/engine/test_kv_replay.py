@@ -12,8 +12,8 @@ import re
 import zmq
 import zmq.asyncio
 
-from services.common.kv_events import Shape, decode_frames, encode_frames
 from services.engine.kv_publisher import END_SEQ, KvEventPublisher
+from services.kv_events.vllm_wire import Shape, decode_frames, encode_frames
 from tests.common.test_kv_events_capture import CAPTURE, captured
 
 TOPIC = b"kv-events"

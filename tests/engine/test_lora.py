@@ -13,7 +13,7 @@ import pytest
 
 from kvsched.core.adapters import AdapterChange
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 from services.router.lora import AdapterLoader, LoraModule
 from tests.engine.conftest import RunningEngine
 

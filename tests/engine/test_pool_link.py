@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from services.common.kv_layout import SIM_FORMAT
-from services.common.kv_memory import KvMemory
-from services.common.kv_transfer import WrongBlocks
+from services.dataplane.kv_layout import SIM_FORMAT
+from services.dataplane.kv_memory import KvMemory
+from services.dataplane.kv_transfer import WrongBlocks
 from services.messenger.kv_pool import BlockFormat, KvPool, _Store
 from services.messenger.pool_server import PoolServer
 from tests.engine.conftest import FAST, RunningEngine

@@ -7,8 +7,8 @@ import pytest
 
 from kvsched.core.cluster import ClusterConfig, Role, build_cluster
 from kvsched.core.cost import pool_load
-from services.common.block_hashes import BlockHashes
-from services.common.kv_memory import DEFAULT_DIR
+from services.dataplane.block_hashes import BlockHashes
+from services.dataplane.kv_memory import DEFAULT_DIR
 from services.engine.model import build_model
 from services.engine.settings import EngineSettings, latency_profile_for_gpu, parse
 

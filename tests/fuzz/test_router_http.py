@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.openai_api import DEFAULT_MODEL
+from services.common.inference_api.openai_api import DEFAULT_MODEL
 from services.conductor.app import Conductor
 from services.router.app import Router
 from tests.fuzz.conftest import fuzz_settings

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from services.common.identity import Identity, Role, identity_of
+from services.common.security.identity import Identity, Role, identity_of
 from services.launcher.certs import main, parse_identity
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.kv_events import BlockRemoved, BlockStored, EngineHash, Event
-from services.common.kv_layout import KvLayout, expected_chunk
+from services.dataplane.kv_layout import KvLayout, expected_chunk
+from services.kv_events.vllm_wire import BlockRemoved, BlockStored, EngineHash, Event
 from services.messenger.engine_api import EngineError
 from services.messenger.kv_pool import BlockFormat, KvPool, PoolFull, PoolRefused
 from tests.fixtures.poll import wait_for

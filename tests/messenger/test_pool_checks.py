@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from services.common.kv_layout import KvLayout, block_checksums, checksum
+from services.dataplane.kv_layout import KvLayout, block_checksums, checksum
 from services.messenger import kv_pool
 from services.messenger.kv_pool import KvPool
 from services.messenger.metrics import MessengerMetrics

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.kv_events import BlockRemoved, BlockStored, Event
-from services.common.kv_layout import KvLayout, expected_chunk
+from services.dataplane.kv_layout import KvLayout, expected_chunk
+from services.kv_events.vllm_wire import BlockRemoved, BlockStored, Event
 from services.messenger.kv_pool import KvPool
 from services.messenger.pool_server import PoolServer
 from services.vllm_connector.pool_client import PoolClient, PoolRefusal, PoolUnavailable

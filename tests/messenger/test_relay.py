@@ -16,9 +16,9 @@ import zmq.asyncio
 
 from clients.python import ConductorClient
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.etcd import EtcdStore
-from services.common.identity import Identity, Role
-from services.common.tls import ClientTls, ServerTls
+from services.common.security.identity import Identity, Role
+from services.common.security.tls import ClientTls, ServerTls
+from services.common.store.etcd import EtcdStore
 from services.conductor import keys
 from services.conductor.app import Conductor
 from services.messenger.app import Messenger

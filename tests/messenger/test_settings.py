@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.tls import ClientTls
+from services.common.security.tls import ClientTls
 from services.messenger.engines import EngineTarget
 from services.messenger.settings import parse
 from services.messenger.transfer import mooncake_backend

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from services.common.kv_events import AllBlocksCleared, EventBatch
 from services.engine.kv_publisher import KvEventPublisher
+from services.kv_events.vllm_wire import AllBlocksCleared, EventBatch
 from services.launcher.ports import free_port
 from services.messenger.kv_subscriber import KvEventSubscriber, Resync
 from tests.fixtures.poll import wait_for

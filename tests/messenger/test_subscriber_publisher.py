@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.common.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_frames
 from services.engine.kv_publisher import KvEventPublisher
+from services.kv_events.vllm_wire import AllBlocksCleared, BlockStored, EventBatch, encode_frames
 from services.messenger.kv_subscriber import KvEventSubscriber, Resync
 
 TOPIC = b"kv"

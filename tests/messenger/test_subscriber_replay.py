@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.common.kv_events import EventBatch, decode_frames
+from services.kv_events.vllm_wire import EventBatch, decode_frames
 from services.messenger.kv_subscriber import END_SEQ, KvEventSubscriber, Resync
 from tests.common.test_kv_events_capture import captured
 from tests.fixtures.poll import wait_for

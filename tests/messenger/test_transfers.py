@@ -30,13 +30,13 @@ from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.messenger.v1 import messenger_service_pb2 as mpb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as mpb_grpc
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.admin_token import new_admin_token
-from services.common.identity import Identity, Role
-from services.common.kv_layout import KvLayout, expected_chunk
-from services.common.kv_memory import DEFAULT_DIR as KV_MEMORY_DIR
-from services.common.kv_memory import PREFIX as KV_MEMORY_PREFIX
-from services.common.pki import make_cluster_pki
-from services.common.tls import ClientTls, aio_channel, channel_credentials
+from services.common.security.admin_token import new_admin_token
+from services.common.security.identity import Identity, Role
+from services.common.security.pki import make_cluster_pki
+from services.common.security.tls import ClientTls, aio_channel, channel_credentials
+from services.dataplane.kv_layout import KvLayout, expected_chunk
+from services.dataplane.kv_memory import DEFAULT_DIR as KV_MEMORY_DIR
+from services.dataplane.kv_memory import PREFIX as KV_MEMORY_PREFIX
 from services.vllm_connector.pool_client import PoolClient, PoolUnavailable
 from tests.conductor.conftest import ConductorProcess
 from tests.conftest import MOONCAKE

@@ -10,7 +10,7 @@ import msgpack
 from clients.python import unpack_hashes
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_frames
+from services.kv_events.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_frames
 from services.messenger.translate import EventTranslator
 
 CAPTURE = Path(__file__).resolve().parent.parent / "data" / "vllm" / "cpu-0.32-capture"

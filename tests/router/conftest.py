@@ -21,7 +21,7 @@ import pytest
 from clients.python import ConductorClient, ConductorError
 from kvsched.api.common.v1 import common_pb2 as common
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common.openai_api import DEFAULT_MODEL
+from services.common.inference_api.openai_api import DEFAULT_MODEL
 from services.conductor.app import Conductor
 from services.launcher.ports import free_port
 from services.router.api_keys import new_key

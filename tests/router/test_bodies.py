@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import ApiError, decode_json
+from services.common.inference_api.openai_api import ApiError, decode_json
 from services.router.bodies import BodyWorker, WorkerFailed
 from services.router.body_worker import check_body
 from tests.fixtures.poll import wait_for

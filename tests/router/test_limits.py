@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import (
+from services.common.inference_api.openai_api import (
     MAX_BODY_BYTES,
     CompletionRequest,
     PromptTokenizer,

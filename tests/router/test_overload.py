@@ -14,7 +14,7 @@ import pytest
 
 from clients.python import ConductorError, Rejected, Unavailable
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 from services.router.metrics import RouterMetrics
 from services.router.overload import BoundedCount, fits_instance, shed
 from services.router.placement import KnownInstance, PlacementQuery

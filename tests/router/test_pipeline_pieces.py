@@ -9,8 +9,8 @@ import pytest
 
 from clients.python import pack_hashes, unpack_hashes
 from kvsched.core.turn_host import HANDOFF_FAILED, MIGRATION_FAILED, TurnHost
-from services.common.durations import seconds
-from services.common.openai_api import ApiError, Kind, parse_request
+from services.common.inference_api.openai_api import ApiError, Kind, parse_request
+from services.common.serving.durations import seconds
 from services.router.finish import RequestOutcome, finish_report
 from services.router.kv_moves import Forward, forward
 from services.router.placement import Placement, PlacementQuery

@@ -26,8 +26,8 @@ from tokenizers.processors import TemplateProcessing
 
 import bench.session_prompts as bench_session_prompts
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.model_tokenizer import ModelTokenizer
-from services.common.openai_api import PromptTokenizer, parse_request
+from services.common.inference_api.model_tokenizer import ModelTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer, parse_request
 from services.router.prompt_pieces import PieceTokenizer, _trie_pattern, cut_points
 from services.router.session_prompts import SessionPrompts, _common_prefix
 

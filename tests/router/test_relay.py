@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.common.http_site import start_site
+from services.common.serving.http_site import start_site
 from services.router.metrics import RouterMetrics
 from services.router.proxy import Relayed, Upstream
 

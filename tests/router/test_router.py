@@ -14,7 +14,7 @@ import pytest
 from clients.python import ConductorClient, unpack_hashes
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.common.openai_api import PromptTokenizer, parse_request
+from services.common.inference_api.openai_api import PromptTokenizer, parse_request
 from services.router.placement import Placement, PlacementQuery
 from tests.conftest import REPO
 from tests.fixtures.poll import wait_for

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api import ApiError
+from services.common.inference_api.openai_api import ApiError
 from services.router import api_keys
 from services.router.auth import ANONYMOUS, Authenticator, Tenant, key_digest
 from services.router.client_ids import session_key

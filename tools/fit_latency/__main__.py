@@ -11,7 +11,7 @@ import aiohttp
 
 import tools.fit_latency
 from kvsched.core.cluster import ClusterConfig
-from services.common.openai_api import PromptTokenizer
+from services.common.inference_api.openai_api import PromptTokenizer
 from tools.fit_latency.blis import BLIS_VLLM, blis_row
 from tools.fit_latency.engine_fit import fit_engine, predicted_s
 from tools.fit_latency.engine_probes import LONG_OUTPUT, SHORT_OUTPUT, EngineProbes, probe_plan

@@ -15,9 +15,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context, attach, detach, get_current
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from services.common import grpc_requests
-from services.common.client_errors import ClientErrorLog
-from services.common.grpc_handlers import (
+from services.common.serving import grpc_requests
+from services.common.serving.client_errors import ClientErrorLog
+from services.common.serving.grpc_handlers import (
     Behavior,
     Handler,
     WrappingInterceptor,

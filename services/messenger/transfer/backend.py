@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 from services.messenger.transfer.errors import TransferError
 from services.messenger.transfer.region import KvRegion
 from services.messenger.transfer.runs import Run

@@ -1,4 +1,4 @@
-"""A KV region: one engine's KV file (see `services.common.kv_layout`), mapped read/write
+"""A KV region: one engine's KV file (see `services.dataplane.kv_layout`), mapped read/write
 into the Messenger so transfers move its bytes in place, without copies."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
-from services.common.kv_layout import SIM_FORMAT, KvLayout
+from services.dataplane.kv_layout import SIM_FORMAT, KvLayout
 from services.messenger.transfer.runs import Span, merge_spans
 
 

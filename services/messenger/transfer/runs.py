@@ -1,6 +1,6 @@
 """Runs: the unit a transfer moves. A run is a stretch of pages consecutive on both the
 source and the destination, so within one layer it is one contiguous piece of memory on each
-side (see `services.common.kv_layout`): one entry for Mooncake, one slice for TCP."""
+side (see `services.dataplane.kv_layout`): one entry for Mooncake, one slice for TCP."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 
 T = TypeVar("T")
 Span = tuple[int, int]  # [start, stop) byte offsets within a layer

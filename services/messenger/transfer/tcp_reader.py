@@ -10,7 +10,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 from services.messenger.transfer import tcp_wire as wire
 from services.messenger.transfer.backend import SourceExport
 from services.messenger.transfer.errors import TransferError

@@ -17,7 +17,7 @@ import sys
 from array import array
 from dataclasses import dataclass
 
-from services.common.kv_layout import chunk_checksums
+from services.dataplane.kv_layout import chunk_checksums
 from services.messenger.transfer import tcp_wire as wire
 from services.messenger.transfer.exports import ExportTable, Grant
 from services.messenger.transfer.runs import Span, merge_spans

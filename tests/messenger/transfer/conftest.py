@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 from services.messenger.transfer.backend import Backend, SourceExport
 from services.messenger.transfer.factory import make_backend
 from services.messenger.transfer.region import KvRegion

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.kv_layout import KvLayout, expected_chunk, fill
+from services.dataplane.kv_layout import KvLayout, expected_chunk, fill
 from services.messenger.transfer.region import KvRegion
 
 SHM = Path("/dev/shm")

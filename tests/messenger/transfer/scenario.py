@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from services.common.kv_layout import expected_chunk
+from services.dataplane.kv_layout import expected_chunk
 from services.messenger.transfer.backend import Reader
 from services.messenger.transfer.region import KvRegion
 from services.messenger.transfer.runs import Run, coalesce

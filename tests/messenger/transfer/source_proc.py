@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import uvloop
 
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 from services.messenger.transfer.factory import make_backend
 from services.messenger.transfer.region import KvRegion
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.kv_layout import KvLayout, expected_chunk
+from services.dataplane.kv_layout import KvLayout, expected_chunk
 from services.messenger.transfer.region import KvRegion
 from tests.messenger.transfer.conftest import LAYOUT, block_hash
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.kv_layout import KvLayout
+from services.dataplane.kv_layout import KvLayout
 from services.messenger.transfer.runs import (
     LastRuns,
     Run,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.common.kv_layout import KvLayout, expected_chunk
+from services.dataplane.kv_layout import KvLayout, expected_chunk
 from services.messenger.transfer.errors import TransferError
 from services.messenger.transfer.mooncake_backend import MooncakeBackend
 from services.messenger.transfer.region import KvRegion

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.common.kv_layout import checksum
+from services.dataplane.kv_layout import checksum
 from services.messenger.transfer import tcp_wire as wire
 from services.messenger.transfer.backend import SourceExport
 from services.messenger.transfer.errors import TransferError

@@ -1,0 +1,2 @@
+"""The inference APIs as vLLM reads them: OpenAI completions, chat and Responses, Anthropic
+Messages, their prompts, tokenizers and errors."""

@@ -1,0 +1,1 @@
+"""Who may call what, and the secrets that prove it: identities, certificates, TLS, admin tokens."""
