@@ -26,7 +26,7 @@ import time
 from kvsched.core.models import DEFAULT_MODEL, MINI_MODEL, model_config
 from services.dataplane.kv_layout import KvLayout, block_checksums, intact_prefix
 from services.dataplane.kv_memory import DEFAULT_DIR, KvMemory
-from services.engine.pool_link import _copy
+from services.dataplane.pool_link import _copy
 
 BLOCK_SIZE = 16
 

@@ -32,11 +32,11 @@ import uvloop
 
 from bench.common import REPO
 from services.dataplane.kv_layout import KvLayout
-from services.messenger.transfer.backend import Backend, Reader, SourceExport
-from services.messenger.transfer.factory import make_backend
-from services.messenger.transfer.region import KvRegion
-from services.messenger.transfer.runs import Run, Runs, coalesce
-from tests.messenger.transfer.kvfiles import create_kv_file, fill_pages, mismatches, new_kv_path
+from services.dataplane.transfer.backend import Backend, Reader, SourceExport
+from services.dataplane.transfer.factory import open_backend
+from services.dataplane.transfer.region import KvRegion
+from services.dataplane.transfer.runs import Run, Runs, coalesce
+from tests.dataplane.transfer.kvfiles import create_kv_file, fill_pages, mismatches, new_kv_path
 
 GEOMETRIES = {
     "64KiB": KvLayout(layers=32, pages=64, chunk_bytes=64 << 10, block_size=16),
@@ -49,7 +49,7 @@ def source(
     backend: str, path: Path, layout: KvLayout, cpu: int | None = None
 ) -> Iterator[dict[str, object]]:
     argv = [
-        sys.executable, "-m", "tests.messenger.transfer.source_proc", "--backend", backend,
+        sys.executable, "-m", "tests.dataplane.transfer.source_proc", "--backend", backend,
         "--path", str(path), "--layers", str(layout.layers), "--pages", str(layout.pages),
         "--chunk-bytes", str(layout.chunk_bytes), "--block-size", str(layout.block_size),
     ]  # fmt: skip
@@ -135,7 +135,7 @@ async def run_cases(
     locals_: list[Backend] = []
     for name in args.backends.split(","):
         info = stack.enter_context(source(name, src_path, layout, args.source_cpu))
-        backend = make_backend(name, "127.0.0.1")
+        backend = open_backend(name, "127.0.0.1")
         await backend.start()
         locals_.append(backend)
         backend.register(dst)

@@ -188,11 +188,11 @@ async def with_pools(context: int, repeat: int) -> dict[str, list[float]]:
 _POOL = """
 import asyncio, sys
 from kvsched.core.vllm_hashing import VllmBlockHasher
-from services.messenger.kv_pool import KvPool
-from services.messenger.pool_server import PoolServer
+from services.dataplane.kv_pool import NodePool
+from services.dataplane.pool_server import PoolServer
 
 async def serve():
-    pool = KvPool(512 << 20, node="bench", hasher_for=VllmBlockHasher, on_events=lambda e: None)
+    pool = NodePool(512 << 20, node="bench", hasher_for=VllmBlockHasher, on_events=lambda e: None)
     await PoolServer(pool, sys.argv[1]).start()
     await asyncio.Event().wait()
 

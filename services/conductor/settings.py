@@ -23,8 +23,7 @@ from services.common.serving.flags import env_flags, otlp_endpoint, process_id
 from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
 from services.common.store.interface import EtcdSettings
 from services.conductor.backpressure import PlacementBounds
-from services.dataplane import block_hashes
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes, add_block_hash_flags, block_hashes_from_args
 
 ENV = "KVSCHED_CONDUCTOR_"
 _flag = env_flags(ENV)
@@ -121,7 +120,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
     _flag(p, "seed", d.seed, "seed of the policy's random source")
     _flag(p, "max-instances", d.max_instances, "instance slots")
     _flag(p, "block-size", d.block_size, "tokens per KV block")
-    block_hashes.add_flags(_flag, p)
+    add_block_hash_flags(_flag, p)
     _flag(p, "model", d.model, "served model (sizes KV transfers)")
     _flag(p, "latency-profile", d.latency_profile, "latency model profile")
     _flag(
@@ -231,7 +230,7 @@ def parse(argv: Sequence[str] | None = None) -> ConductorSettings:
         p.error("the admin HTTP API needs --admin-token-file (or --insecure to leave it open)")
     admin_token = read_admin_token(p, a.admin_token_file) if a.admin_token_file else None
     try:
-        hashes = block_hashes.from_args(a)
+        hashes = block_hashes_from_args(a)
         placement_bounds = PlacementBounds(
             a.max_pending_placements, a.max_placement_wait, a.max_persist_pending
         )

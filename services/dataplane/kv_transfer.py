@@ -1,8 +1,8 @@
 """Exports and imports of cached blocks over a KV store (a prefix cache, its KV memory and
 vLLM's names of its blocks): the bookkeeping of both ends of a KV transfer. A node's KV pool
-(`services.messenger.kv_pool`) is such a store, exported from and imported into by its
+(`services.dataplane.kv_pool`) is such a store, exported from and imported into by its
 Messenger and by its engines; a simulated engine imports what it loads from its pool
-(`services.engine.pool_link`).
+(`services.dataplane.pool_link`).
 
 An export pins blocks a reader copies out of the KV memory: they stay cached and on their
 pages (locked in the prefix cache, without counting as a use) until released, or until their
@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
+from services.dataplane.errors import DataPlaneError
 from services.dataplane.kv_memory import KvMemory
 from services.dataplane.kv_names import EngineNames
 
 
-class TransferError(Exception):
+class TransferError(DataPlaneError):
     """An export or import the engine refuses."""
 
 

@@ -3,7 +3,7 @@ routes (`/v1/completions`, `/v1/chat/completions`) and `/health` here, the route
 served model in `services.engine.model_routes`, and what the engine tells about itself
 (`/metrics`, vLLM's `/load`, SGLang's `/server_info`, the `/kvsched/*` views) in
 `services.engine.status_routes`. KV leaves and enters the engine only through its node's KV
-pool (`services.engine.pool_link`), as a vLLM engine's does through kvsched's connector.
+pool (`services.dataplane.pool_link`), as a vLLM engine's does through kvsched's connector.
 
 `build` assembles one engine (model, KV memory, KV-event publisher, metrics, step loop,
 routes); the caller serves `EngineApp.app` and calls `start`/`close` around it.
@@ -31,8 +31,7 @@ from services.common.inference_api.openai_api import (
     unavailable,
 )
 from services.common.serving.api_errors import unavailable_headers
-from services.dataplane.kv_layout import KvLayout
-from services.dataplane.kv_memory import KvMemory
+from services.dataplane import KvLayout, KvMemory, PoolLink
 from services.engine.completion_replies import stream_reply, whole_reply
 from services.engine.kv_publisher import KvEventPublisher
 from services.engine.lora import Adapters, runtime_updates_allowed
@@ -40,7 +39,6 @@ from services.engine.metrics import EngineMetrics
 from services.engine.model import build_model
 from services.engine.model_routes import ModelRoutes
 from services.engine.openai_stream import Shape
-from services.engine.pool_link import PoolLink
 from services.engine.runner import LiveEngine
 from services.engine.served_model import ServedModel
 from services.engine.settings import KV_TOPIC, EngineSettings

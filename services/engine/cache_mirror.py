@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.events import BlocksRemoved
-from services.dataplane.kv_memory import KvMemory
-from services.dataplane.kv_names import EngineNames
+from services.dataplane import EngineNames, KvMemory
 from services.engine.kv_publisher import KvEventPublisher
 from services.kv_events.vllm_wire import Event
 

@@ -28,15 +28,12 @@ from kvsched.cache.prefix_cache import PrefixCache
 from kvsched.core.vllm_hashing import AdapterKey, VllmBlockHasher, event_hash
 from kvsched.sim.jobs import Job, JobKind, StepOutcome
 from services.common.inference_api.openai_api import unavailable
-from services.dataplane.kv_memory import KvMemory
-from services.dataplane.kv_names import EngineNames
-from services.dataplane.kv_transfer import KvTransfers
+from services.dataplane import EngineNames, KvMemory, KvTransfers, PoolLink
 from services.engine.cache_mirror import CacheMirror
 from services.engine.kv_publisher import KvEventPublisher
 from services.engine.metrics import EngineMetrics
 from services.engine.model import EngineModel
 from services.engine.model_clock import ModelClock
-from services.engine.pool_link import PoolLink
 from services.engine.request import Request
 
 log = logging.getLogger("kvsched.engine")

@@ -28,9 +28,7 @@ from services.common.inference_api.chat_prompt import load_chat_template
 from services.common.inference_api.openai_api import DEFAULT_MODEL
 from services.common.serving.flags import env_flags, otlp_endpoint, pairs, process_id
 from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
-from services.dataplane import block_hashes
-from services.dataplane.block_hashes import BlockHashes
-from services.dataplane.kv_memory import DEFAULT_DIR as DEFAULT_KV_MEMORY_DIR
+from services.dataplane import DEFAULT_KV_MEMORY_DIR, BlockHashes, add_block_hash_flags
 from services.kv_events.vllm_wire import Shape
 
 ENV = "KVSCHED_ENGINE_"
@@ -162,7 +160,7 @@ def parse(argv: Sequence[str] | None = None) -> EngineSettings:
     _flag(p, "kv-events", d.kv_events, "ZMQ endpoint publishing KV events")
     _flag(p, "kv-replay", "", "ZMQ endpoint answering KV-event replay requests (default off)")
     _flag(p, "event-shape", d.event_shape, "KV event encoding: map (vLLM >= 0.33) or array")
-    block_hashes.add_flags(_flag, p)
+    add_block_hash_flags(_flag, p)
     _flag(p, "seed", d.seed, "seed of the engine's output text")
     _flag(p, "shutdown-grace", d.shutdown_grace_s, "seconds streams may finish on SIGTERM")
     _flag(p, "kv-memory-dir", d.kv_memory_dir, "directory of the KV memory file (shared memory)")

@@ -16,7 +16,7 @@ from pathlib import Path
 from services.common.inference_api.openai_api import DEFAULT_MODEL
 from services.common.security.files import write_private
 from services.common.serving.flags import pairs
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes
 from services.launcher.cluster_options import DEFAULT_BLOCK_SIZE, ENGINES, ClusterOptions
 from services.launcher.plan import ClusterPlan, plan_cluster
 from services.launcher.supervisor import StartError, Supervisor

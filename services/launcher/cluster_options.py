@@ -10,7 +10,7 @@ from kvsched.core.latency import load_latency
 from kvsched.core.models import MINI_MODEL, model_config
 from kvsched.core.policies import POLICIES, parse_spec
 from services.common.inference_api.openai_api import DEFAULT_MODEL
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes
 from services.launcher.vllm import DEFAULT_PYTHON as DEFAULT_VLLM_PYTHON
 
 ENGINES = ("sim", "vllm")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.security.identity import Identity, Role
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes
 from services.launcher.cluster_options import ClusterOptions
 from services.launcher.credentials import ClusterCredentials
 from services.launcher.vllm import VllmServer, core_share, lora_rank

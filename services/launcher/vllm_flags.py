@@ -25,7 +25,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes
 from services.launcher.cluster_options import DEFAULT_BLOCK_SIZE
 from services.launcher.vllm import VllmServer
 

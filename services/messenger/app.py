@@ -34,19 +34,21 @@ from services.common.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from services.dataplane import (
+    Exporter,
+    LocalKv,
+    NodePool,
+    PoolServer,
+    TransferLimits,
+    Transfers,
+    open_backend,
+)
 from services.kv_events.vllm_wire import Event
-from services.messenger.exporter import Exporter
 from services.messenger.http import MessengerHttp
-from services.messenger.kv_pool import KvPool
-from services.messenger.local_kv import LocalKv
 from services.messenger.metrics import MessengerMetrics
-from services.messenger.pool_server import PoolServer
 from services.messenger.relay import EngineRelay
 from services.messenger.service import MessengerServicer
 from services.messenger.settings import MessengerSettings
-from services.messenger.transfer.factory import make_backend
-from services.messenger.transfer_progress import TransferLimits
-from services.messenger.transfers import Transfers
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MessengerService"].full_name
@@ -78,17 +80,17 @@ class Messenger:
         self._tasks: list[asyncio.Task[None]] = []
         s = settings
         host = (s.advertise or s.listen).rpartition(":")[0]
-        self.backend = make_backend(
+        self.backend = open_backend(
             s.transfer_backend,
             host,
             timeout_s=s.transfer_io_timeout_s,
             mooncake_protocol=s.mooncake_protocol,
             mooncake_device=s.mooncake_device,
         )
-        self.pool: KvPool | None = None
+        self.pool: NodePool | None = None
         self.pool_server: PoolServer | None = None
         if s.kv_pool_bytes:
-            self.pool = KvPool(
+            self.pool = NodePool(
                 s.kv_pool_bytes,
                 node=s.node,
                 hasher_for=s.block_hashes.hasher,

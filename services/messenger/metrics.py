@@ -17,10 +17,8 @@ from clients.python.kv_stream import KvEventStream, SentBatch
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 
 if TYPE_CHECKING:
-    from services.messenger.kv_pool import KvPool
+    from services.dataplane import NodePool, Transfer, Transfers
     from services.messenger.relay import EngineRelay
-    from services.messenger.transfer_progress import Transfer
-    from services.messenger.transfers import Transfers
 
 PREFIX = "kvsched_messenger_"
 
@@ -123,7 +121,7 @@ class MessengerMetrics:
         )
         queued.set_function(lambda: transfers.queued)
 
-    def watch_pool(self, pool: KvPool) -> None:
+    def watch_pool(self, pool: NodePool) -> None:
         """Report what the node's KV pool holds (read at scrape time)."""
         for field, what in (
             ("pages", "Blocks the node's KV pool can hold (0 until an engine attached)."),
@@ -159,7 +157,7 @@ class MessengerMetrics:
 class _PoolCopies(Collector):
     """The engines' copies into and out of the pool, as they report them."""
 
-    def __init__(self, pool: KvPool) -> None:
+    def __init__(self, pool: NodePool) -> None:
         self._pool = pool
 
     def collect(self) -> Iterator[CounterMetricFamily]:
@@ -183,7 +181,7 @@ class _PoolCopies(Collector):
 class _PoolChecks(Collector):
     """The pool's checksums of its blocks: their cost, and the blocks found corrupt."""
 
-    def __init__(self, pool: KvPool) -> None:
+    def __init__(self, pool: NodePool) -> None:
         self._pool = pool
 
     def collect(self) -> Iterator[CounterMetricFamily]:
@@ -217,7 +215,7 @@ class _PoolChecks(Collector):
         )
 
 
-def _usage(pool: KvPool, field: str) -> float:
+def _usage(pool: NodePool, field: str) -> float:
     return float(getattr(pool.usage(), field))
 
 

@@ -37,7 +37,7 @@ from clients.python import ConductorClient
 from clients.python.kv_stream import KvEventStream
 from kvsched.api.conductor.v1 import conductor_service_pb2 as pb
 from kvsched.core.load import LoadReport
-from services.dataplane.kv_layout import SIM_FORMAT
+from services.dataplane import SIM_FORMAT, NodePool
 from services.kv_events.messages import event_message
 from services.kv_events.vllm_wire import Event, EventBatch
 from services.messenger.batcher import Batcher
@@ -51,7 +51,6 @@ from services.messenger.engine_api import (
     Snapshot,
 )
 from services.messenger.engines import EnginePort, EngineTarget
-from services.messenger.kv_pool import KvPool
 from services.messenger.kv_subscriber import KvEventSubscriber, Resync
 from services.messenger.membership import ROLES, Membership
 from services.messenger.settings import MessengerSettings
@@ -93,7 +92,7 @@ class EngineRelay:
         client: ConductorClient,
         stream: KvEventStream,
         http: aiohttp.ClientSession,
-        pool: KvPool | None = None,
+        pool: NodePool | None = None,
     ) -> None:
         s = settings
         self.pool = pool  # the node's, which its engines save to and load from

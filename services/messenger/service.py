@@ -11,9 +11,7 @@ import grpc
 
 from kvsched.api.messenger.v1 import messenger_service_pb2 as pb
 from kvsched.api.messenger.v1 import messenger_service_pb2_grpc as pb_grpc
-from services.messenger.exporter import Exporter
-from services.messenger.local_kv import TransferRefused
-from services.messenger.transfers import Transfers
+from services.dataplane import Exporter, TransferRefused, Transfers
 
 Context = grpc.aio.ServicerContext[object, object]
 

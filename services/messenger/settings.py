@@ -18,11 +18,14 @@ from services.common.security.tls_flags import (
 )
 from services.common.serving.flags import env_flags, otlp_endpoint
 from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
-from services.dataplane import block_hashes
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import (
+    TRANSFER_BACKENDS,
+    BlockHashes,
+    add_block_hash_flags,
+    backend_missing,
+    block_hashes_from_args,
+)
 from services.messenger.engines import EngineTarget, parse_engines
-from services.messenger.transfer import mooncake_backend
-from services.messenger.transfer.factory import BACKENDS
 
 ENV = "KVSCHED_MESSENGER_"
 _flag = env_flags(ENV)
@@ -103,10 +106,11 @@ class MessengerSettings:
             raise ValueError("--mirror-batches must not be negative")
         if not self.conductors:
             raise ValueError("--conductor needs at least one host:port")
-        if self.transfer_backend not in BACKENDS:
-            raise ValueError(f"--transfer-backend must be one of {', '.join(BACKENDS)}")
-        if self.transfer_backend == "mooncake" and not mooncake_backend.installed():
-            raise ValueError(mooncake_backend.MISSING)
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"--transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}")
+        missing = backend_missing(self.transfer_backend)
+        if missing is not None:
+            raise ValueError(missing)
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError("--mooncake-protocol must be tcp or rdma")
         if self.transfer_io_timeout_s <= 0 or self.max_transfers <= 0:
@@ -172,10 +176,12 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
         d.mirror_batches,
         "KV event batches queued per standby Conductor for its mirror (0: no mirror)",
     )
-    block_hashes.add_flags(_flag, p)
+    add_block_hash_flags(_flag, p)
     _flag(p, "block-size", d.block_size, "tokens per KV block (the cluster's): others refused")
     _flag(p, "vllm-metrics-interval", d.vllm_metrics_interval_s, "seconds between /metrics reads")
-    _flag(p, "transfer-backend", d.transfer_backend, f"how KV moves: {' or '.join(BACKENDS)}")
+    _flag(
+        p, "transfer-backend", d.transfer_backend, f"how KV moves: {' or '.join(TRANSFER_BACKENDS)}"
+    )
     _flag(p, "mooncake-protocol", d.mooncake_protocol, "Mooncake transport: tcp or rdma")
     _flag(p, "mooncake-device", d.mooncake_device, "Mooncake RDMA device(s), e.g. mlx5_0")
     _flag(p, "transfer-io-timeout", d.transfer_io_timeout_s, "a stalled read fails after, s")
@@ -215,7 +221,7 @@ def parse(argv: Sequence[str] | None = None) -> MessengerSettings:
             batch_max_events=a.batch_max_events,
             resend_batches=a.resend_batches,
             mirror_batches=a.mirror_batches,
-            block_hashes=block_hashes.from_args(a),
+            block_hashes=block_hashes_from_args(a),
             block_size=a.block_size,
             vllm_metrics_interval_s=a.vllm_metrics_interval,
             transfer_backend=a.transfer_backend,

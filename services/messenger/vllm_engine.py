@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsched.core.adapters import MAX_ADAPTERS, AdapterReport
 from kvsched.core.load import LoadReport
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes
 from services.messenger.engine_api import (
     EngineInfo,
     EngineMalformed,

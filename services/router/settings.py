@@ -24,8 +24,7 @@ from services.common.security.tls_flags import (
 )
 from services.common.serving.flags import env_flags, otlp_endpoint, pairs, process_id
 from services.common.serving.logs import LogSettings, add_log_flags, read_log_settings
-from services.dataplane import block_hashes
-from services.dataplane.block_hashes import BlockHashes
+from services.dataplane import BlockHashes, add_block_hash_flags, block_hashes_from_args
 from services.router.lora import LoraModule, parse_lora_modules
 
 ENV = "KVSCHED_ROUTER_"
@@ -149,7 +148,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
         "auto, string or openai: message content as the template gets it (as vLLM's flag)",
     )
     _flag(p, "block-size", d.block_size, "tokens per KV block (as the Conductor's)")
-    block_hashes.add_flags(_flag, p)
+    add_block_hash_flags(_flag, p)
     _flag(p, "model", d.model, "served model name (for /v1/models when no engine answers)")
     _flag(p, "model-alias", "", "ALIAS=NAME[,...]: names clients may use for a served model")
     _flag(p, "model-tokenizer", "", "NAME=DIR[,...]: other served models, their tokenizers")
@@ -206,7 +205,7 @@ def parse(argv: Sequence[str] | None = None) -> RouterSettings:
             chat_template=template,
             chat_template_content_format=a.chat_template_content_format,
             block_size=a.block_size,
-            block_hashes=block_hashes.from_args(a),
+            block_hashes=block_hashes_from_args(a),
             model=a.model,
             model_aliases=pairs(a.model_alias, "--model-alias", "ALIAS=NAME"),
             model_tokenizers=pairs(a.model_tokenizer, "--model-tokenizer", "NAME=DIR"),

@@ -1,5 +1,6 @@
-"""A blocking client of the node's KV pool socket (`wire`), for the connector: vLLM's
-scheduler and workers call it from their own threads, between and around steps.
+"""A blocking client of the node's KV pool socket (its wire format:
+`services.dataplane.pool_wire`), for the connector: vLLM's scheduler and workers call it from
+their own threads, between and around steps.
 
 A call that cannot be made (no Messenger, a broken connection, a timeout) raises
 `PoolUnavailable`; the connector then goes on without the pool (a miss, not an error), and
@@ -12,7 +13,7 @@ import socket
 import threading
 from typing import Any, NoReturn
 
-from services.vllm_connector.wire import WireError, body_length, decode, encode
+from services.dataplane.pool_wire import WireError, body_length, decode, encode
 
 
 class PoolUnavailable(Exception):

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
+from services.dataplane.pool_wire import map_pool_file
 from services.vllm_connector.metadata import LoadJob, SaveJob, StepJobs
 from services.vllm_connector.pool_client import PoolClient, PoolRefusal, PoolUnavailable
-from services.vllm_connector.wire import map_pool_file
 
 log = logging.getLogger(__name__)
 ATTACH_RETRY_S = 1.0

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from kvsched.core.vllm_hashing import VllmBlockHasher
+from services.dataplane.kv_pool import NodePool
+from services.dataplane.pool_server import PoolServer
 from services.kv_events.vllm_wire import BlockRemoved, Event
 from services.launcher.vllm import DEFAULT_PYTHON, REPO
-from services.messenger.kv_pool import KvPool
-from services.messenger.pool_server import PoolServer
-from tests.messenger.test_kv_pool import BLOCK_BYTES, BS, FMT, chain, put, tokens
+from tests.dataplane.test_kv_pool import BLOCK_BYTES, BS, FMT, chain, put, tokens
 
 pytestmark = pytest.mark.vllm
 HOLD_S = 30.0
@@ -53,10 +53,10 @@ print(json.dumps({"matched": matched,
 
 
 @pytest.fixture
-async def pool() -> AsyncIterator[tuple[KvPool, Path, list[Event]]]:
+async def pool() -> AsyncIterator[tuple[NodePool, Path, list[Event]]]:
     directory = Path(tempfile.mkdtemp(prefix="kp"))  # a socket path must fit in 108 bytes
     events: list[Event] = []
-    kv_pool = KvPool(
+    kv_pool = NodePool(
         8 * BLOCK_BYTES,
         node="node-0",
         hasher_for=VllmBlockHasher,
@@ -75,7 +75,7 @@ async def pool() -> AsyncIterator[tuple[KvPool, Path, list[Event]]]:
 
 
 async def test_a_shortened_load_answer_is_what_the_connector_loads(
-    pool: tuple[KvPool, Path, list[Event]],
+    pool: tuple[NodePool, Path, list[Event]],
 ) -> None:
     if not DEFAULT_PYTHON.exists():
         pytest.skip("vLLM is not set up here: run scripts/setup --vllm")

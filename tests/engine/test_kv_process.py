@@ -17,8 +17,8 @@ from kvsched.core.models import MINI_MODEL
 from kvsched.core.vllm_hashing import VllmBlockHasher
 from services.dataplane.kv_layout import SIM_FORMAT, KvLayout, expected_chunk
 from services.vllm_connector.pool_client import PoolClient
+from tests.dataplane.test_pool_link import served_pool
 from tests.engine.conftest import EngineProcess, engine_process
-from tests.engine.test_pool_link import served_pool
 from tests.fixtures.poll import wait_for
 
 BS = 16

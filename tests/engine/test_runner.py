@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.dataplane.test_pool_link import prompt, served_pool
 from tests.engine.conftest import FAST, RunningEngine
 from tests.engine.test_api import sse
-from tests.engine.test_pool_link import prompt, served_pool
 from tests.fixtures.poll import wait_for
 
 BS = FAST.block_size

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.security.tls import ClientTls
+from services.dataplane.transfer import mooncake_backend
 from services.messenger.engines import EngineTarget
 from services.messenger.settings import parse
-from services.messenger.transfer import mooncake_backend
 
 
 def test_flags_and_lists() -> None:
