@@ -27,14 +27,19 @@ from bench.common import REPO
 # Run inside a checkout: only bench.placement's long-standing entry points, so an older
 # checkout runs it too. Prints one JSON line.
 CHILD = """
-import gc, json, random, statistics, sys, time
+import gc, inspect, json, random, statistics, sys, time
+import bench.placement as placement
 from bench.placement import build, requests
 from kvsched.core import recording
 spec, count, passes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# Compiled index and scoring: the last build where build() takes one, else pure=False (and the
+# environment below) in the checkouts from before the core read no environment.
+takes_build = list(inspect.signature(build).parameters)[2] == "build_"
+compiled = placement.BUILDS[-1] if takes_build else False
 best, decided = None, None
 for _ in range(passes):
     rng = random.Random(1)
-    cluster, policy, chains = build(spec, rng, False)
+    cluster, policy, chains = build(spec, rng, compiled)
     reqs = requests(chains, count, rng)
     play = random.Random(2)
     gc.collect()
