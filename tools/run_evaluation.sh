@@ -35,10 +35,10 @@ mkdir -p out/eval
 # load over five seeds, then every policy replayed at each seed's best peer's goodput load.
 # Without and with the node pool (a DRAM tier of 2.25x the node's GPU KV, Mooncake's ratio
 # below; there the knees of `elastic`, `ear` and the two best peers). Without the tier: 117
-# minutes of one core. With it the knees lie near loads 72-90 (seed 0: elastic 75.56, llmd and
+# minutes of one core. With it the knees lie near loads 72-92 (seed 0: elastic 75.56, llmd and
 # dynamo 85.5), where a replay carries about 7.5 copies of each session: a probe that misses
 # stops once its miss is certain, and still a seed takes about 80 minutes of a core, so more
-# than seven hours in all (seed 0 is kept in data/runs/knee_memory_tier). Each finished seed is
+# than seven hours in all (seeds 0 and 1 are kept in data/runs/knee_memory_tier). Each finished seed is
 # kept under its --out (seeds/): run again, a group goes on from those.
 # `tools/eval_tables.py --knee out/eval/knee_memory`.
 MEMORY=(--trace "$W" --sessions 180:360 --repeat 2 --load 24 --warmup 0.15 --max-gap 300
